@@ -1,0 +1,3 @@
+from mocli.cli import main
+
+main()

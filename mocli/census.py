@@ -1,0 +1,245 @@
+"""Group a checkpoint's tensors into modules, fused groups, MoE layers and KV-cache scales.
+
+Works from headers only: one pass over the tensor names, tables from ``mocli.tables``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from mocli.io.safetensors_file import TensorEntry
+from mocli.quant_config import Algo
+from mocli.tables import (
+    EXPERT_NAMINGS,
+    FUSED_GROUPS,
+    KV_SUFFIXES,
+    NON_LINEAR_NAMES,
+    SHARD_TO_FUSED,
+    WEIGHT,
+    WEIGHT_SCALE,
+    ExpertNaming,
+)
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT = {
+    n.style: re.compile(rf"^(?P<layer>.*\.{re.escape(n.container)})\.(?P<e>\d+)\.(?P<proj>[^.]+)$")
+    for n in EXPERT_NAMINGS
+}
+
+
+class Kind(StrEnum):
+    LINEAR = "linear"
+    FUSED_SHARD = "fused shard"
+    EXPERT = "expert"
+    EMBEDDING = "embedding/lm_head"
+    OTHER = "other"  # norms, biases-only, anything without a 2-D weight
+
+
+def detect_scheme(tensors: dict[str, TensorEntry]) -> Algo | None:
+    """The scheme a module is *stored* in, from dtypes and scale shapes; None = unquantized."""
+    w = tensors.get(WEIGHT)
+    if w is None:
+        return None
+    scale = tensors.get(WEIGHT_SCALE)
+    if w.dtype == "U8" or (scale is not None and scale.dtype == "F8_E4M3"):
+        return Algo.NVFP4
+    if w.dtype == "F8_E4M3":
+        if scale is None or len(scale.shape) == 0:
+            return Algo.FP8
+        if len(scale.shape) == 4 or (len(scale.shape) == 2 and scale.shape[1] != 1):
+            return Algo.FP8_PB_WO
+        return Algo.FP8_PER_CHANNEL_PER_TOKEN
+    return None
+
+
+@dataclass
+class Module:
+    name: str
+    tensors: dict[str, TensorEntry]
+    kind: Kind = Kind.OTHER
+    scheme: Algo | None = None
+    engine_name: str = ""  # the prefix the engine uses for this module (fused / MoE name)
+
+    @property
+    def weight(self) -> TensorEntry | None:
+        return self.tensors.get(WEIGHT)
+
+    @property
+    def out_in(self) -> tuple[int, int] | None:
+        """Logical (N, K) of the weight; NVFP4 packs two values per byte along K."""
+        w = self.weight
+        if w is None or len(w.shape) != 2:
+            return None
+        n, k = w.shape
+        return (n, k * 2) if self.scheme is Algo.NVFP4 else (n, k)
+
+    @property
+    def is_linear(self) -> bool:
+        return self.kind in (Kind.LINEAR, Kind.FUSED_SHARD, Kind.EXPERT)
+
+
+@dataclass
+class FusedGroup:
+    name: str  # engine name, e.g. model.layers.0.self_attn.qkv_proj
+    fused: str  # qkv_proj | gate_up_proj
+    shards: list[Module]  # present shards, in FUSED_GROUPS order
+    missing: list[str]
+
+
+@dataclass
+class Expert:
+    index: int
+    gate: Module | None = None
+    up: Module | None = None
+    down: Module | None = None
+
+    def projections(self) -> list[tuple[str, Module | None]]:
+        return [("gate", self.gate), ("up", self.up), ("down", self.down)]
+
+
+@dataclass
+class MoELayer:
+    name: str  # engine FusedMoE prefix, e.g. model.layers.0.mlp.experts
+    naming: ExpertNaming
+    experts: dict[int, Expert] = field(default_factory=dict)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.experts)
+
+    def _first(self, proj: str) -> Module | None:
+        for e in sorted(self.experts):
+            m = getattr(self.experts[e], proj)
+            if m is not None and m.out_in:
+                return m
+        return None
+
+    @property
+    def intermediate(self) -> int | None:
+        m = self._first("gate")
+        return m.out_in[0] if m else None
+
+    @property
+    def hidden(self) -> int | None:
+        m = self._first("gate")
+        return m.out_in[1] if m else None
+
+    @property
+    def schemes(self) -> set[Algo | None]:
+        return {m.scheme for e in self.experts.values() for _, m in e.projections() if m is not None}
+
+
+@dataclass
+class Census:
+    modules: dict[str, Module]
+    fused: list[FusedGroup]
+    moe: list[MoELayer]
+    kv_scales: list[TensorEntry]
+    num_layers: int
+
+    def linears(self) -> list[Module]:
+        return [m for m in self.modules.values() if m.is_linear]
+
+    def kind_table(self) -> list[dict]:
+        """Rows of (kind, modules, quantized, by scheme) for inspect."""
+        rows: dict[Kind, Counter] = {}
+        for m in self.modules.values():
+            c = rows.setdefault(m.kind, Counter())
+            c["modules"] += 1
+            c[str(m.scheme) if m.scheme else "unquantized"] += 1
+        return [{"kind": str(k), **dict(c)} for k, c in sorted(rows.items(), key=lambda kv: list(Kind).index(kv[0]))]
+
+
+def _split(name: str) -> tuple[str, str]:
+    module, _, suffix = name.rpartition(".")
+    return (module, suffix) if module else ("", name)
+
+
+def build_census(tensors: dict[str, TensorEntry]) -> Census:
+    by_module: dict[str, dict[str, TensorEntry]] = {}
+    kv_scales: list[TensorEntry] = []
+    layers: set[int] = set()
+    for name, entry in tensors.items():
+        module, suffix = _split(name)
+        if suffix in KV_SUFFIXES:
+            kv_scales.append(entry)
+        by_module.setdefault(module, {})[suffix] = entry
+        m = _LAYER.search(name)
+        if m:
+            layers.add(int(m.group(1)))
+
+    modules: dict[str, Module] = {}
+    moe: dict[str, MoELayer] = {}
+    fused: dict[str, FusedGroup] = {}
+    for name, ts in by_module.items():
+        mod = Module(name, {s: e for s, e in ts.items() if s not in KV_SUFFIXES})
+        if not mod.tensors:  # a module holding only KV-cache scales is not a module of its own
+            continue
+        mod.scheme = detect_scheme(mod.tensors)
+        mod.engine_name = name
+        modules[name] = mod
+        w = mod.weight
+        last = name.rpartition(".")[2]
+        if w is None or (len(w.shape) != 2):
+            mod.kind = Kind.OTHER
+            continue
+        if last in NON_LINEAR_NAMES:
+            mod.kind = Kind.EMBEDDING
+            continue
+        expert = _match_expert(name)
+        if expert is not None:
+            naming, layer, index, proj = expert
+            mod.kind = Kind.EXPERT
+            mod.engine_name = layer
+            moe_layer = moe.setdefault(layer, MoELayer(layer, naming))
+            slot = moe_layer.experts.setdefault(index, Expert(index))
+            setattr(slot, proj, mod)
+            continue
+        if last in SHARD_TO_FUSED:
+            parent = name.rpartition(".")[0]
+            fused_name = f"{parent}.{SHARD_TO_FUSED[last]}"
+            mod.kind = Kind.FUSED_SHARD
+            mod.engine_name = fused_name
+            fused.setdefault(fused_name, FusedGroup(fused_name, SHARD_TO_FUSED[last], [], []))
+            continue
+        mod.kind = Kind.LINEAR
+
+    for group in fused.values():
+        parent = group.name.rpartition(".")[0]
+        for shard in FUSED_GROUPS[group.fused]:
+            m = modules.get(f"{parent}.{shard}")
+            if m is not None and m.kind is Kind.FUSED_SHARD:
+                group.shards.append(m)
+            else:
+                group.missing.append(shard)
+    # A lone shard (e.g. gate_proj with no up_proj) is an ordinary linear to the engine.
+    for key in [k for k, g in fused.items() if len(g.shards) < 2]:
+        for m in fused.pop(key).shards:
+            m.kind, m.engine_name = Kind.LINEAR, m.name
+
+    return Census(
+        modules=modules,
+        fused=sorted(fused.values(), key=lambda g: _natural(g.name)),
+        moe=sorted(moe.values(), key=lambda m: _natural(m.name)),
+        kv_scales=sorted(kv_scales, key=lambda e: _natural(e.name)),
+        num_layers=len(layers),
+    )
+
+
+def _match_expert(name: str) -> tuple[ExpertNaming, str, int, str] | None:
+    for naming in EXPERT_NAMINGS:
+        m = _EXPERT[naming.style].match(name)
+        if m is None:
+            continue
+        proj = {naming.gate: "gate", naming.up: "up", naming.down: "down"}.get(m.group("proj"))
+        if proj is not None:
+            return naming, m.group("layer"), int(m.group("e")), proj
+    return None
+
+
+def _natural(name: str) -> list:
+    """Sort key that orders layers.2 before layers.10."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]

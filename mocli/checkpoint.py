@@ -1,0 +1,140 @@
+"""A checkpoint directory: safetensors headers, the shard index and both config files.
+
+Nothing here reads tensor data; ``Checkpoint.reader()`` does that on demand.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mocli.errors import CorruptFileError, InputError
+from mocli.findings import Findings
+from mocli.io.safetensors_file import SafetensorsHeader, TensorEntry, TensorReader, read_header
+from mocli.io.source import Source, resolve_source
+from mocli.quant_config import (
+    CONFIG_JSON,
+    HF_QUANT_CONFIG,
+    QuantConfig,
+    parse_config_json,
+    parse_hf_quant_config,
+    reconcile,
+)
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptFileError(f"{path}: invalid JSON ({e})", hint="fix or re-download the file") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+@dataclass
+class Checkpoint:
+    source: Source
+    files: list[SafetensorsHeader]
+    tensors: dict[str, TensorEntry]
+    config: dict[str, Any]
+    hf_quant_config: QuantConfig | None
+    config_quant: QuantConfig | None
+    quant: QuantConfig | None  # the effective one (hf_quant_config.json wins)
+    config_findings: Findings = field(default_factory=Findings)
+    sharded: bool = False
+
+    @property
+    def path(self) -> Path:
+        return self.source.path
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(h.size for h in self.files)
+
+    @property
+    def architecture(self) -> str | None:
+        archs = self.config.get("architectures")
+        return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+
+    def reader(self) -> TensorReader:
+        return TensorReader()
+
+
+def open_checkpoint(spec: str | Path) -> Checkpoint:
+    """Resolve ``spec`` and read every header; raise InputError/CorruptFileError when unusable."""
+    source = resolve_source(str(spec))
+    root = source.path
+    index_path = root / INDEX_NAME
+    if index_path.exists():
+        files, tensors = _read_sharded(root, index_path)
+        sharded = True
+    else:
+        single = root / SINGLE_NAME
+        candidates = [single] if single.exists() else sorted(root.glob("*.safetensors"))
+        if len(candidates) != 1:
+            if not candidates:
+                raise InputError(f"{root}: no safetensors weights found",
+                                 hint=f"expected {SINGLE_NAME} or {INDEX_NAME}")
+            raise InputError(f"{root}: {len(candidates)} safetensors files but no {INDEX_NAME}",
+                             hint="a sharded checkpoint needs its index")
+        header = read_header(candidates[0])
+        files, tensors = [header], dict(header.tensors)
+        sharded = False
+
+    findings = Findings()
+    config: dict[str, Any] = {}
+    config_quant = hf_quant = None
+    if (root / CONFIG_JSON).exists():
+        raw = read_json(root / CONFIG_JSON)
+        config = raw if isinstance(raw, dict) else {}
+        config_quant = parse_config_json(raw, findings)
+    if (root / HF_QUANT_CONFIG).exists():
+        hf_quant = parse_hf_quant_config(read_json(root / HF_QUANT_CONFIG), findings)
+    if hf_quant is None and config_quant is None and not findings:
+        findings.add("CFG005", str(root), "neither hf_quant_config.json nor config.json quantization_config found",
+                     hint="is this a ModelOpt export?")
+    quant = reconcile(hf_quant, config_quant, findings)
+    return Checkpoint(source, files, tensors, config, hf_quant, config_quant, quant, findings, sharded)
+
+
+def _read_sharded(root: Path, index_path: Path) -> tuple[list[SafetensorsHeader], dict[str, TensorEntry]]:
+    index = read_json(index_path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CorruptFileError(f"{index_path}: no \"weight_map\" object of tensor -> file name")
+    root_resolved = root.resolve()
+    headers: dict[str, SafetensorsHeader] = {}
+    for fname in sorted(set(weight_map.values())):
+        fpath = (root / fname).resolve()
+        if Path(fname).is_absolute() or not fpath.is_relative_to(root_resolved):
+            raise InputError(f"{index_path}: weight_map entry {fname!r} points outside the model directory",
+                             hint="shard names must be files inside the checkpoint directory")
+        if not fpath.is_file():
+            raise InputError(f"{index_path}: shard {fname!r} does not exist", hint="the download is incomplete")
+        headers[fname] = read_header(fpath)
+    tensors: dict[str, TensorEntry] = {}
+    owner: dict[str, str] = {}
+    for fname, header in headers.items():
+        for name, entry in header.tensors.items():
+            if name in owner:
+                raise InputError(f"{root}: tensor '{name}' is stored in both {owner[name]} and {fname}",
+                                 hint="the shards overlap; re-export the checkpoint")
+            owner[name] = fname
+            tensors[name] = entry
+    for name, fname in weight_map.items():
+        if owner.get(name) != fname:
+            where = f"is in {owner[name]}" if name in owner else "is in no shard"
+            raise InputError(f"{index_path}: tensor '{name}' is mapped to {fname} but {where}",
+                             hint="the index and the shards disagree")
+    unmapped = set(owner) - set(weight_map)
+    if unmapped:
+        name = min(unmapped)
+        raise InputError(f"{index_path}: tensor '{name}' in {owner[name]} is missing from the weight_map"
+                         + (f" (and {len(unmapped) - 1} more)" if len(unmapped) > 1 else ""),
+                         hint="the index and the shards disagree")
+    return list(headers.values()), tensors

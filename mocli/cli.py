@@ -1,0 +1,124 @@
+"""The command line: parse options, call one core function, render. No logic of its own."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Annotated, Any
+
+import typer
+
+from mocli import __version__
+from mocli.errors import EXIT_FINDINGS, EXIT_INTERNAL, MocliError
+from mocli.output import Output
+from mocli.targets import Target
+
+app = typer.Typer(
+    name="mocli",
+    help="Inspect, validate, convert and verify NVIDIA ModelOpt quantized checkpoints for FlashInfer kernels.",
+    pretty_exceptions_enable=False,
+    no_args_is_help=True,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+ModelArg = Annotated[str, typer.Argument(help="Checkpoint directory or Hugging Face repo id (owner/name[@revision]).",
+                                         show_default=False)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+TargetOpt = Annotated[Target | None, typer.Option("--target", "-t", help="Also check this target's constraints.",
+                                                  case_sensitive=False)]
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"mocli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global(
+    ctx: typer.Context,
+    json_: JsonOpt = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only errors on stderr; no progress.")] = False,
+    verbose: Annotated[int, typer.Option("--verbose", "-v", count=True, help="More detail (repeat for more).")] = 0,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Exit codes: 0 ok, 1 findings (validation/verification failed), 2 unusable input, 3 internal error."""
+    ctx.obj = Output(json=json_, quiet=quiet, verbose=verbose)
+
+
+def _out(ctx: typer.Context, json_: bool) -> Output:
+    out: Output = ctx.obj or Output()
+    if json_:
+        out.json = True
+    return out
+
+
+@contextmanager
+def _errors(out: Output):
+    """Map exceptions to exit codes in one place; tracebacks only for our bugs (MOCLI_DEBUG=1)."""
+    try:
+        yield
+    except MocliError as e:
+        out.error(e.message, e.hint)
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        out.error("interrupted")
+        raise typer.Exit(130) from None
+    except typer.Exit:
+        raise
+    except Exception as e:  # noqa: BLE001 - the last line of defence
+        if os.environ.get("MOCLI_DEBUG"):
+            traceback.print_exc()
+        out.error(f"internal error: {type(e).__name__}: {e}",
+                  "this is a mocli bug; set MOCLI_DEBUG=1 for the traceback and report it")
+        raise typer.Exit(EXIT_INTERNAL) from None
+
+
+def _run(ctx: typer.Context, json_: bool, body: Callable[[Output], int | None]) -> None:
+    out = _out(ctx, json_)
+    with _errors(out):
+        code = body(out)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command("inspect")
+def inspect_cmd(ctx: typer.Context, model: ModelArg, json_: JsonOpt = False) -> None:
+    """Show what is in a checkpoint, from headers only."""
+    from mocli.checkpoint import open_checkpoint
+    from mocli.inspection import inspect_checkpoint
+    from mocli.render import render_inspect
+
+    def body(out: Output) -> None:
+        info = inspect_checkpoint(open_checkpoint(model))
+        out.emit(info, render_inspect)
+
+    _run(ctx, json_, body)
+
+
+@app.command("validate")
+def validate_cmd(ctx: typer.Context, model: ModelArg, target: TargetOpt = None, json_: JsonOpt = False) -> None:
+    """Check config, exclusions, tensors and scales; exit 1 if any error is found."""
+    from mocli.checkpoint import open_checkpoint
+    from mocli.render import render_validation
+    from mocli.validate import validate
+
+    def body(out: Output) -> int:
+        report = validate(open_checkpoint(model), target)
+        out.emit(report.to_dict(), render_validation)
+        return 0 if report.ok else EXIT_FINDINGS
+
+    _run(ctx, json_, body)
+
+
+def main(argv: list[str] | None = None) -> Any:
+    return app(args=argv, prog_name="mocli")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main(sys.argv[1:])

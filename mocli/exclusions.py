@@ -1,0 +1,125 @@
+"""The engine's "is this module excluded?" decision (SEMANTICS §2), and a report per pattern.
+
+Mirrors vLLM ``is_layer_skipped`` + ``ModelOptQuantConfigBase.is_layer_excluded``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+from mocli.census import Census, Kind
+from mocli.tables import FUSED_GROUPS, VLM_PREFIX_ALIASES
+
+
+class PartialFusedExclusion(Exception):
+    """The engine raises "some but not all shards excluded" for this fused prefix."""
+
+    def __init__(self, prefix: str, excluded: list[str], kept: list[str]) -> None:
+        super().__init__(prefix)
+        self.prefix, self.excluded, self.kept = prefix, excluded, kept
+
+
+def is_excluded(prefix: str, entries: list[str]) -> bool:
+    """Engine semantics for one engine-side module prefix. Raises PartialFusedExclusion."""
+    if not entries:
+        return False
+    # 1. exact, fused-aware; MoE layers by substring of an "experts" entry.
+    head, _, last = prefix.rpartition(".")
+    exact: bool
+    if last in FUSED_GROUPS:
+        shards = [f"{head}.{s}" if head else s for s in FUSED_GROUPS[last]]
+        flags = [s in entries for s in shards]
+        if any(flags) and not all(flags):
+            raise PartialFusedExclusion(prefix, [s for s, f in zip(shards, flags, strict=True) if f],
+                                        [s for s, f in zip(shards, flags, strict=True) if not f])
+        exact = all(flags)
+    elif "experts" in prefix:
+        exact = any(prefix in e for e in entries if "experts" in e)
+    else:
+        exact = prefix in entries
+    if exact:
+        return True
+    # 2. legacy substring rule (also without a leading "language_model.").
+    stripped = prefix.removeprefix("language_model.")
+    for e in entries:
+        if e != prefix and (e in prefix or e in stripped):
+            return True
+    # 3. wildcards; fnmatch's * also matches ".".
+    return any(fnmatchcase(prefix, e) for e in entries)
+
+
+def engine_rewrite(entry: str) -> list[str]:
+    """vLLM (issue 28072) splits ``p*`` into ``p`` and ``p.*`` before renaming, unless ``*`` follows a dot."""
+    if entry.endswith("*") and len(entry) > 1 and entry[-2] != ".":
+        p = entry[:-1]
+        return [p, p + ".*"]
+    return [entry]
+
+
+@dataclass
+class PatternReport:
+    pattern: str
+    matches: list[str] = field(default_factory=list)  # engine prefixes it excludes
+    partial: list[str] = field(default_factory=list)  # fused prefixes it half-excludes
+    checkpoint_matches: list[str] = field(default_factory=list)  # checkpoint names (if engine ones miss)
+    after_rewrite_lost: list[str] = field(default_factory=list)
+    vlm_alias: str | None = None  # the spelling under which it would match
+
+    def to_dict(self) -> dict:
+        return {
+            "pattern": self.pattern,
+            "matches": self.matches,
+            "partial_fused": self.partial,
+            "matches_checkpoint_names_only": self.checkpoint_matches,
+            "lost_after_engine_rewrite": self.after_rewrite_lost,
+            "matches_with_vlm_prefix": self.vlm_alias,
+        }
+
+
+def engine_prefixes(census: Census) -> list[str]:
+    """Every prefix the engine asks about: fused names, MoE layer names, the rest as stored."""
+    seen: dict[str, None] = {}
+    for m in census.modules.values():
+        if m.kind is not Kind.OTHER:
+            seen.setdefault(m.engine_name)
+    return list(seen)
+
+
+def _matches(entries: list[str], prefixes: list[str]) -> tuple[list[str], list[str]]:
+    hit, partial = [], []
+    for p in prefixes:
+        try:
+            if is_excluded(p, entries):
+                hit.append(p)
+        except PartialFusedExclusion:
+            partial.append(p)
+    return hit, partial
+
+
+def pattern_reports(entries: list[str], census: Census) -> list[PatternReport]:
+    prefixes = engine_prefixes(census)
+    checkpoint_names = [m.name for m in census.modules.values() if m.kind is not Kind.OTHER]
+    reports = []
+    for entry in entries:
+        r = PatternReport(entry)
+        r.matches, r.partial = _matches([entry], prefixes)
+        if not r.matches and not r.partial:
+            r.checkpoint_matches = [n for n in checkpoint_names if fnmatchcase(n, entry) or n == entry]
+            r.vlm_alias = _vlm_alias(entry, prefixes)
+        rewritten = engine_rewrite(entry)
+        if rewritten != [entry]:
+            after, _ = _matches(rewritten, prefixes)
+            r.after_rewrite_lost = [p for p in r.matches if p not in after]
+        reports.append(r)
+    return reports
+
+
+def _vlm_alias(entry: str, prefixes: list[str]) -> str | None:
+    for old, new in VLM_PREFIX_ALIASES:
+        if entry.startswith(old):
+            alias = new + entry[len(old):]
+            hit, partial = _matches([alias], prefixes)
+            if hit or partial:
+                return alias
+    return None

@@ -1,0 +1,77 @@
+"""Findings: what validate reports. Codes are stable; their table lives in ``CODES``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+
+
+class Severity(StrEnum):
+    ERROR = "error"
+    WARNING = "warning"
+
+
+# code -> (severity, title). The README's finding table is generated from this dict's contents.
+CODES: dict[str, tuple[Severity, str]] = {
+    # configuration (SEMANTICS §1)
+    "CFG001": (Severity.ERROR, "required quantization field missing"),
+    "CFG002": (Severity.ERROR, "quantization field has the wrong type"),
+    "CFG003": (Severity.ERROR, "unknown quantization algorithm"),
+    "CFG004": (Severity.ERROR, "hf_quant_config.json and config.json disagree"),
+    "CFG005": (Severity.ERROR, "no ModelOpt quantization config"),
+    "CFG006": (Severity.ERROR, "MIXED_PRECISION layer names a module that is not in the checkpoint"),
+    # exclusions (SEMANTICS §2)
+    "EXC001": (Severity.WARNING, "exclude pattern matches no module"),
+    "EXC002": (Severity.ERROR, "fused group partly excluded"),
+    "EXC003": (Severity.ERROR, "module excluded but stored quantized"),
+    "EXC004": (Severity.ERROR, "module not excluded but stored unquantized"),
+    "EXC005": (Severity.WARNING, "engine's p* -> p, p.* rewrite changes what a pattern matches"),
+    "EXC006": (Severity.WARNING, "exclude pattern matches only under another VLM prefix"),
+    # tensors (SEMANTICS §1 table)
+    "TNS001": (Severity.ERROR, "quantized module lacks a required tensor"),
+    "TNS002": (Severity.ERROR, "tensor has the wrong dtype for its scheme"),
+    "TNS003": (Severity.ERROR, "tensor has the wrong shape for its scheme"),
+    "TNS004": (Severity.ERROR, "scale tensor on an unquantized module"),
+    "TNS005": (Severity.ERROR, "stored scheme differs from the configured algorithm"),
+    "TNS006": (Severity.ERROR, "MoE experts inconsistent (missing expert or mismatched shapes)"),
+    # scale health
+    "SCL001": (Severity.ERROR, "scale is NaN or infinite"),
+    "SCL002": (Severity.ERROR, "scale is zero or negative"),
+    "SCL003": (Severity.ERROR, "MoE expert has no input_scale"),
+    "SCL004": (Severity.WARNING, "FP8 fused shards have widely different weight scales"),
+    "SCL005": (Severity.WARNING, "NVFP4 fused shards have different weight_scale_2"),
+    # target constraints (SEMANTICS §4-§7)
+    "TGT001": (Severity.ERROR, "shape violates the target's alignment"),
+    "TGT002": (Severity.ERROR, "scheme not supported by the target"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    code: str
+    location: str
+    message: str
+    hint: str = ""
+
+    @property
+    def severity(self) -> Severity:
+        return CODES[self.code][0]
+
+    def to_dict(self) -> dict:
+        return {"code": self.code, "severity": str(self.severity), **asdict(self)}
+
+
+class Findings(list[Finding]):
+    """A list of findings with a convenience adder."""
+
+    def add(self, code: str, location: str, message: str, hint: str = "") -> None:
+        assert code in CODES, code
+        self.append(Finding(code, location, message, hint))
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self if f.severity is Severity.ERROR]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self if f.severity is Severity.WARNING]

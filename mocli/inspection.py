@@ -1,0 +1,50 @@
+"""``mocli inspect``: what is in a checkpoint, from headers only."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from mocli.census import Census, build_census
+from mocli.checkpoint import Checkpoint
+from mocli.exclusions import pattern_reports
+
+
+def inspect_checkpoint(ckpt: Checkpoint, census: Census | None = None) -> dict[str, Any]:
+    census = census or build_census(ckpt.tensors)
+    quant = ckpt.quant
+    dtypes = Counter(t.dtype for t in ckpt.tensors.values())
+    dtype_bytes = Counter()
+    for t in ckpt.tensors.values():
+        dtype_bytes[t.dtype] += t.nbytes
+    schemes = sorted({str(m.scheme) for m in census.modules.values() if m.scheme is not None})
+    return {
+        "path": str(ckpt.path),
+        "source": ckpt.source.describe(),
+        "architecture": ckpt.architecture,
+        "model_type": ckpt.config.get("model_type"),
+        "producer": (quant.producer if quant else None),
+        "quant_algo": str(quant.algo) if quant and quant.algo else None,
+        "stored_schemes": schemes,
+        "kv_cache_quant_algo": quant.kv_cache_algo if quant else None,
+        "group_size": quant.group_size if quant else None,
+        "config_files": [q.origin for q in (ckpt.hf_quant_config, ckpt.config_quant) if q is not None],
+        "quantized_layers": len(quant.quantized_layers) if quant else 0,
+        "shards": [{"file": h.path.name, "bytes": h.size, "tensors": len(h.tensors)} for h in ckpt.files],
+        "sharded": ckpt.sharded,
+        "total_bytes": ckpt.total_bytes,
+        "num_tensors": len(ckpt.tensors),
+        "num_layers": census.num_layers,
+        "dtypes": {d: {"tensors": dtypes[d], "bytes": dtype_bytes[d]} for d in sorted(dtypes)},
+        "modules": census.kind_table(),
+        "fused_groups": Counter(g.fused for g in census.fused),
+        "moe_layers": [
+            {"name": layer.name, "naming": layer.naming.style, "experts": layer.num_experts,
+             "intermediate": layer.intermediate, "hidden": layer.hidden,
+             "schemes": sorted(str(s) if s else "unquantized" for s in layer.schemes)}
+            for layer in census.moe
+        ],
+        "kv_cache_scales": len(census.kv_scales),
+        "exclusions": [r.to_dict() for r in pattern_reports(quant.exclude_modules if quant else [], census)],
+        "config_findings": [f.to_dict() for f in ckpt.config_findings],
+    }

@@ -1,0 +1,1 @@
+"""Readers and writers: bytes and headers only, nothing about quantization."""

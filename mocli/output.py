@@ -1,0 +1,67 @@
+"""The one output sink: data on stdout (human tables or --json), everything else on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "to_dict"):
+        return o.to_dict()
+    if isinstance(o, set | frozenset | tuple):
+        return list(o)
+    return str(o)
+
+
+@dataclass
+class Output:
+    json: bool = False
+    quiet: bool = False
+    verbose: int = 0
+    _stdout: Console | None = field(default=None, repr=False)
+    _stderr: Console | None = field(default=None, repr=False)
+
+    @property
+    def stdout(self) -> Console:
+        if self._stdout is None:
+            self._stdout = Console(file=sys.stdout, highlight=False, soft_wrap=False)
+        return self._stdout
+
+    @property
+    def stderr(self) -> Console:
+        if self._stderr is None:
+            self._stderr = Console(file=sys.stderr, highlight=False)
+        return self._stderr
+
+    @property
+    def show_progress(self) -> bool:
+        return not (self.json or self.quiet)
+
+    def emit(self, data: dict[str, Any], render: Callable[[dict[str, Any], Output], None]) -> None:
+        """The command's result: JSON on stdout, or the human rendering."""
+        if self.json:
+            sys.stdout.write(json.dumps(data, indent=2, default=_json_default) + "\n")
+            sys.stdout.flush()
+        else:
+            render(data, self)
+
+    def error(self, message: str, hint: str | None = None) -> None:
+        line = f"[bold red]error:[/] {escape(message)}"
+        if hint:
+            line += f" [dim](hint: {escape(hint)})[/]"
+        self.stderr.print(line, soft_wrap=True)
+
+    def info(self, message: str) -> None:
+        if not self.quiet:
+            self.stderr.print(message, soft_wrap=True)
+
+    def warn(self, message: str) -> None:
+        if not self.quiet:
+            self.stderr.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)

@@ -1,0 +1,262 @@
+"""The two ModelOpt config styles parsed into one typed model (SEMANTICS §1).
+
+Third-party input, so parsing is lenient: every problem becomes a finding, never an exception.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from mocli.findings import Findings
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+CONFIG_JSON = "config.json"
+
+# vLLM registers ModelOpt checkpoints under these quant_method names.
+MODELOPT_METHODS = {"modelopt", "modelopt_fp4", "modelopt_mixed"}
+
+
+class Algo(StrEnum):
+    FP8 = "FP8"
+    FP8_PER_CHANNEL_PER_TOKEN = "FP8_PER_CHANNEL_PER_TOKEN"
+    FP8_PB_WO = "FP8_PB_WO"
+    NVFP4 = "NVFP4"
+    MIXED_PRECISION = "MIXED_PRECISION"
+
+    @classmethod
+    def parse(cls, value: str) -> Algo | None:
+        # ModelOpt writes fp8_pb_wo in lower case; engines match case-insensitively.
+        try:
+            return cls(value.upper())
+        except ValueError:
+            return None
+
+
+NVFP4_GROUP_SIZE = 16
+
+
+@dataclass(frozen=True)
+class LayerQuant:
+    algo: Algo
+    group_size: int | None = None
+
+
+@dataclass
+class QuantConfig:
+    """One file's view of the quantization settings."""
+
+    origin: str
+    algo: Algo | None = None
+    kv_cache_algo: str | None = None
+    group_size: int | None = None
+    exclude_modules: list[str] = field(default_factory=list)
+    quantized_layers: dict[str, LayerQuant] = field(default_factory=dict)
+    producer: dict[str, Any] | None = None
+
+    def algo_for(self, module: str) -> Algo | None:
+        """The configured algorithm of one checkpoint module (None: unquantized under MIXED_PRECISION)."""
+        if self.algo is Algo.MIXED_PRECISION:
+            lq = self.quantized_layers.get(module)
+            return lq.algo if lq else None
+        return self.algo
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "origin": self.origin,
+            "quant_algo": str(self.algo) if self.algo else None,
+            "kv_cache_quant_algo": self.kv_cache_algo,
+            "group_size": self.group_size,
+            "exclude_modules": list(self.exclude_modules),
+            "quantized_layers": {k: {"quant_algo": str(v.algo), "group_size": v.group_size}
+                                 for k, v in self.quantized_layers.items()},
+            "producer": self.producer,
+        }
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _parse_algo(value: Any, where: str, key: str, findings: Findings) -> Algo | None:
+    if not isinstance(value, str):
+        findings.add("CFG002", where, f"{key} must be a string, got {type(value).__name__}")
+        return None
+    algo = Algo.parse(value)
+    if algo is None:
+        findings.add("CFG003", where, f"unknown {key} {value!r}",
+                     hint="expected one of " + ", ".join(a.value for a in Algo))
+    return algo
+
+
+def _parse_group_size(value: Any, where: str, findings: Findings) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value):
+        findings.add("CFG002", where, f"group_size must be an integer, got {value!r}")
+        return None
+    if value != NVFP4_GROUP_SIZE:
+        findings.add("CFG002", where, f"group_size {value} is not supported",
+                     hint=f"NVFP4 uses blocks of {NVFP4_GROUP_SIZE}")
+    return value
+
+
+def _parse_exclude(value: Any, where: str, key: str, findings: Findings) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        findings.add("CFG002", where, f"{key} must be a list of strings")
+        return [x for x in value if isinstance(x, str)] if isinstance(value, list) else []
+    return list(value)
+
+
+def _parse_layers(value: Any, where: str, findings: Findings) -> dict[str, LayerQuant]:
+    if not isinstance(value, dict):
+        findings.add("CFG002", where, "quantized_layers must be an object {module: {quant_algo, …}}")
+        return {}
+    layers: dict[str, LayerQuant] = {}
+    for module, spec in value.items():
+        loc = f"{where}: quantized_layers.{module}"
+        if not isinstance(spec, dict):
+            findings.add("CFG002", loc, "layer entry must be an object")
+            continue
+        if "quant_algo" not in spec:
+            findings.add("CFG001", loc, "layer entry has no quant_algo")
+            continue
+        algo = _parse_algo(spec["quant_algo"], loc, "quant_algo", findings)
+        if algo is None:
+            continue
+        if algo is Algo.MIXED_PRECISION:
+            findings.add("CFG003", loc, "a layer cannot itself be MIXED_PRECISION")
+            continue
+        gs = _parse_group_size(spec.get("group_size"), loc, findings)
+        if algo is Algo.NVFP4 and gs is None:
+            findings.add("CFG001", loc, "NVFP4 layer entry has no group_size",
+                         hint=f"add \"group_size\": {NVFP4_GROUP_SIZE}")
+        layers[module] = LayerQuant(algo, gs)
+    return layers
+
+
+def parse_hf_quant_config(raw: Any, findings: Findings) -> QuantConfig | None:
+    """``hf_quant_config.json``: {"producer", "quantization": {quant_algo, kv_cache_quant_algo, …}}."""
+    where = HF_QUANT_CONFIG
+    if not isinstance(raw, dict):
+        findings.add("CFG002", where, "top level must be a JSON object")
+        return None
+    q = raw.get("quantization")
+    if q is None:
+        findings.add("CFG001", where, "no \"quantization\" object")
+        return None
+    if not isinstance(q, dict):
+        findings.add("CFG002", where, "\"quantization\" must be an object")
+        return None
+    cfg = QuantConfig(origin=where, producer=raw.get("producer") if isinstance(raw.get("producer"), dict) else None)
+    if "quant_algo" not in q:
+        findings.add("CFG001", where, "quantization.quant_algo is missing")
+    else:
+        cfg.algo = _parse_algo(q["quant_algo"], where, "quant_algo", findings)
+    kv = q.get("kv_cache_quant_algo")
+    if kv is not None and not isinstance(kv, str):
+        findings.add("CFG002", where, "kv_cache_quant_algo must be a string or null")
+    else:
+        cfg.kv_cache_algo = kv.upper() if kv else None
+    cfg.group_size = _parse_group_size(q.get("group_size"), where, findings)
+    cfg.exclude_modules = _parse_exclude(q.get("exclude_modules"), where, "exclude_modules", findings)
+    if cfg.algo is Algo.NVFP4:
+        # vLLM's ModelOptNvFp4Config.from_config refuses the checkpoint without these keys.
+        for key in ("group_size", "kv_cache_quant_algo", "exclude_modules"):
+            if key not in q:
+                findings.add("CFG001", where, f"NVFP4 requires quantization.{key}",
+                             hint="the engine refuses NVFP4 checkpoints without it")
+    if cfg.algo is Algo.MIXED_PRECISION:
+        if "quantized_layers" not in q:
+            findings.add("CFG001", where, "MIXED_PRECISION requires quantization.quantized_layers")
+        else:
+            cfg.quantized_layers = _parse_layers(q["quantized_layers"], where, findings)
+    return cfg
+
+
+def _kv_from_scheme(scheme: Any, where: str, findings: Findings) -> str | None:
+    if scheme is None:
+        return None
+    if not isinstance(scheme, dict):
+        findings.add("CFG002", where, "kv_cache_scheme must be an object")
+        return None
+    if scheme.get("num_bits") == 8 and scheme.get("type") == "float":
+        return "FP8"
+    findings.add("CFG003", where, f"unknown kv_cache_scheme {scheme}", hint="ModelOpt writes FP8 as {num_bits: 8, type: float}")
+    return None
+
+
+def parse_config_json(raw: Any, findings: Findings) -> QuantConfig | None:
+    """``config.json["quantization_config"]`` (quant_method "modelopt"); None if absent."""
+    if not isinstance(raw, dict):
+        findings.add("CFG002", CONFIG_JSON, "top level must be a JSON object")
+        return None
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+    where = f"{CONFIG_JSON}: quantization_config"
+    if not isinstance(q, dict):
+        findings.add("CFG002", where, "must be an object")
+        return None
+    method = q.get("quant_method")
+    if method not in MODELOPT_METHODS:
+        findings.add("CFG005", where, f"quant_method is {method!r}, not a ModelOpt checkpoint",
+                     hint="mocli handles checkpoints exported by NVIDIA ModelOpt")
+        return None
+    cfg = QuantConfig(origin=CONFIG_JSON, producer=q.get("producer") if isinstance(q.get("producer"), dict) else None)
+    if "quant_algo" not in q:
+        findings.add("CFG001", where, "quant_algo is missing")
+    else:
+        cfg.algo = _parse_algo(q["quant_algo"], where, "quant_algo", findings)
+    if "kv_cache_quant_algo" in q:
+        kv = q["kv_cache_quant_algo"]
+        cfg.kv_cache_algo = kv.upper() if isinstance(kv, str) else None
+    else:
+        cfg.kv_cache_algo = _kv_from_scheme(q.get("kv_cache_scheme"), where, findings)
+    cfg.exclude_modules = _parse_exclude(q.get("ignore"), where, "ignore", findings)
+    if cfg.algo is Algo.NVFP4:
+        cfg.group_size = _config_groups_group_size(q.get("config_groups"), where, findings)
+    if cfg.algo is Algo.MIXED_PRECISION and "quantized_layers" in q:
+        cfg.quantized_layers = _parse_layers(q["quantized_layers"], where, findings)
+    return cfg
+
+
+def _config_groups_group_size(groups: Any, where: str, findings: Findings) -> int:
+    # config.json has no top-level group_size: it is in config_groups.*.weights, default 16.
+    sizes = set()
+    if isinstance(groups, dict):
+        for g in groups.values():
+            w = g.get("weights") if isinstance(g, dict) else None
+            if isinstance(w, dict) and "group_size" in w:
+                sizes.add(w["group_size"])
+    if len(sizes) > 1:
+        findings.add("CFG002", where, f"config_groups use several group sizes {sorted(sizes)}")
+    return _parse_group_size(sizes.pop(), where, findings) if sizes else NVFP4_GROUP_SIZE
+
+
+def reconcile(hf: QuantConfig | None, cj: QuantConfig | None, findings: Findings) -> QuantConfig | None:
+    """The effective config (hf_quant_config.json wins, as in vLLM) and CFG004 for disagreements."""
+    if hf is not None and cj is not None:
+        pairs = [
+            ("quant_algo", hf.algo, cj.algo),
+            ("kv cache algorithm", hf.kv_cache_algo, cj.kv_cache_algo),
+            ("exclude_modules / ignore", sorted(hf.exclude_modules), sorted(cj.exclude_modules)),
+        ]
+        if hf.algo is Algo.NVFP4 and hf.group_size is not None:
+            pairs.append(("group_size", hf.group_size, cj.group_size))
+        if hf.algo is Algo.MIXED_PRECISION and cj.quantized_layers:
+            pairs.append(("quantized_layers", hf.quantized_layers, cj.quantized_layers))
+        for what, a, b in pairs:
+            if a != b:
+                findings.add("CFG004", f"{HF_QUANT_CONFIG} vs {CONFIG_JSON}",
+                             f"{what} differs: {_show(a)} vs {_show(b)}",
+                             hint="engines read hf_quant_config.json first; make both files agree")
+    return hf if hf is not None else cj
+
+
+def _show(v: Any) -> str:
+    s = str(v) if not isinstance(v, StrEnum) else v.value
+    return s if len(s) <= 120 else s[:117] + "..."

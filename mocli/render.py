@@ -1,0 +1,101 @@
+"""Human renderings of the core's result dicts (the same dicts --json prints)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+
+from mocli.output import Output
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def render_inspect(info: dict[str, Any], out: Output) -> None:
+    c = out.stdout
+    producer = info.get("producer") or {}
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    rows = [
+        ("checkpoint", info["source"]),
+        ("architecture", f"{info['architecture'] or '?'} ({info['model_type'] or '?'}), {info['num_layers']} layers"),
+        ("producer", f"{producer.get('name', '?')} {producer.get('version', '')}".strip()),
+        ("quant_algo", f"{info['quant_algo'] or 'none'}"
+         + (f" (stored: {', '.join(info['stored_schemes'])})" if info["stored_schemes"] else "")),
+        ("kv cache", f"{info['kv_cache_quant_algo'] or 'none'} ({info['kv_cache_scales']} scale tensors)"),
+        ("group_size", str(info["group_size"]) if info["group_size"] else "-"),
+        ("config files", ", ".join(info["config_files"]) or "none"),
+        ("weights", f"{len(info['shards'])} file(s), {info['num_tensors']} tensors, "
+                    f"{human_bytes(info['total_bytes'])}"),
+        ("dtypes", ", ".join(f"{d} {v['tensors']} ({human_bytes(v['bytes'])})" for d, v in info["dtypes"].items())),
+    ]
+    if info["fused_groups"]:
+        rows.append(("fused groups", ", ".join(f"{k} x{v}" for k, v in info["fused_groups"].items())))
+    for k, v in rows:
+        head.add_row(k, escape(str(v)))
+    c.print(head)
+
+    kinds = Table(title="modules", title_justify="left")
+    cols = ["kind", "modules"] + sorted({k for r in info["modules"] for k in r} - {"kind", "modules"})
+    for col in cols:
+        kinds.add_column(col, justify="left" if col == "kind" else "right")
+    for r in info["modules"]:
+        kinds.add_row(*(str(r.get(col, 0)) for col in cols))
+    c.print(kinds)
+
+    if info["moe_layers"]:
+        moe = Table(title="MoE layers", title_justify="left")
+        for col in ("layer", "naming", "experts", "I", "H", "schemes"):
+            moe.add_column(col)
+        for m in info["moe_layers"]:
+            moe.add_row(escape(m["name"]), m["naming"], str(m["experts"]), str(m["intermediate"]),
+                        str(m["hidden"]), ", ".join(m["schemes"]))
+        c.print(moe)
+
+    excl = Table(title="exclusions (engine semantics)", title_justify="left")
+    excl.add_column("pattern")
+    excl.add_column("matches")
+    excl.add_column("notes")
+    for r in info["exclusions"]:
+        notes = []
+        if r["partial_fused"]:
+            notes.append("partly excludes " + ", ".join(r["partial_fused"][:3]))
+        if r["matches_with_vlm_prefix"]:
+            notes.append(f"would match as {r['matches_with_vlm_prefix']}")
+        if r["matches_checkpoint_names_only"]:
+            notes.append("matches checkpoint names only")
+        if r["lost_after_engine_rewrite"]:
+            notes.append(f"engine rewrite loses {len(r['lost_after_engine_rewrite'])}")
+        matches = r["matches"]
+        shown = ", ".join(matches[:3]) + (f" (+{len(matches) - 3})" if len(matches) > 3 else "")
+        excl.add_row(escape(r["pattern"]), escape(shown or "[nothing]"), escape("; ".join(notes)))
+    if not info["exclusions"]:
+        excl.add_row("(none)", "", "")
+    c.print(excl)
+    for f in info["config_findings"]:
+        out.warn(f"{f['code']} {f['location']}: {f['message']}")
+
+
+_SEV_STYLE = {"error": "bold red", "warning": "yellow"}
+
+
+def render_validation(report: dict[str, Any], out: Output) -> None:
+    c = out.stdout
+    if report["findings"]:
+        t = Table(show_lines=False)
+        for col in ("code", "severity", "location", "message", "hint"):
+            t.add_column(col, overflow="fold")
+        for f in report["findings"]:
+            t.add_row(f["code"], f"[{_SEV_STYLE[f['severity']]}]{f['severity']}[/]", escape(f["location"]),
+                      escape(f["message"]), escape(f["hint"]))
+        c.print(t)
+    verdict = "[bold green]OK[/]" if report["ok"] else "[bold red]FAILED[/]"
+    c.print(f"{verdict}: {report['errors']} error(s), {report['warnings']} warning(s)")

@@ -1,0 +1,52 @@
+"""Name tables, as data. Each entry names the upstream code it mirrors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Engine fused parameter -> checkpoint shards, in concatenation order.
+# vLLM `packed_modules_mapping` (models/llama.py, qwen2.py, qwen3_moe.py, deepseek_v2.py).
+FUSED_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+SHARD_TO_FUSED: dict[str, str] = {s: fused for fused, shards in FUSED_GROUPS.items() for s in shards}
+
+
+@dataclass(frozen=True)
+class ExpertNaming:
+    """How one model family names its per-expert projections."""
+
+    style: str
+    container: str  # the part of the prefix before ".<e>."
+    gate: str  # w1: input of the activation
+    up: str  # w3: multiplied with act(gate)
+    down: str  # w2
+
+
+EXPERT_NAMINGS: tuple[ExpertNaming, ...] = (
+    # transformers MixtralSparseMoeBlock; vLLM models/mixtral.py expert_params_mapping
+    ExpertNaming("mixtral", "block_sparse_moe.experts", gate="w1", up="w3", down="w2"),
+    # transformers Qwen2/Qwen3-MoE and DeepSeek-V2/V3 MLP experts
+    ExpertNaming("qwen", "mlp.experts", gate="gate_proj", up="up_proj", down="down_proj"),
+)
+
+# Suffixes of the tensors that belong to one quantized linear (SEMANTICS §1 table).
+WEIGHT = "weight"
+WEIGHT_SCALE = "weight_scale"
+WEIGHT_SCALE_2 = "weight_scale_2"
+INPUT_SCALE = "input_scale"
+SCALE_SUFFIXES = frozenset({WEIGHT_SCALE, WEIGHT_SCALE_2, INPUT_SCALE})
+# KV-cache scales hang off k_proj / v_proj (ModelOpt FP8_KV_CFG export).
+KV_SUFFIXES = frozenset({"k_scale", "v_scale"})
+
+# Last name components of 2-D weights the engine does not build as quantizable linears
+# (vLLM VocabParallelEmbedding / ParallelLMHead are not LinearBase).
+NON_LINEAR_NAMES = frozenset({"embed_tokens", "lm_head", "wte", "wpe", "embed_in", "embed_out"})
+
+# VLM prefixes that engines and exporters spell differently (SEMANTICS §2, vLLM hf_to_vllm_mapper).
+VLM_PREFIX_ALIASES: tuple[tuple[str, str], ...] = (
+    ("language_model.model.", "model.language_model."),
+    ("model.language_model.", "language_model.model."),
+    ("language_model.", ""),
+)

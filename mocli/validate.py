@@ -1,0 +1,356 @@
+"""``mocli validate``: config, exclusions, tensor census, scale health, target constraints.
+
+Reads headers, plus the small float32 scale tensors (0-dim, per-channel, per-block) for scale health.
+Never prints; returns a report that the CLI renders.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mocli.census import Census, Kind, Module, MoELayer, build_census
+from mocli.checkpoint import Checkpoint
+from mocli.exclusions import PartialFusedExclusion, is_excluded, pattern_reports
+from mocli.findings import Findings
+from mocli.quant_config import Algo, QuantConfig
+from mocli.tables import INPUT_SCALE, SCALE_SUFFIXES, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+from mocli.targets import CONSTRAINTS, SUPPORTED, Target
+
+# Requantizing an FP8 shard to a max scale this many times larger pushes its small values three
+# binades down, into e4m3's subnormal range, where they lose mantissa bits (SEMANTICS §3).
+SCALE_SPREAD_WARN = 8.0
+
+
+@dataclass
+class ValidationReport:
+    findings: Findings
+    census: Census
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings.errors
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "errors": len(self.findings.errors),
+            "warnings": len(self.findings.warnings),
+            "findings": [f.to_dict() for f in self.findings],
+            "stats": self.stats,
+        }
+
+
+def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | None = None) -> ValidationReport:
+    findings = Findings(ckpt.config_findings)
+    census = census or build_census(ckpt.tensors)
+    report = ValidationReport(findings, census)
+    quant = ckpt.quant
+    if quant is None or quant.algo is None:
+        return report  # CFG00x already says why; nothing else can be judged
+    declared = _declared_quantized(quant, census, findings)
+    _check_mixed_layers(quant, census, findings)
+    _check_exclusions(quant, census, declared, findings)
+    _check_tensors(quant, census, declared, findings)
+    report.stats["scales"] = _check_scales(ckpt, census, findings)
+    if target is not None:
+        _check_target(target, census, findings)
+    return report
+
+
+# --- exclusions -----------------------------------------------------------------------------------
+
+def _declared_quantized(quant: QuantConfig, census: Census, findings: Findings) -> dict[str, bool | None]:
+    """engine prefix -> will the engine quantize it? None where the engine would refuse (partial fused)."""
+    out: dict[str, bool | None] = {}
+    for m in census.modules.values():
+        if not m.is_linear or m.engine_name in out:
+            continue
+        try:
+            excluded = is_excluded(m.engine_name, quant.exclude_modules)
+        except PartialFusedExclusion as e:
+            findings.add("EXC002", e.prefix,
+                         f"exclude_modules lists {', '.join(e.excluded)} but not {', '.join(e.kept)}",
+                         hint="the engine refuses this ('some but not all shards excluded'): exclude all shards or none")
+            out[m.engine_name] = None
+            continue
+        out[m.engine_name] = not excluded and quant.algo_for(m.name) is not None
+    return out
+
+
+def _check_mixed_layers(quant: QuantConfig, census: Census, findings: Findings) -> None:
+    for module in quant.quantized_layers:
+        if module not in census.modules:
+            findings.add("CFG006", f"quantized_layers.{module}", "no such module in the checkpoint",
+                         hint="module names must match the checkpoint's tensor prefixes")
+
+
+def _check_exclusions(quant: QuantConfig, census: Census, declared: dict[str, bool | None],
+                      findings: Findings) -> None:
+    for r in pattern_reports(quant.exclude_modules, census):
+        loc = f"exclude_modules: {r.pattern}"
+        if r.vlm_alias:
+            findings.add("EXC006", loc, f"matches nothing, but {r.vlm_alias!r} would",
+                         hint="the VLM prefix differs between exporter and engine; use the engine's spelling")
+        elif not r.matches and not r.partial:
+            hint = ("it matches checkpoint names " + ", ".join(r.checkpoint_matches[:3]) +
+                    " but the engine asks for fused/MoE names (qkv_proj, gate_up_proj, …experts)"
+                    if r.checkpoint_matches else "check the spelling against the tensor names")
+            findings.add("EXC001", loc, "pattern matches no module", hint=hint)
+        if r.after_rewrite_lost:
+            findings.add("EXC005", loc,
+                         f"after the engine's p* -> p, p.* rewrite it no longer matches {_few(r.after_rewrite_lost)}",
+                         hint=f"write it as {r.pattern[:-1]}.* or list the modules explicitly")
+
+    # Stored state against the declaration, one finding per engine prefix.
+    by_engine: dict[str, list[Module]] = {}
+    for m in census.linears():
+        by_engine.setdefault(m.engine_name, []).append(m)
+    for prefix, mods in by_engine.items():
+        stored_q = [m for m in mods if m.scheme is not None]
+        stored_u = [m for m in mods if m.scheme is None]
+        if stored_q and stored_u and mods[0].kind is Kind.FUSED_SHARD:
+            findings.add("EXC002", prefix,
+                         f"shards stored unquantized: {_few([m.name.rpartition('.')[2] for m in stored_u])}; "
+                         f"quantized: {_few([m.name.rpartition('.')[2] for m in stored_q])}",
+                         hint="the engine loads a fused group in one scheme; quantize or exclude all shards")
+            continue
+        want = declared.get(prefix)
+        if want is None:
+            continue
+        if not want and stored_q:
+            findings.add("EXC003", prefix, f"excluded by the config but {len(stored_q)} module(s) are stored "
+                         f"quantized ({_few([m.name for m in stored_q])})",
+                         hint="the engine will load quantized bytes as BF16; fix exclude_modules")
+        elif want and stored_u:
+            findings.add("EXC004", prefix, f"not excluded but {len(stored_u)} module(s) are stored unquantized "
+                         f"({_few([m.name for m in stored_u])})",
+                         hint="add it to exclude_modules (and config.json ignore)")
+
+
+# --- tensors --------------------------------------------------------------------------------------
+
+def _expected(scheme: Algo, w_shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+    """suffix -> (dtype, shape) a module stored in ``scheme`` must have (SEMANTICS §1 table)."""
+    n, k = w_shape
+    if scheme is Algo.FP8:
+        return {WEIGHT_SCALE: ("F32", ()), INPUT_SCALE: ("F32", ())}
+    if scheme is Algo.FP8_PER_CHANNEL_PER_TOKEN:
+        return {WEIGHT_SCALE: ("F32", (n,))}
+    if scheme is Algo.FP8_PB_WO:
+        return {WEIGHT_SCALE: ("F32", (n // 128, 1, k // 128, 1))}
+    # NVFP4: weight is U8 [N, K/2], so K/16 = w_shape[1] / 8
+    return {WEIGHT_SCALE: ("F8_E4M3", (n, k // 8)), WEIGHT_SCALE_2: ("F32", ()), INPUT_SCALE: ("F32", ())}
+
+
+def _check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool | None],
+                   findings: Findings) -> None:
+    for m in census.modules.values():
+        scheme = m.scheme
+        if scheme is None:
+            stray = sorted(set(m.tensors) & SCALE_SUFFIXES)
+            if stray:
+                findings.add("TNS004", m.name, f"unquantized (weight {m.weight.dtype if m.weight else 'absent'}) "
+                             f"but has {', '.join(stray)}",
+                             hint="drop the scales or store the weight quantized")
+            continue
+        w = m.tensors.get(WEIGHT)
+        if w is None or len(w.shape) != 2:
+            findings.add("TNS001", m.name, "has scales but no 2-D weight")
+            continue
+        want_wdtype = "U8" if scheme is Algo.NVFP4 else "F8_E4M3"
+        if w.dtype != want_wdtype:
+            findings.add("TNS002", f"{m.name}.weight", f"is {w.dtype}, {scheme} stores {want_wdtype}")
+            continue
+        configured = quant.algo_for(m.name)
+        if declared.get(m.engine_name) and configured is not None and configured is not scheme:
+            findings.add("TNS005", m.name, f"stored as {scheme} but the config says {configured}",
+                         hint="the engine will build the wrong kernel for it")
+        if scheme is Algo.FP8_PB_WO and (w.shape[0] % 128 or w.shape[1] % 128):
+            findings.add("TNS003", f"{m.name}.weight", f"shape {list(w.shape)} is not a multiple of 128x128",
+                         hint="FP8_PB_WO needs N % 128 == K % 128 == 0")
+            continue
+        for suffix, (dtype, shape) in _expected(scheme, w.shape).items():
+            t = m.tensors.get(suffix)
+            if t is None:
+                if suffix == INPUT_SCALE and m.kind is Kind.EXPERT:
+                    findings.add("SCL003", m.name, "expert has no input_scale",
+                                 hint="calibration never routed tokens to it; recalibrate with more data")
+                else:
+                    findings.add("TNS001", m.name, f"{scheme} module has no {suffix}")
+                continue
+            if t.dtype != dtype:
+                findings.add("TNS002", t.name, f"is {t.dtype}, {scheme} stores {dtype}")
+            elif shape is not None and t.shape != shape and not _equivalent_shape(scheme, suffix, t.shape, shape):
+                findings.add("TNS003", t.name, f"shape {list(t.shape)}, expected {list(shape)} for weight "
+                             f"{list(w.shape)}")
+    for g in census.fused:
+        ks = {m.out_in[1] for m in g.shards if m.out_in}
+        if len(ks) > 1:
+            findings.add("TNS003", g.name, f"shards have different input sizes {sorted(ks)}",
+                         hint="fused shards must share K")
+    for layer in census.moe:
+        _check_moe_layer(layer, findings)
+
+
+def _equivalent_shape(scheme: Algo, suffix: str, got: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    # Exporters also write per-channel scales as [N, 1] and block scales without the unit dims.
+    if scheme is Algo.FP8_PER_CHANNEL_PER_TOKEN:
+        return got == (want[0], 1)
+    if scheme is Algo.FP8_PB_WO:
+        return got == (want[0], want[2])
+    return False
+
+
+def _check_moe_layer(layer: MoELayer, findings: Findings) -> None:
+    idx = sorted(layer.experts)
+    if idx != list(range(len(idx))):
+        missing = sorted(set(range(max(idx) + 1)) - set(idx))
+        findings.add("TNS006", layer.name, f"expert indices are not 0..{len(idx) - 1}: missing {_few(missing)}")
+    shapes: dict[str, dict[tuple, list[int]]] = {"gate": {}, "up": {}, "down": {}}
+    for e in idx:
+        for proj, m in layer.experts[e].projections():
+            if m is None:
+                name = getattr(layer.naming, proj)
+                findings.add("TNS006", f"{layer.name}.{e}", f"expert has no {name} projection")
+            elif m.out_in:
+                shapes[proj].setdefault(m.out_in, []).append(e)
+    for proj, by_shape in shapes.items():
+        if len(by_shape) > 1:
+            common = max(by_shape, key=lambda s: len(by_shape[s]))
+            odd = [e for s, es in by_shape.items() if s != common for e in es]
+            findings.add("TNS006", layer.name, f"{proj} projections differ in shape: experts {_few(odd)} are not "
+                         f"{list(common)}")
+    gate, up = shapes["gate"], shapes["up"]
+    if len(gate) == 1 and len(up) == 1 and set(gate) != set(up):
+        findings.add("TNS006", layer.name, f"gate {list(next(iter(gate)))} and up {list(next(iter(up)))} "
+                     "projections differ in shape")
+
+
+# --- scale health ---------------------------------------------------------------------------------
+
+def _check_scales(ckpt: Checkpoint, census: Census, findings: Findings) -> dict[str, Any]:
+    """NaN/Inf/non-positive scales, FP8 shard spread, NVFP4 weight_scale_2 mismatch. Returns stats."""
+    values: dict[str, torch.Tensor] = {}
+    with ckpt.reader() as reader:
+        entries = [t for m in census.modules.values() if m.scheme is not None
+                   for s, t in m.tensors.items() if s in SCALE_SUFFIXES and t.dtype == "F32"]
+        entries += [t for t in census.kv_scales if t.dtype == "F32"]
+        for t in entries:
+            v = reader.read(t)
+            values[t.name] = v
+            if not bool(torch.isfinite(v).all()):
+                findings.add("SCL001", t.name, f"contains {'NaN' if bool(torch.isnan(v).any()) else 'Inf'}",
+                             hint="the export is broken; re-run calibration")
+            elif v.numel() and bool((v <= 0).any()):
+                findings.add("SCL002", t.name, f"has a non-positive value ({float(v.min()):.3g})",
+                             hint="dequant scales must be > 0")
+
+    def scalar(m: Module | None, suffix: str) -> float | None:
+        t = m.tensors.get(suffix) if m else None
+        v = values.get(t.name) if t else None
+        if v is None or v.numel() != 1:
+            return None
+        x = float(v)
+        return x if math.isfinite(x) and x > 0 else None
+
+    # Pairs/groups of shards that the engine merges into one scale.
+    groups: list[tuple[str, str, list[Module | None]]] = [
+        (g.name, g.fused, list(g.shards)) for g in census.fused
+    ]
+    for layer in census.moe:
+        for e in sorted(layer.experts):
+            ex = layer.experts[e]
+            groups.append((f"{layer.name}.{e}", "w1/w3", [ex.gate, ex.up]))
+
+    stats: dict[str, Any] = {"fp8_groups": 0, "fp8_max_spread": 1.0,
+                             "nvfp4_groups": 0, "nvfp4_scale2_mismatched": 0, "nvfp4_worst_ratio": 1.0}
+    spread_findings: dict[str, list[tuple[str, float]]] = {}
+    mismatch: dict[str, list[tuple[str, float]]] = {}
+    for name, kind, mods in groups:
+        schemes = {m.scheme for m in mods if m is not None}
+        if len(schemes) != 1:
+            continue
+        scheme = schemes.pop()
+        key = "weight_scale" if scheme is Algo.FP8 else "weight_scale_2" if scheme is Algo.NVFP4 else None
+        if key is None:
+            continue
+        vals = [scalar(m, key) for m in mods]
+        if any(v is None for v in vals):
+            continue
+        ratio = max(vals) / min(vals)
+        layer = name.rpartition(".")[0] if kind == "w1/w3" else kind
+        if scheme is Algo.FP8:
+            stats["fp8_groups"] += 1
+            stats["fp8_max_spread"] = max(stats["fp8_max_spread"], ratio)
+            if ratio > SCALE_SPREAD_WARN:
+                spread_findings.setdefault(layer, []).append((name, ratio))
+        else:
+            stats["nvfp4_groups"] += 1
+            if ratio != 1.0:
+                stats["nvfp4_scale2_mismatched"] += 1
+                stats["nvfp4_worst_ratio"] = max(stats["nvfp4_worst_ratio"], ratio)
+                mismatch.setdefault(layer, []).append((name, ratio))
+    for layer, items in spread_findings.items():
+        worst = max(items, key=lambda x: x[1])
+        findings.add("SCL004", worst[0] if len(items) == 1 else layer,
+                     f"{len(items)} {'group' if len(items) == 1 else 'groups'} with weight_scale spread > "
+                     f"{SCALE_SPREAD_WARN:g}x, worst {worst[1]:.1f}x ({worst[0]})",
+                     hint="requantizing to the max scale will cost the smaller shards precision")
+    for layer, items in mismatch.items():
+        worst = max(items, key=lambda x: x[1])
+        findings.add("SCL005", layer if len(items) > 1 else worst[0],
+                     f"{len(items)} {'pair' if len(items) == 1 else 'groups'} with differing weight_scale_2, "
+                     f"worst ratio {worst[1]:.3g}x ({worst[0]})",
+                     hint="engines keep one value and silently mis-scale the other; mocli convert rescales (SEMANTICS §7)")
+    return stats
+
+
+# --- target constraints ---------------------------------------------------------------------------
+
+def _check_target(target: Target, census: Census, findings: Findings) -> None:
+    constraints = CONSTRAINTS[target]
+    supported = SUPPORTED[target]
+    for m in census.modules.values():
+        if m.kind not in (Kind.LINEAR, Kind.FUSED_SHARD) or m.scheme is None or not m.out_in:
+            continue
+        if m.scheme not in supported["linear"]:
+            findings.add("TGT002", m.name, f"{target} does not take {m.scheme} linears")
+            continue
+        n, k = m.out_in
+        for c in constraints:
+            if c.scope == "linear" and c.algo is m.scheme:
+                size = n if c.dim == "N" else k
+                if size % c.multiple:
+                    findings.add("TGT001", m.name, f"{c.dim} = {size} is not a multiple of {c.multiple}",
+                                 hint=c.why)
+    for layer in census.moe:
+        schemes = layer.schemes - {None}
+        if not schemes:
+            continue
+        if len(schemes) > 1 or None in layer.schemes:
+            findings.add("TGT002", layer.name, "experts are stored in mixed schemes "
+                         f"({', '.join(sorted(str(s) for s in layer.schemes))})")
+            continue
+        scheme = schemes.pop()
+        if scheme not in supported["moe"]:
+            findings.add("TGT002", layer.name, f"{target} has no fused-MoE path for {scheme} experts")
+            continue
+        i, h = layer.intermediate, layer.hidden
+        if i is None or h is None:
+            continue
+        for c in constraints:
+            if c.scope == "moe" and c.algo is scheme:
+                size = 2 * i if c.dim == "2I" else h
+                if size % c.multiple:
+                    findings.add("TGT001", layer.name, f"{c.dim} = {size} is not a multiple of {c.multiple} "
+                                 f"(I = {i}, H = {h})", hint=c.why)
+
+
+def _few(items: list, n: int = 4) -> str:
+    shown = ", ".join(str(x) for x in items[:n])
+    return shown + (f" (+{len(items) - n} more)" if len(items) > n else "")
