@@ -25,7 +25,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-ModelArg = Annotated[str, typer.Argument(help="Checkpoint directory or Hugging Face repo id (owner/name[@revision]).",
+ModelArg = Annotated[str, typer.Argument(metavar="MODEL", help="Checkpoint directory or Hugging Face repo id (owner/name[@revision]).",
                                          show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 TargetOpt = Annotated[Target | None, typer.Option("--target", "-t", help="Also check this target's constraints.",

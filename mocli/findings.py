@@ -15,7 +15,7 @@ class Severity(StrEnum):
 CODES: dict[str, tuple[Severity, str]] = {
     # configuration (SEMANTICS §1)
     "CFG001": (Severity.ERROR, "required quantization field missing"),
-    "CFG002": (Severity.ERROR, "quantization field has the wrong type"),
+    "CFG002": (Severity.ERROR, "quantization field has the wrong type or value"),
     "CFG003": (Severity.ERROR, "unknown quantization algorithm"),
     "CFG004": (Severity.ERROR, "hf_quant_config.json and config.json disagree"),
     "CFG005": (Severity.ERROR, "no ModelOpt quantization config"),

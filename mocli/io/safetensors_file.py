@@ -116,7 +116,7 @@ def read_header(path: Path) -> SafetensorsHeader:
         spans.append((begin, end, name))
         tensors[name] = TensorEntry(name, path, dtype, shape, data_start + begin, end - begin)
     spans.sort()
-    for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:], strict=False):
+    for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:], strict=False):
         if b1 < e0:
             raise CorruptFileError(f"{path}: tensors '{n0}' and '{n1}' overlap (bytes {b1}..{e0})",
                                    hint="the header is corrupt")

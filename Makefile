@@ -1,0 +1,36 @@
+# mocli: the README's two set-up commands are `make demo` and `make test`.
+PYTHON ?= python3
+# torch is pinned only here, for the CPU machines we build on: 2.13.0 is the local CPU wheel,
+# any other spec would pull gigabytes of CUDA packages.
+TORCH_SPEC ?= torch==2.13.0
+DEMO_MODEL ?= fixtures/real/qwen3_moe-nvfp4_kv
+DEMO_OUT ?= demo-out
+
+.PHONY: install install-flashinfer demo test test-gpu lint bench clean
+
+install:
+	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install -q -e ".[dev]"
+
+# Optional: FlashInfer's pure-torch layout helpers, used as cross-checks by some tests (~1 min on CPU).
+install-flashinfer:
+	$(PYTHON) -m pip install -q "flashinfer-python==0.7.2"
+
+demo: install
+	$(PYTHON) -m mocli inspect $(DEMO_MODEL)
+	$(PYTHON) -m mocli validate $(DEMO_MODEL) --target flashinfer-cutlass
+
+test: install
+	$(PYTHON) -m pytest
+
+test-gpu:
+	$(PYTHON) -m pytest -m gpu -v
+
+lint:
+	$(PYTHON) -m ruff check mocli tests fixtures
+
+bench: install
+	$(PYTHON) tests/bench/bench_inspect.py
+
+clean:
+	rm -rf $(DEMO_OUT) bench-out .pytest_cache build *.egg-info

@@ -1,0 +1,156 @@
+"""Every command and error path through the CLI, with asserted exit codes and --json output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from fixtures.generate import CORRUPTIONS, corrupt, make_checkpoint
+from mocli import __version__
+from tests.conftest import REAL_QWEN
+
+
+def test_version(cli):
+    r = cli("--version")
+    assert r.exit_code == 0 and r.stdout.strip() == f"mocli {__version__}"
+
+
+def test_help_lists_commands(cli):
+    r = cli("--help")
+    assert r.exit_code == 0
+    for cmd in ("inspect", "validate"):
+        assert cmd in r.stdout
+
+
+def test_no_args_shows_help_and_is_a_usage_error(cli):
+    assert cli().exit_code == 2
+
+
+def test_inspect_json_real_moe(cli):
+    r = cli("--json", "inspect", REAL_QWEN)
+    assert r.exit_code == 0 and r.stderr == ""
+    info = r.json
+    assert info["architecture"] == "Qwen3MoeForCausalLM"
+    assert info["quant_algo"] == "NVFP4" and info["kv_cache_quant_algo"] == "FP8" and info["group_size"] == 16
+    assert info["producer"] == {"name": "modelopt", "version": "0.47.0"}
+    assert info["num_tensors"] == 241 and info["total_bytes"] == (REAL_QWEN / "model.safetensors").stat().st_size
+    assert info["dtypes"]["U8"]["tensors"] == 56  # 2 layers x (4 attn + 8 experts x 3)
+    assert [(m["experts"], m["intermediate"], m["hidden"]) for m in info["moe_layers"]] == [(8, 128, 256)] * 2
+    assert {e["pattern"]: e["matches"] for e in info["exclusions"]}["model.layers.1.mlp.gate"] == [
+        "model.layers.1.mlp.gate"]
+
+
+def test_json_flag_after_the_command(cli):
+    assert cli("inspect", REAL_QWEN, "--json").json["quant_algo"] == "NVFP4"
+
+
+def test_inspect_human(cli):
+    r = cli("inspect", REAL_QWEN)
+    assert r.exit_code == 0
+    for s in ("Qwen3MoeForCausalLM", "NVFP4", "MoE layers", "model.layers.0.mlp.experts", "exclusions"):
+        assert s in r.stdout
+
+
+def test_inspect_sharded_and_config_style(cli, tmp_path):
+    path = make_checkpoint(tmp_path / "m", arch="mixtral", algo="FP8", shards=3, config_style="config")
+    info = cli("--json", "inspect", path).json
+    assert info["sharded"] and len(info["shards"]) == 3 and info["config_files"] == ["config.json"]
+    assert info["moe_layers"][0]["naming"] == "mixtral"
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "validate"])
+@pytest.mark.parametrize("kind", CORRUPTIONS)
+def test_corrupt_input_is_one_line_exit_2(cli, tmp_path, cmd, kind):
+    path = make_checkpoint(tmp_path / "m", shards=2 if kind == "outside_dir" else 1)
+    corrupt(path, kind)
+    r = cli(cmd, path)
+    assert r.exit_code == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in r.stderr
+
+
+def test_index_disagreements(cli, tmp_path):
+    path = make_checkpoint(tmp_path / "m", shards=2)
+    index = path / "model.safetensors.index.json"
+    j = json.loads(index.read_text())
+    name = next(iter(j["weight_map"]))
+    other = [f for f in set(j["weight_map"].values()) if f != j["weight_map"][name]][0]
+    j["weight_map"][name] = other
+    index.write_text(json.dumps(j))
+    r = cli("inspect", path)
+    assert r.exit_code == 2 and "mapped to" in r.stderr
+    del j["weight_map"][name]
+    index.write_text(json.dumps(j))
+    r = cli("inspect", path)
+    assert r.exit_code == 2 and "missing from the weight_map" in r.stderr
+
+
+def test_tensor_in_two_shards(cli, tmp_path):
+    path = make_checkpoint(tmp_path / "m", shards=2)
+    files = sorted(path.glob("model-*.safetensors"))
+    shutil.copy(files[0], files[1])
+    r = cli("inspect", path)
+    assert r.exit_code == 2 and "stored in both" in r.stderr
+
+
+def test_missing_path_and_not_a_checkpoint(cli, tmp_path):
+    r = cli("inspect", tmp_path / "nope")
+    assert r.exit_code == 2 and "no such directory" in r.stderr
+    r = cli("inspect", tmp_path)
+    assert r.exit_code == 2 and "no safetensors" in r.stderr
+    (tmp_path / "f.txt").write_text("x")
+    r = cli("inspect", tmp_path / "f.txt")
+    assert r.exit_code == 2 and "not a directory" in r.stderr
+
+
+def test_bad_target_is_usage_error(cli):
+    assert cli("validate", REAL_QWEN, "--target", "bogus").exit_code == 2
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty, private HF cache (huggingface_hub reads its cache path at import time)."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def test_hub_offline_not_cached(cli, hub_cache):
+    r = cli("inspect", "nvidia/not-cached-model", env={"HF_HUB_OFFLINE": "1"})
+    assert r.exit_code == 2 and "HF_HUB_OFFLINE" in r.stderr
+
+
+def test_hub_offline_from_cache(cli, hub_cache):
+    # The layout huggingface_hub uses: models--org--name/{refs/main, snapshots/<rev>/...}
+    repo = hub_cache / "models--org--tiny"
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(REAL_QWEN, repo / "snapshots" / rev)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    r = cli("--json", "inspect", "org/tiny", env={"HF_HUB_OFFLINE": "1"})
+    assert r.exit_code == 0, r.stderr
+    assert r.json["source"] == f"org/tiny@{rev}" and r.json["quant_algo"] == "NVFP4"
+
+
+def test_internal_error_is_exit_3_without_traceback(cli, monkeypatch):
+    import mocli.inspection
+
+    def boom(*a, **k):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(mocli.inspection, "inspect_checkpoint", boom)
+    r = cli("inspect", REAL_QWEN)
+    assert r.exit_code == 3 and "internal error" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_quiet_suppresses_warnings(cli, tmp_path):
+    path = make_checkpoint(tmp_path / "m")
+    (path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP7"}}))
+    assert "warning" in cli("inspect", path).stderr
+    assert cli("-q", "inspect", path).stderr == ""

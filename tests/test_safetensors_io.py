@@ -1,0 +1,57 @@
+"""Header parsing and tensor reads against the safetensors library, and corrupt files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fixtures.generate import CORRUPTIONS, corrupt, make_checkpoint
+from mocli.errors import CorruptFileError
+from mocli.io.safetensors_file import TensorReader, read_header
+from tests.conftest import REAL_QWEN
+
+
+def test_reader_matches_safetensors_on_real_export():
+    ref = load_file(str(REAL_QWEN / "model.safetensors"))
+    header = read_header(REAL_QWEN / "model.safetensors")
+    assert set(header.tensors) == set(ref)
+    with TensorReader() as r:
+        for name, entry in header.tensors.items():
+            got = r.read(entry)
+            assert got.dtype == ref[name].dtype and got.shape == ref[name].shape, name
+            assert torch.equal(got.reshape(-1).view(torch.uint8), ref[name].reshape(-1).view(torch.uint8)), name
+
+
+def test_zero_dim_and_empty_tensors(tmp_path):
+    f = tmp_path / "x.safetensors"
+    save_file({"s": torch.tensor(2.5), "e": torch.empty(0, 4)}, str(f))
+    h = read_header(f)
+    assert h.tensors["s"].shape == () and h.tensors["e"].shape == (0, 4)
+    with TensorReader() as r:
+        assert float(r.read(h.tensors["s"])) == 2.5
+        assert r.read(h.tensors["e"]).shape == (0, 4)
+
+
+@pytest.mark.parametrize("kind", [k for k in CORRUPTIONS if k not in ("invalid_json", "outside_dir")])
+def test_corrupt_header_raises_named_error(tmp_path, kind):
+    d = make_checkpoint(tmp_path / kind)
+    corrupt(d, kind)
+    with pytest.raises(CorruptFileError) as e:
+        read_header(d / "model.safetensors")
+    assert "model.safetensors" in e.value.message
+
+
+def test_too_short_file(tmp_path):
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"\x01\x02")
+    with pytest.raises(CorruptFileError, match="too short"):
+        read_header(f)
+
+
+def test_header_not_an_object(tmp_path):
+    import struct
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(struct.pack("<Q", 2) + b"[]")
+    with pytest.raises(CorruptFileError, match="not a JSON object"):
+        read_header(f)
