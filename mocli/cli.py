@@ -7,12 +7,14 @@ import sys
 import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
+from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from mocli import __version__
-from mocli.errors import EXIT_FINDINGS, EXIT_INTERNAL, MocliError
+from mocli.errors import EXIT_FINDINGS, EXIT_INTERNAL, InputError, MocliError
 from mocli.output import Output
 from mocli.targets import Target
 
@@ -30,6 +32,12 @@ ModelArg = Annotated[str, typer.Argument(metavar="MODEL", help="Checkpoint direc
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 TargetOpt = Annotated[Target | None, typer.Option("--target", "-t", help="Also check this target's constraints.",
                                                   case_sensitive=False)]
+
+
+class Device(StrEnum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
 
 
 def _version(value: bool) -> None:
@@ -114,6 +122,48 @@ def validate_cmd(ctx: typer.Context, model: ModelArg, target: TargetOpt = None, 
         return 0 if report.ok else EXIT_FINDINGS
 
     _run(ctx, json_, body)
+
+
+@app.command("convert")
+def convert_cmd(
+    ctx: typer.Context,
+    model: ModelArg,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output directory (created; must be empty).",
+                                         show_default=False)],
+    target: Annotated[Target, typer.Option("--target", "-t", case_sensitive=False, help="Kernel layout to write.",
+                                           show_default=False)],
+    device: Annotated[Device, typer.Option("--device", help="Where to compute: auto picks CUDA when present.",
+                                           case_sensitive=False)] = Device.AUTO,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUTPUT.")] = False,
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Shard size limit, e.g. 5GB, 500MB.")]
+    = "5GB",
+    json_: JsonOpt = False,
+) -> None:
+    """Convert a checkpoint into kernel-ready FlashInfer shards (streaming, resumable)."""
+    from mocli.checkpoint import open_checkpoint
+    from mocli.convert import convert
+    from mocli.render import render_convert
+
+    def body(out: Output) -> None:
+        ckpt = open_checkpoint(model)
+        with out.progress_bar("converting") as progress:
+            summary = convert(ckpt, output, target, device=device.value, overwrite=overwrite,
+                              max_shard_bytes=parse_size(max_shard_size), progress=progress)
+        out.emit(summary, render_convert)
+
+    _run(ctx, json_, body)
+
+
+def parse_size(text: str) -> int:
+    """'5GB' / '500MB' / '123' -> bytes (decimal units, as huggingface_hub)."""
+    units = {"TB": 1000**4, "GB": 1000**3, "MB": 1000**2, "KB": 1000, "B": 1}
+    t = text.strip().upper()
+    for suffix, mult in units.items():
+        if t.endswith(suffix) and t[: -len(suffix)].strip().replace(".", "", 1).isdigit():
+            return int(float(t[: -len(suffix)]) * mult)
+    if t.isdigit():
+        return int(t)
+    raise InputError(f"--max-shard-size {text!r}: not a size", hint="use e.g. 5GB, 500MB or a byte count")
 
 
 def main(argv: list[str] | None = None) -> Any:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,40 @@ class Output:
             sys.stdout.flush()
         else:
             render(data, self)
+
+    @contextmanager
+    def progress_bar(self, label: str) -> Iterator[Any]:
+        """A mocli.convert.Progress driving a rich bar on stderr (bytes, units, ETA); silent in JSON/quiet."""
+        from mocli.convert import Progress as Sink
+
+        if not self.show_progress:
+            yield Sink()
+            return
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        bar = Progress(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                       TextColumn("{task.fields[units]} units"), TimeRemainingColumn(), console=self.stderr,
+                       transient=True)
+        state: dict[str, Any] = {}
+
+        def start(total_bytes: int, total_units: int) -> None:
+            state.update(task=bar.add_task(label, total=total_bytes, units=f"0/{total_units}"),
+                         done=0, total=total_units)
+
+        def advance(nbytes: int, units: int = 1) -> None:
+            if "task" in state:
+                state["done"] += units
+                bar.update(state["task"], advance=nbytes, units=f"{state['done']}/{state['total']}")
+
+        with bar:
+            yield Sink(start=start, advance=advance)
 
     def error(self, message: str, hint: str | None = None) -> None:
         line = f"[bold red]error:[/] {escape(message)}"

@@ -99,3 +99,24 @@ def render_validation(report: dict[str, Any], out: Output) -> None:
         c.print(t)
     verdict = "[bold green]OK[/]" if report["ok"] else "[bold red]FAILED[/]"
     c.print(f"{verdict}: {report['errors']} error(s), {report['warnings']} warning(s)")
+
+
+def render_convert(summary: dict[str, Any], out: Output) -> None:
+    r = summary["repairs"]
+    out.stdout.print(
+        f"[bold green]converted[/] {summary['tensors']} tensors ({human_bytes(summary['bytes'])}, "
+        f"{summary['shards']} shard(s)) for {summary['target']} on {summary['device']} in "
+        f"{summary['seconds']:.2f} s -> {escape(summary['output'])}")
+    if summary["resumed_units"]:
+        out.stdout.print(f"resumed: {summary['resumed_units']} of {summary['units']} units were already done")
+    repairs = []
+    if r["fp8_requantized_shards"]:
+        repairs.append(f"{r['fp8_requantized_shards']} FP8 shard(s) requantized to a shared max scale")
+    if r["nvfp4_rescaled_shards"] or r["nvfp4_rescaled_experts"]:
+        repairs.append(f"NVFP4 weight_scale_2 unified: {r['nvfp4_rescaled_shards']} linear shard(s), "
+                       f"{r['nvfp4_rescaled_experts']} expert w1/w3 pair(s), worst ratio "
+                       f"{r['nvfp4_worst_scale_2_ratio']:.3g}x")
+    for line in repairs:
+        out.stdout.print(f"  repaired: {line}")
+    for w in summary["warnings"]:
+        out.warn(f"{w['code']} {w['location']}: {w['message']}")

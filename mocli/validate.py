@@ -17,6 +17,7 @@ from mocli.checkpoint import Checkpoint
 from mocli.exclusions import PartialFusedExclusion, is_excluded, pattern_reports
 from mocli.findings import Findings
 from mocli.quant_config import Algo, QuantConfig
+from mocli.scales import read_scales
 from mocli.tables import INPUT_SCALE, SCALE_SUFFIXES, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.targets import CONSTRAINTS, SUPPORTED, Target
 
@@ -235,20 +236,14 @@ def _check_moe_layer(layer: MoELayer, findings: Findings) -> None:
 
 def _check_scales(ckpt: Checkpoint, census: Census, findings: Findings) -> dict[str, Any]:
     """NaN/Inf/non-positive scales, FP8 shard spread, NVFP4 weight_scale_2 mismatch. Returns stats."""
-    values: dict[str, torch.Tensor] = {}
-    with ckpt.reader() as reader:
-        entries = [t for m in census.modules.values() if m.scheme is not None
-                   for s, t in m.tensors.items() if s in SCALE_SUFFIXES and t.dtype == "F32"]
-        entries += [t for t in census.kv_scales if t.dtype == "F32"]
-        for t in entries:
-            v = reader.read(t)
-            values[t.name] = v
-            if not bool(torch.isfinite(v).all()):
-                findings.add("SCL001", t.name, f"contains {'NaN' if bool(torch.isnan(v).any()) else 'Inf'}",
-                             hint="the export is broken; re-run calibration")
-            elif v.numel() and bool((v <= 0).any()):
-                findings.add("SCL002", t.name, f"has a non-positive value ({float(v.min()):.3g})",
-                             hint="dequant scales must be > 0")
+    values = read_scales(ckpt, census)
+    for name, v in values.items():
+        if not bool(torch.isfinite(v).all()):
+            findings.add("SCL001", name, f"contains {'NaN' if bool(torch.isnan(v).any()) else 'Inf'}",
+                         hint="the export is broken; re-run calibration")
+        elif v.numel() and bool((v <= 0).any()):
+            findings.add("SCL002", name, f"has a non-positive value ({float(v.min()):.3g})",
+                         hint="dequant scales must be > 0")
 
     def scalar(m: Module | None, suffix: str) -> float | None:
         t = m.tensors.get(suffix) if m else None
