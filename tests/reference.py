@@ -1,0 +1,75 @@
+"""Straightforward second implementations used as test oracles (no mocli.ops imports).
+
+Written from SEMANTICS directly, element by element where that is the clearest statement.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def swizzle_by_offsets(s: torch.Tensor) -> torch.Tensor:
+    """SEMANTICS §5 explicit formula: (m, k) -> (m//128)*(Kp/4)*512 + (k//4)*512 + (m%32)*16 + ((m%128)//32)*4 + k%4."""
+    m_, kb = s.shape
+    mp, kp = -(-m_ // 128) * 128, -(-kb // 4) * 4
+    out = torch.zeros(mp * kp, dtype=torch.uint8)
+    m = torch.arange(m_).repeat_interleave(kb)
+    k = torch.arange(kb).repeat(m_)
+    off = (m // 128) * (kp // 4) * 512 + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
+    out[off] = s.contiguous().view(torch.uint8).reshape(-1)
+    return out.reshape(mp, kp)
+
+
+def unswizzle_by_offsets(flat: torch.Tensor, m_: int, kb: int) -> torch.Tensor:
+    kp = flat.shape[-1]
+    m = torch.arange(m_).repeat_interleave(kb)
+    k = torch.arange(kb).repeat(m_)
+    off = (m // 128) * (kp // 4) * 512 + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
+    return flat.contiguous().view(torch.uint8).reshape(-1)[off].reshape(m_, kb)
+
+
+def shuffle_rows(x: torch.Tensor) -> torch.Tensor:
+    """SEMANTICS §4: out[b + r] = in[b + 4*(r%8) + r//8] in blocks of 32 rows (a Python loop)."""
+    out = torch.empty_like(x)
+    for b in range(0, x.shape[0], 32):
+        for r in range(32):
+            out[b + r] = x[b + 4 * (r % 8) + r // 8]
+    return out
+
+
+def gated_reorder(x: torch.Tensor) -> torch.Tensor:
+    """out[2i] = in[i], out[2i+1] = in[M/2 + i]."""
+    half = x.shape[0] // 2
+    out = torch.empty_like(x)
+    for i in range(half):
+        out[2 * i] = x[i]
+        out[2 * i + 1] = x[half + i]
+    return out
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """U8 [.., K/2] -> float32 [.., K], low nibble first; bit 3 sign."""
+    table = torch.tensor(E2M1 + [-v for v in E2M1])
+    lo, hi = (packed & 15).long(), (packed >> 4).long()
+    return torch.stack([table[lo], table[hi]], -1).flatten(-2)
+
+
+def dequant_nvfp4(packed: torch.Tensor, bs: torch.Tensor, s2: float) -> torch.Tensor:
+    v = unpack_fp4(packed)
+    eff = bs.float().repeat_interleave(16, dim=-1) * s2
+    return v * eff
+
+
+def fp8_requant(q: torch.Tensor, s: torch.Tensor, big: torch.Tensor) -> torch.Tensor:
+    """SEMANTICS §3 as written: fp8(clamp(float(q) * s * (1/S), ±448))."""
+    x = q.float() * s.float()
+    x = x * (1.0 / big.float())
+    return x.clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def fp8_step(x: torch.Tensor) -> torch.Tensor:
+    """Distance between adjacent e4m3 values around |x| (subnormal step 2^-9)."""
+    ax = x.abs().clamp(min=2.0**-6)
+    return torch.exp2(torch.floor(torch.log2(ax)) - 3)

@@ -1,0 +1,280 @@
+"""convert: every transform against a second, straightforward implementation (tests/reference.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fixtures.generate import make_broken, make_checkpoint
+from mocli.loader import Fp8Linear, Fp8MoE, Nvfp4Linear, Nvfp4MoE, load_converted
+from tests import reference as ref
+from tests.conftest import REAL_LLAMA, REAL_QWEN
+
+TARGETS = ["flashinfer-cutlass", "flashinfer-trtllm"]
+
+
+def convert(cli, src, out, target, *extra):
+    r = cli("--json", "convert", src, "-o", out, "--target", target, *extra)
+    assert r.exit_code == 0, r.stderr
+    return r.json
+
+
+def load_out(out):
+    t = {}
+    for f in sorted(out.glob("model-*.safetensors")):
+        t |= load_file(str(f))
+    return t
+
+
+def u8(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def same(a, b):
+    return a.shape == b.shape and torch.equal(u8(a).reshape(-1), u8(b).reshape(-1))
+
+
+def rescale(bs, s2, big):
+    return (bs.float() * s2 / big).clamp(-448, 448).to(torch.float8_e4m3fn) if s2 != big else bs
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_real_fp8_llama_dense(cli, tmp_path, target):
+    summary = convert(cli, REAL_LLAMA, tmp_path / "o", target)
+    src, out = load_file(str(REAL_LLAMA / "model.safetensors")), load_out(tmp_path / "o")
+    for layer in range(2):
+        for fused, shards in (("self_attn.qkv_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+                              ("mlp.gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"])):
+            p = f"model.layers.{layer}."
+            s = [src[p + x + ".weight_scale"] for x in shards]
+            big = torch.stack(s).max()
+            want = torch.cat([src[p + x + ".weight"] if si == big else ref.fp8_requant(src[p + x + ".weight"], si, big)
+                              for x, si in zip(shards, s, strict=True)])
+            assert same(out[p + fused + ".weight"], want)
+            assert out[p + fused + ".weight_scale"] == big
+            assert out[p + fused + ".input_scale"] == max(src[p + x + ".input_scale"] for x in shards)
+        assert same(out[f"model.layers.{layer}.mlp.down_proj.weight"], src[f"model.layers.{layer}.mlp.down_proj.weight"])
+    # q/k/v and gate/up scales differ in the real export: all but the max shard get requantized
+    assert summary["repairs"]["fp8_requantized_shards"] == 2 * (2 + 1)
+    for name in ("lm_head.weight", "model.norm.weight", "model.layers.1.self_attn.k_proj.k_scale",
+                 "model.layers.0.self_attn.v_proj.v_scale"):
+        assert same(out[name], src[name])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_real_nvfp4_qwen3_moe(cli, tmp_path, target):
+    convert(cli, REAL_QWEN, tmp_path / "o", target)
+    src, out = load_file(str(REAL_QWEN / "model.safetensors")), load_out(tmp_path / "o")
+    trt = target == "flashinfer-trtllm"
+    p = "model.layers.1.mlp.experts"
+    e_count, i, h = 8, 128, 256
+    a13 = max(float(src[f"{p}.{e}.{x}.input_scale"]) for e in range(e_count) for x in ("gate_proj", "up_proj"))
+    a2 = max(float(src[f"{p}.{e}.down_proj.input_scale"]) for e in range(e_count))
+    for e in range(e_count):
+        sp = f"{p}.{e}."
+        s1, s3 = float(src[sp + "gate_proj.weight_scale_2"]), float(src[sp + "up_proj.weight_scale_2"])
+        big = max(s1, s3)
+        w13 = torch.cat([src[sp + "up_proj.weight"], src[sp + "gate_proj.weight"]])  # [w3; w1]
+        bs13 = torch.cat([rescale(src[sp + "up_proj.weight_scale"], s3, big),
+                          rescale(src[sp + "gate_proj.weight_scale"], s1, big)])
+        w2, bs2 = src[sp + "down_proj.weight"], src[sp + "down_proj.weight_scale"]
+        if trt:
+            w13, bs13 = ref.shuffle_rows(ref.gated_reorder(w13)), ref.shuffle_rows(ref.gated_reorder(bs13))
+            w2, bs2 = ref.shuffle_rows(w2), ref.shuffle_rows(bs2)
+        assert same(out[p + ".w13_weight"][e], w13)
+        assert same(out[p + ".w13_weight_scale"][e], ref.swizzle_by_offsets(bs13))
+        assert same(out[p + ".w2_weight"][e], w2)
+        assert same(out[p + ".w2_weight_scale"][e], ref.swizzle_by_offsets(bs2))
+        assert float(out[p + ".w13_weight_scale_2"][e]) == big
+        assert float(out[p + ".g1_alphas"][e]) == pytest.approx(big * a13, rel=1e-6)
+        assert float(out[p + ".g2_alphas"][e]) == pytest.approx(float(src[sp + "down_proj.weight_scale_2"]) * a2,
+                                                                 rel=1e-6)
+    assert torch.allclose(out[p + ".a1_gscale"], torch.full((e_count,), 1 / a13))
+    assert torch.allclose(out[p + ".a2_gscale"], torch.full((e_count,), 1 / a2))
+    assert out[p + ".w13_weight_scale"].shape == (e_count, 2 * i, h // 16)  # 256 rows, 16 cols: no padding
+    if trt:
+        assert torch.allclose(out[p + ".output1_scale_scalar"], out[p + ".g1_alphas"] / a2)
+    # dense NVFP4 qkv
+    q = "model.layers.0.self_attn."
+    w = torch.cat([src[q + x + "_proj.weight"] for x in "qkv"])
+    bs = torch.cat([src[q + x + "_proj.weight_scale"] for x in "qkv"])
+    if trt:
+        w, bs = ref.shuffle_rows(w), ref.shuffle_rows(bs)
+    assert same(out[q + "qkv_proj.weight"], w)
+    assert same(out[q + "qkv_proj.weight_scale"], ref.swizzle_by_offsets(bs))
+    a = max(float(src[q + x + "_proj.input_scale"]) for x in "qkv")
+    assert float(out[q + "qkv_proj.alpha"]) == pytest.approx(a * float(src[q + "q_proj.weight_scale_2"]), rel=1e-6)
+    assert float(out[q + "qkv_proj.input_scale_inv"]) == pytest.approx(1 / a, rel=1e-6)
+    assert same(out["model.layers.0.mlp.gate.weight"], src["model.layers.0.mlp.gate.weight"])
+
+
+def test_nvfp4_scale_2_mismatch_is_rescaled_and_dequantizes_close(cli, tmp_path):
+    path, _ = make_broken("SCL005", tmp_path / "src")  # w1/w3 and q/k/v weight_scale_2 differ
+    summary = convert(cli, path, tmp_path / "o", "flashinfer-cutlass")
+    r = summary["repairs"]
+    assert r["nvfp4_rescaled_experts"] == 8 and r["nvfp4_rescaled_shards"] > 0 and r["nvfp4_worst_scale_2_ratio"] > 1
+    src, out = load_file(str(path / "model.safetensors")), load_out(tmp_path / "o")
+    p, i, h = "model.layers.0.mlp.experts", 128, 128
+    for e in range(4):
+        big = float(out[p + ".w13_weight_scale_2"][e])
+        bs = ref.unswizzle_by_offsets(out[p + ".w13_weight_scale"][e], 2 * i, h // 16).view(torch.float8_e4m3fn)
+        got = ref.dequant_nvfp4(out[p + ".w13_weight"][e], bs, big)
+        for half, proj in ((slice(0, i), "up_proj"), (slice(i, 2 * i), "gate_proj")):
+            sp = f"{p}.{e}.{proj}."
+            want = ref.dequant_nvfp4(src[sp + "weight"], src[sp + "weight_scale"], float(src[sp + "weight_scale_2"]))
+            # exact for the max half; within one fp8 rounding of the block scale (2^-4 relative) otherwise
+            assert torch.allclose(got[half], want, rtol=2.0**-4, atol=0)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_fp8_moe_mixtral(cli, tmp_path, target):
+    path = make_checkpoint(tmp_path / "src", arch="mixtral", algo="FP8")
+    convert(cli, path, tmp_path / "o", target)
+    src, out = load_file(str(path / "model.safetensors")), load_out(tmp_path / "o")
+    p = "model.layers.1.block_sparse_moe.experts"
+    a1 = max(float(src[f"{p}.{e}.{w}.input_scale"]) for e in range(4) for w in ("w1", "w3"))
+    a2 = max(float(src[f"{p}.{e}.w2.input_scale"]) for e in range(4))
+    for e in range(4):
+        s1, s3 = src[f"{p}.{e}.w1.weight_scale"], src[f"{p}.{e}.w3.weight_scale"]
+        big = torch.maximum(s1, s3)
+        w13 = torch.cat([ref.fp8_requant(src[f"{p}.{e}.w3.weight"], s3, big) if s3 != big else src[f"{p}.{e}.w3.weight"],
+                         ref.fp8_requant(src[f"{p}.{e}.w1.weight"], s1, big) if s1 != big else src[f"{p}.{e}.w1.weight"]])
+        w2 = src[f"{p}.{e}.w2.weight"]
+        if target == "flashinfer-trtllm":
+            w13, w2 = ref.shuffle_rows(ref.gated_reorder(w13)), ref.shuffle_rows(w2)
+        assert same(out[p + ".w13_weight"][e], w13) and same(out[p + ".w2_weight"][e], w2)
+        assert out[p + ".w13_weight_scale"][e] == big
+        assert float(out[p + ".g1_alphas"][e]) == pytest.approx(float(big) * a1, rel=1e-6)
+        assert float(out[p + ".g2_alphas"][e]) == pytest.approx(float(src[f"{p}.{e}.w2.weight_scale"]) * a2, rel=1e-6)
+    assert float(out[p + ".w13_input_scale"]) == a1 and out[p + ".w13_input_scale"].shape == ()
+    assert float(out[p + ".w2_input_scale_inv"]) == pytest.approx(1 / a2, rel=1e-6)
+
+
+def test_per_channel_and_block_fp8_concatenate(cli, tmp_path):
+    for algo in ("FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO"):
+        path = make_checkpoint(tmp_path / algo, algo=algo)
+        convert(cli, path, tmp_path / f"o-{algo}", "flashinfer-cutlass")
+        src, out = load_file(str(path / "model.safetensors")), load_out(tmp_path / f"o-{algo}")
+        p = "model.layers.0.mlp."
+        assert same(out[p + "gate_up_proj.weight"], torch.cat([src[p + "gate_proj.weight"], src[p + "up_proj.weight"]]))
+        ws = out[p + "gate_up_proj.weight_scale"]
+        if algo == "FP8_PB_WO":
+            assert ws.shape == (512 // 128, 128 // 128)
+            want = torch.cat([src[p + "gate_proj.weight_scale"].reshape(2, 1), src[p + "up_proj.weight_scale"].reshape(2, 1)])
+        else:
+            want = torch.cat([src[p + "gate_proj.weight_scale"], src[p + "up_proj.weight_scale"]])
+        assert torch.equal(ws, want)
+
+
+def test_nvfp4_dense_cutlass_padding(cli, tmp_path):
+    # heads*head_dim = 48: K of o_proj = 48 -> padded to 64; N of q = 48 -> 64 rows
+    path = make_checkpoint(tmp_path / "src", algo="NVFP4", heads=1, kv_heads=1, head_dim=48)
+    convert(cli, path, tmp_path / "o", "flashinfer-cutlass")
+    src, out = load_file(str(path / "model.safetensors")), load_out(tmp_path / "o")
+    w = out["model.layers.0.self_attn.o_proj.weight"]
+    assert w.shape == (128, 32)  # [N=128, roundup(48, 32)/2]
+    assert same(w[:, :24], src["model.layers.0.self_attn.o_proj.weight"]) and not w[:, 24:].any()
+    qkv = out["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv.shape == (160, 64) and not qkv[144:].any()
+    info = load_converted(tmp_path / "o").modules["model.layers.0.self_attn.o_proj"]
+    assert (info.n, info.k, info.padded_n, info.padded_k) == (128, 48, 128, 64)
+
+
+def test_mixed_precision_each_module_by_its_scheme(cli, tmp_path):
+    path = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="MIXED_PRECISION",
+                           mixed={"self_attn": "FP8", "experts": "NVFP4"})
+    convert(cli, path, tmp_path / "o", "flashinfer-cutlass")
+    ck = load_converted(tmp_path / "o")
+    assert isinstance(ck.modules["model.layers.0.self_attn.qkv_proj"], Fp8Linear)
+    assert isinstance(ck.modules["model.layers.0.mlp.experts"], Nvfp4MoE)
+
+
+def test_loader_builds_kernel_arguments(cli, tmp_path):
+    convert(cli, REAL_QWEN, tmp_path / "o", "flashinfer-cutlass")
+    ck = load_converted(tmp_path / "o")
+    moe = ck.modules["model.layers.0.mlp.experts"]
+    qs = moe.cutlass_quant_scales()
+    assert [tuple(x.shape) for x in qs] == [(8,), (8, 256, 4), (8,), (8,), (8, 256, 2), (8,)]
+    assert qs[1].dtype == torch.int32
+    lin = ck.modules["model.layers.0.self_attn.qkv_proj"]
+    assert isinstance(lin, Nvfp4Linear) and lin.n == 512 and lin.k == 256 and lin.shard_rows == [256, 128, 128]
+    assert ck.provenance["target"] == "flashinfer-cutlass"
+    fp8 = load_converted(convert_fp8(cli, tmp_path)).modules["model.layers.0.block_sparse_moe.experts"]
+    assert isinstance(fp8, Fp8MoE)
+    s = fp8.cutlass_quant_scales()
+    assert s[0].shape == (4,) and s[1].shape == () and s[3].shape == ()
+
+
+def convert_fp8(cli, tmp_path):
+    path = make_checkpoint(tmp_path / "fp8src", arch="mixtral", algo="FP8")
+    convert(cli, path, tmp_path / "fp8out", "flashinfer-cutlass")
+    return tmp_path / "fp8out"
+
+
+# --- output files, provenance, safety ---------------------------------------------------------------
+
+def _digest(d):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+def test_output_files_index_manifest_provenance(cli, tmp_path):
+    src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4", shards=2)
+    convert(cli, src, tmp_path / "o", "flashinfer-trtllm", "--max-shard-size", "300KB")
+    out = tmp_path / "o"
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and all(f"-of-{len(shards):05d}" in s.name for s in shards)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(load_out(out))
+    manifest = json.loads((out / "mocli-layout.json").read_text())
+    assert manifest["layout_version"] == 1 and manifest["target"] == "flashinfer-trtllm"
+    w13 = manifest["tensors"]["model.layers.0.mlp.experts.w13_weight"]
+    assert w13["role"] == "w13_weight" and "rows_w3_w1" in w13["transforms"] and len(w13["sources"]) == 8
+    prov = json.loads((out / "hf_quant_config.json").read_text())["mocli"]
+    assert prov == json.loads((out / "config.json").read_text())["quantization_config"]["mocli"]
+    assert prov["source_shards"] == {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                                     for p in sorted(src.glob("*.safetensors"))}
+
+
+def test_reruns_are_byte_identical_and_input_untouched(cli, tmp_path):
+    src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4", shards=2)
+    before = _digest(src)
+    convert(cli, src, tmp_path / "a", "flashinfer-cutlass")
+    convert(cli, src, tmp_path / "b", "flashinfer-cutlass")
+    assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
+    assert _digest(src) == before
+
+
+def test_refuses_non_empty_output_unless_overwrite(cli, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    r = cli("convert", REAL_LLAMA, "-o", out, "--target", "flashinfer-cutlass")
+    assert r.exit_code == 2 and "not empty" in r.stderr and (out / "keep.txt").exists()
+    convert(cli, REAL_LLAMA, out, "flashinfer-cutlass", "--overwrite")
+    assert not (out / "keep.txt").exists() and (out / "mocli-layout.json").exists()
+
+
+def test_refuses_checkpoint_that_fails_validation(cli, tmp_path):
+    path, _ = make_broken("TGT001", tmp_path / "src")  # 2I = 192 is not a multiple of 128
+    r = cli("convert", path, "-o", tmp_path / "o", "--target", "flashinfer-cutlass")
+    assert r.exit_code == 1 and "TGT001" in r.stderr
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
+
+
+def test_cuda_without_gpu_and_bad_size_are_usage_errors(cli, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    r = cli("convert", REAL_LLAMA, "-o", tmp_path / "o", "--target", "flashinfer-cutlass", "--device", "cuda")
+    assert r.exit_code == 2 and "CUDA" in r.stderr
+    r = cli("convert", REAL_LLAMA, "-o", tmp_path / "o", "--target", "flashinfer-cutlass", "--max-shard-size", "lots")
+    assert r.exit_code == 2 and "max-shard-size" in r.stderr
+
+
+def test_output_inside_input_is_refused(cli, real_copy):
+    src = real_copy("llama-fp8_kv")
+    r = cli("convert", src, "-o", src / "out", "--target", "flashinfer-cutlass")
+    assert r.exit_code == 2 and "overlaps" in r.stderr

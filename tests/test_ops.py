@@ -1,0 +1,114 @@
+"""Pure transforms against hand-computed values, the explicit formulas, and FlashInfer where importable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mocli.ops.fp8 import requantize_fp8
+from mocli.ops.layout import (
+    gated_act_row_indices,
+    pad_2d,
+    shuffle_row_indices,
+    swizzle_block_scales,
+    unswizzle_block_scales,
+)
+from mocli.ops.nvfp4 import dequantize_nvfp4, rescale_block_scales, unpack_e2m1
+from tests import reference as ref
+
+
+def test_e2m1_unpack_hand_values():
+    # byte 0x21: low nibble 1 (0.5) first, high nibble 2 (1.0); 0xF8: 8 (-0.0), 15 (-6)
+    out = unpack_e2m1(torch.tensor([[0x21, 0xF8]], dtype=torch.uint8))
+    assert out.tolist() == [[0.5, 1.0, -0.0, -6.0]]
+
+
+def test_nvfp4_dequant_hand_value():
+    packed = torch.full((1, 8), 0x77, dtype=torch.uint8)  # sixteen 6.0s
+    bs = torch.tensor([[2.0]]).to(torch.float8_e4m3fn)
+    out = dequantize_nvfp4(packed, bs, torch.tensor(0.5))
+    assert torch.equal(out, torch.full((1, 16), 6.0))
+
+
+@pytest.mark.parametrize("shape", [(128, 4), (130, 3), (300, 9), (1, 1), (256, 16)])
+def test_swizzle_matches_explicit_offsets(shape):
+    s = torch.randint(0, 256, shape, dtype=torch.uint8)
+    assert torch.equal(swizzle_block_scales(s), ref.swizzle_by_offsets(s))
+
+
+def test_swizzle_hand_positions():
+    # (m=1, k=0) -> offset 16; (m=32, k=0) -> 4; (m=0, k=4) -> 512 (Kp=8)
+    s = torch.zeros(128, 8, dtype=torch.uint8)
+    s[1, 0], s[32, 0], s[0, 4] = 1, 2, 3
+    flat = swizzle_block_scales(s).reshape(-1)
+    assert flat[16] == 1 and flat[4] == 2 and flat[512] == 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 300), kb=st.integers(1, 20), experts=st.integers(0, 3))
+def test_unswizzle_inverts_swizzle(m, kb, experts):
+    shape = (experts, m, kb) if experts else (m, kb)
+    s = torch.randint(0, 256, shape, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    back = unswizzle_block_scales(swizzle_block_scales(s), m, kb)
+    assert torch.equal(back.view(torch.uint8), s.view(torch.uint8))
+
+
+def test_shuffle_and_reorder_match_loops():
+    x = torch.arange(128 * 2).reshape(128, 2)
+    assert torch.equal(x[shuffle_row_indices(128)], ref.shuffle_rows(x))
+    assert torch.equal(x[gated_act_row_indices(128)], ref.gated_reorder(x))
+    with pytest.raises(ValueError):
+        shuffle_row_indices(48)
+
+
+def test_layout_helpers_match_flashinfer():
+    fi = pytest.importorskip("flashinfer")
+    from flashinfer.fused_moe.core import reorder_rows_for_gated_act_gemm
+
+    x = torch.randint(0, 256, (256, 64), dtype=torch.uint8)
+    assert torch.equal(x[shuffle_row_indices(256)], fi.shuffle_matrix_a(x, 128))
+    assert torch.equal(x[gated_act_row_indices(256)], reorder_rows_for_gated_act_gemm(x))
+
+
+def test_pad_2d_zero_fills():
+    t = torch.ones(3, 5).to(torch.float8_e4m3fn)
+    p = pad_2d(t, 4, 8)
+    assert p.shape == (4, 8) and p.dtype == torch.float8_e4m3fn
+    assert p.float().sum() == 15 and p[3].float().abs().sum() == 0
+
+
+# --- requantization properties (SEMANTICS §3) ------------------------------------------------------
+
+fp8_bytes = st.lists(st.integers(0, 255).filter(lambda b: b not in (0x7F, 0xFF)), min_size=1, max_size=64)
+
+
+@settings(max_examples=100, deadline=None)
+@given(raw=fp8_bytes, s=st.floats(1e-4, 1.0), ratio=st.floats(1.0, 64.0))
+def test_requantized_values_within_half_an_fp8_step(raw, s, ratio):
+    q = torch.tensor(raw, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scale, big = torch.tensor(s, dtype=torch.float32), torch.tensor(s * ratio, dtype=torch.float32)
+    q2 = requantize_fp8(q, scale, big)
+    orig = q.float() * scale
+    new = q2.float() * big
+    # |error| <= half a step of the new grid (in units of the new scale), step at the requantized value
+    target = orig / big
+    assert torch.all((new - orig).abs() <= 0.5 * ref.fp8_step(target) * big * (1 + 1e-6))
+    assert torch.equal(q2.view(torch.uint8), ref.fp8_requant(q, scale, big).view(torch.uint8))
+
+
+@settings(max_examples=50, deadline=None)
+@given(raw=fp8_bytes, s=st.floats(1e-4, 1.0))
+def test_max_scale_shard_is_byte_identical(raw, s):
+    q = torch.tensor(raw, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scale = torch.tensor(s, dtype=torch.float32)
+    assert torch.equal(requantize_fp8(q, scale, scale.clone()).view(torch.uint8), q.view(torch.uint8))
+
+
+def test_rescale_block_scales_hand_value():
+    bs = torch.tensor([[2.0, 4.0]]).to(torch.float8_e4m3fn)
+    out = rescale_block_scales(bs, torch.tensor(1.0), torch.tensor(2.0))
+    assert out.float().tolist() == [[1.0, 2.0]]
+    same = rescale_block_scales(bs, torch.tensor(2.0), torch.tensor(2.0))
+    assert same is bs

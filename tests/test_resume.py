@@ -1,0 +1,112 @@
+"""Interrupted conversions (Ctrl-C, kill -9) resume from the last completed unit, byte-identically."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fixtures.generate import make_checkpoint
+from mocli.io.shard_writer import ShardWriter
+from tests.conftest import ROOT
+
+
+def _digest(d):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+@pytest.fixture
+def moe_src(tmp_path):
+    return make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4", experts=8, shards=2)
+
+
+def _interrupt_after(monkeypatch, writes: int):
+    real = ShardWriter.write
+    count = {"n": 0}
+
+    def write(self, *a, **k):
+        count["n"] += 1
+        if count["n"] > writes:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(ShardWriter, "write", write)
+
+
+def test_ctrl_c_then_resume(cli, tmp_path, moe_src, monkeypatch):
+    out = tmp_path / "o"
+    _interrupt_after(monkeypatch, 30)
+    r = cli("convert", moe_src, "-o", out, "--target", "flashinfer-trtllm")
+    assert r.exit_code == 130 and "interrupted" in r.stderr
+    assert not out.exists() and (tmp_path / ".o.mocli-partial").is_dir()
+    monkeypatch.undo()
+    r = cli("--json", "convert", moe_src, "-o", out, "--target", "flashinfer-trtllm")
+    assert r.exit_code == 0, r.stderr
+    assert 0 < r.json["resumed_units"] < r.json["units"]
+    assert not (tmp_path / ".o.mocli-partial").exists()
+    r = cli("convert", moe_src, "-o", tmp_path / "clean", "--target", "flashinfer-trtllm")
+    assert r.exit_code == 0
+    assert _digest(out) == _digest(tmp_path / "clean")
+
+
+def test_partial_from_other_arguments_is_discarded(cli, tmp_path, moe_src, monkeypatch):
+    out = tmp_path / "o"
+    _interrupt_after(monkeypatch, 10)
+    assert cli("convert", moe_src, "-o", out, "--target", "flashinfer-trtllm").exit_code == 130
+    monkeypatch.undo()
+    r = cli("--json", "convert", moe_src, "-o", out, "--target", "flashinfer-cutlass")
+    assert r.exit_code == 0 and r.json["resumed_units"] == 0
+    assert cli("convert", moe_src, "-o", tmp_path / "clean", "--target", "flashinfer-cutlass").exit_code == 0
+    assert _digest(out) == _digest(tmp_path / "clean")
+
+
+KILLER = """
+import os, signal, sys
+from mocli.io.shard_writer import ShardWriter
+real, n = ShardWriter.write, [0]
+def write(self, *a, **k):
+    n[0] += 1
+    if n[0] > int(os.environ["KILL_AFTER"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, *a, **k)
+ShardWriter.write = write
+from mocli.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_kill_9_then_resume(tmp_path, moe_src):
+    out = tmp_path / "o"
+    args = ["-q", "convert", str(moe_src), "-o", str(out), "--target", "flashinfer-cutlass"]
+    env = {**os.environ, "KILL_AFTER": "25", "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", KILLER, *args], env=env, capture_output=True)
+    assert p.returncode == -9
+    assert not out.exists() and (tmp_path / ".o.mocli-partial").is_dir()
+    p = subprocess.run([sys.executable, "-m", "mocli", "--json", *args[1:]], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    import json
+    assert json.loads(p.stdout)["resumed_units"] > 0
+    p = subprocess.run([sys.executable, "-m", "mocli", "-q", "convert", str(moe_src), "-o", str(tmp_path / "clean"),
+                        "--target", "flashinfer-cutlass"], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0
+    assert _digest(out) == _digest(tmp_path / "clean")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", ["flashinfer-cutlass", "flashinfer-trtllm"])
+@pytest.mark.parametrize("arch,algo", [("qwen3_moe", "NVFP4"), ("mixtral", "FP8"), ("llama", "FP8"),
+                                       ("llama", "FP8_PB_WO"), ("llama", "NVFP4")])
+def test_cpu_and_cuda_outputs_are_identical(cli, tmp_path, target, arch, algo):
+    assert torch.cuda.is_available()
+    src = make_checkpoint(tmp_path / "src", arch=arch, algo=algo, unify_scale_2=False)
+    for dev in ("cpu", "cuda"):
+        r = cli("--json", "convert", src, "-o", tmp_path / dev, "--target", target, "--device", dev)
+        assert r.exit_code == 0, r.stderr
+        assert r.json["device"].startswith(dev)
+    a, b = _digest(tmp_path / "cpu"), _digest(tmp_path / "cuda")
+    assert a == b
