@@ -31,6 +31,7 @@ lint:
 
 bench: install
 	$(PYTHON) tests/bench/bench_inspect.py
+	$(PYTHON) tests/bench/bench_convert.py
 
 clean:
 	rm -rf $(DEMO_OUT) bench-out .pytest_cache build *.egg-info

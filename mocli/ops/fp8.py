@@ -21,9 +21,9 @@ def requantize_fp8(q: torch.Tensor, scale: torch.Tensor, new_scale: torch.Tensor
     if bool(scale == new_scale):
         return q  # mocli policy: the max-scale shard is copied byte-for-byte
     inv = torch.reciprocal(new_scale.to(torch.float32).cpu())  # 1/S on the CPU: one rounding, any device
-    x = q.to(torch.float32) * scale.to(q.device, torch.float32)
-    x = x * inv.to(q.device)
-    return to_fp8(x)
+    x = q.to(torch.float32)
+    x.mul_(scale.to(q.device, torch.float32)).mul_(inv.to(q.device)).clamp_(-FP8_MAX, FP8_MAX)
+    return x.to(FP8)
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
