@@ -80,11 +80,15 @@ def io_floor(src: Path, dst: Path) -> float:
     return time.perf_counter() - t0
 
 
-# Runs the real CLI in a child and reports the child's own peak RSS at exit (RUSAGE_CHILDREN would
-# report the largest of all children so far).
+# Runs the real CLI in a child and reports VmHWM (peak RSS of this process image) at exit.
+# getrusage's ru_maxrss is no good here: Linux carries it across fork+exec, so a child of this
+# (large) bench process would report the parent's size.
 _CHILD = """
-import atexit, resource, sys
-atexit.register(lambda: sys.stderr.write(f"MAXRSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}\\n"))
+import atexit, re, sys
+def hwm():
+    kb = re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1)
+    sys.stderr.write(f"MAXRSS {kb}\\n")
+atexit.register(hwm)
 from mocli.cli import main
 main(sys.argv[1:])
 """
