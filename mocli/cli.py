@@ -154,6 +154,49 @@ def convert_cmd(
     _run(ctx, json_, body)
 
 
+class Kernels(StrEnum):
+    AUTO = "auto"
+    TORCH = "torch"
+    FLASHINFER = "flashinfer"
+
+
+@app.command("verify")
+def verify_cmd(
+    ctx: typer.Context,
+    output: Annotated[Path, typer.Argument(metavar="OUT", help="A directory written by mocli convert.",
+                                           show_default=False)],
+    source: Annotated[str | None, typer.Option("--source", help="Source checkpoint (default: from provenance).")]
+    = None,
+    device: Annotated[Device, typer.Option("--device", case_sensitive=False,
+                                           help="Where to run the kernels.")] = Device.AUTO,
+    kernels: Annotated[Kernels, typer.Option("--kernels", case_sensitive=False,
+                                             help="auto: FlashInfer where its kernels run here, else torch.")]
+    = Kernels.AUTO,
+    layers: Annotated[str | None, typer.Option("--layers", help="Only modules whose name matches this wildcard.")]
+    = None,
+    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Activation rows per module.")] = 64,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for activations and routing.")] = 0,
+    junit_xml: Annotated[Path | None, typer.Option("--junit-xml", help="Also write a JUnit XML report.")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Run real GEMMs on converted tensors and compare with a reference from the source; exit 1 on failure."""
+    from mocli.render import render_verify
+    from mocli.verify import VerifyOptions, verify
+    from mocli.verify.junit import write_junit
+
+    def body(out: Output) -> int:
+        opts = VerifyOptions(source=source, device=device.value, kernels=kernels.value, layers=layers,
+                             tokens=tokens, seed=seed)
+        with out.module_progress("verifying") as progress:
+            report = verify(output, opts, progress)
+        if junit_xml is not None:
+            write_junit(report, junit_xml)
+        out.emit(report, render_verify)
+        return 0 if report["ok"] else EXIT_FINDINGS
+
+    _run(ctx, json_, body)
+
+
 def parse_size(text: str) -> int:
     """'5GB' / '500MB' / '123' -> bytes (decimal units, as huggingface_hub)."""
     units = {"TB": 1000**4, "GB": 1000**3, "MB": 1000**2, "KB": 1000, "B": 1}

@@ -163,11 +163,25 @@ class ConvertedCheckpoint:
     def module_info(self, name: str) -> dict[str, Any]:
         return next(m for m in self.manifest["modules"] if m["name"] == name)
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
         """Any output tensor by name (pass-through tensors included)."""
         if name not in self._entries:
             raise KeyError(name)
-        return self._reader.read(self._entries[name])
+        return self._reader.read(self._entries[name]).to(device)
+
+    def load_module(self, name: str, device: str | torch.device = "cpu") -> ConvertedModule:
+        """Build one module object from its manifest entry, tensors on ``device``."""
+        m = self.module_info(name)
+        cls = KINDS[m["kind"]]
+        names = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {"name": name}
+        for role, tname in m["tensors"].items():
+            if role in names:
+                if tname not in self._entries:
+                    raise CorruptFileError(f"{self.path}: manifest names tensor '{tname}' that no shard holds")
+                kwargs[role] = self.tensor(tname, device)
+        kwargs |= {k: v for k, v in m["meta"].items() if k in names}
+        return cls(**kwargs)
 
     def close(self) -> None:
         self._reader.close()
@@ -192,31 +206,19 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 def load_converted(path: str | Path, device: str | torch.device = "cpu",
                    modules: list[str] | None = None) -> ConvertedCheckpoint:
-    """Read the manifest and the tensors of every (or the named) converted module onto ``device``."""
+    """Read the manifest and the tensors of every (or the named; [] for none) module onto ``device``."""
     path = Path(path)
     manifest = read_manifest(path)
     index_path = path / INDEX_NAME
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (OSError, json.JSONDecodeError, KeyError) as e:
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise CorruptFileError(f"{index_path}: unreadable index ({e})") from None
     entries: dict = {}
     for fname in sorted(set(weight_map.values())):
         entries |= read_header(path / fname).tensors
-    reader = TensorReader()
-    dev = torch.device(device)
-    loaded: dict[str, ConvertedModule] = {}
-    for m in manifest["modules"]:
-        if modules is not None and m["name"] not in modules:
-            continue
-        cls = KINDS[m["kind"]]
-        names = {f.name for f in fields(cls)}
-        kwargs: dict[str, Any] = {"name": m["name"]}
-        for role, tname in m["tensors"].items():
-            if role in names:
-                if tname not in entries:
-                    raise CorruptFileError(f"{path}: manifest names tensor '{tname}' that no shard holds")
-                kwargs[role] = reader.read(entries[tname]).to(dev)
-        kwargs |= {k: v for k, v in m["meta"].items() if k in names}
-        loaded[m["name"]] = cls(**kwargs)
-    return ConvertedCheckpoint(path, manifest, loaded, reader, entries)
+    ck = ConvertedCheckpoint(path, manifest, {}, TensorReader(), entries)
+    wanted = [m["name"] for m in manifest["modules"]] if modules is None else modules
+    for name in wanted:
+        ck.modules[name] = ck.load_module(name, device)
+    return ck

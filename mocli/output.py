@@ -87,6 +87,23 @@ class Output:
         with bar:
             yield Sink(start=start, advance=advance)
 
+    @contextmanager
+    def module_progress(self, label: str) -> Iterator[Any]:
+        """A mocli.verify.Progress driving a rich bar over modules on stderr."""
+        from mocli.verify import Progress as Sink
+
+        if not self.show_progress:
+            yield Sink()
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                       console=self.stderr, transient=True)
+        state: dict[str, Any] = {}
+        with bar:
+            yield Sink(start=lambda total: state.update(task=bar.add_task(label, total=total)),
+                       advance=lambda: bar.advance(state["task"]) if "task" in state else None)
+
     def error(self, message: str, hint: str | None = None) -> None:
         line = f"[bold red]error:[/] {escape(message)}"
         if hint:

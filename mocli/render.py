@@ -120,3 +120,16 @@ def render_convert(summary: dict[str, Any], out: Output) -> None:
         out.stdout.print(f"  repaired: {line}")
     for w in summary["warnings"]:
         out.warn(f"{w['code']} {w['location']}: {w['message']}")
+
+
+def render_verify(report: dict[str, Any], out: Output) -> None:
+    t = Table(title=f"verify {escape(report['output'])} ({report['target']}, {report['device']}, "
+                    f"{report['tokens']} tokens, seed {report['seed']})", title_justify="left")
+    for col in ("module", "kernel", "rel. error", "threshold", "result"):
+        t.add_column(col, overflow="fold")
+    for m in report["modules"]:
+        result = "[green]pass[/]" if m["passed"] else f"[bold red]FAIL[/] {escape(m['message'])}"
+        t.add_row(escape(m["module"]), escape(m["kernel"]), f"{m['error']:.3g}", f"{m['threshold']:g}", result)
+    out.stdout.print(t)
+    verdict = "[bold green]OK[/]" if report["ok"] else "[bold red]FAILED[/]"
+    out.stdout.print(f"{verdict}: {report['passed']} passed, {report['failed']} failed in {report['seconds']:.2f} s")

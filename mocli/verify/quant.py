@@ -1,0 +1,85 @@
+"""Activation quantization as the target kernels do it, and source-weight dequantization.
+
+Both the reference and the kernel side quantize activations with these functions (it is an input
+model, not what is being checked); the weights each side uses come from different files.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+E2M1_MAX = 6.0
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+# Midpoints between neighbouring e2m1 magnitudes: bucketize gives the nearest code.
+_MIDS = (_E2M1[1:] + _E2M1[:-1]) / 2
+
+
+def fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Static per-tensor FP8: q = fp8(x / scale) (what the kernel input must be)."""
+    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token FP8: (q [T, K], scale [T, 1])."""
+    s = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+
+
+def fp8_per_group_dequant(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """Dynamic per-token-group (1 x 128) FP8, returned dequantized (float32)."""
+    t, k = x.shape
+    g = x.float().reshape(t, k // group, group)
+    s = (g.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return ((g / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s).reshape(t, k)
+
+
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """Nearest e2m1 value (float32), saturating at ±6."""
+    mids = _MIDS.to(x.device)
+    idx = torch.bucketize(x.abs().clamp(max=E2M1_MAX), mids)
+    return torch.sign(x) * _E2M1.to(x.device)[idx]
+
+
+def nvfp4_quant(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 activation quantization as FlashInfer's fp4_quantize(x, global_scale) does it.
+
+    Per 16-element block: sf = fp8(amax / 6 * gs); values e2m1(x * gs / sf). Returns the exact
+    product e2m1 * sf (float32, exactly representable in bf16); the true value is that / gs.
+    """
+    t, k = x.shape
+    gs = global_scale.float().reshape(()).to(x.device)
+    b = x.float().reshape(t, k // 16, 16)
+    sf = (b.abs().amax(dim=-1, keepdim=True) / E2M1_MAX * gs).clamp(max=FP8_MAX).to(FP8).float()
+    safe = torch.where(sf > 0, sf, torch.ones_like(sf))
+    q = torch.where(sf > 0, e2m1_round(b * gs / safe), torch.zeros_like(b))
+    return (q * sf).reshape(t, k)
+
+
+# --- source-side dequantization (independent of mocli.plan / mocli.ops) ------------------------
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """U8 [N, K/2] -> float32 [N, K]; low nibble first, bit 3 sign."""
+    mag = _E2M1.to(packed.device)
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).long()
+    sign = torch.where(codes >= 8, -1.0, 1.0)
+    return sign * mag[codes & 7]
+
+
+def dequant_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor | float) -> torch.Tensor:
+    vals = unpack_e2m1(packed)
+    bs = block_scale.float().repeat_interleave(16, dim=-1)
+    return vals * bs * float(scale_2)
+
+
+def dequant_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-tensor (0-dim), per-channel ([N] or [N, 1]) or 128x128 block ([N/128, 1, K/128, 1])."""
+    w = q.float()
+    s = scale.float().to(w.device)
+    if s.dim() == 0:
+        return w * s
+    if s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1):
+        return w * s.reshape(-1, 1)
+    blocks = s.reshape(s.shape[0], s.shape[-2] if s.dim() == 4 else s.shape[1])
+    return w * blocks.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
