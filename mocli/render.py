@@ -129,7 +129,8 @@ def render_verify(report: dict[str, Any], out: Output) -> None:
         t.add_column(col, overflow="fold")
     for m in report["modules"]:
         result = "[green]pass[/]" if m["passed"] else f"[bold red]FAIL[/] {escape(m['message'])}"
-        t.add_row(escape(m["module"]), escape(m["kernel"]), f"{m['error']:.3g}", f"{m['threshold']:g}", result)
+        err = "-" if m["error"] is None else f"{m['error']:.3g}"
+        t.add_row(escape(m["module"]), escape(m["kernel"]), err, f"{m['threshold']:g}", result)
     out.stdout.print(t)
     verdict = "[bold green]OK[/]" if report["ok"] else "[bold red]FAILED[/]"
     out.stdout.print(f"{verdict}: {report['passed']} passed, {report['failed']} failed in {report['seconds']:.2f} s")

@@ -17,7 +17,8 @@ def write_junit(report: dict[str, Any], path: Path) -> None:
     for m in mods:
         case = ET.SubElement(suite, "testcase", classname=f"mocli.verify.{m['kind']}", name=m["module"],
                              time=f"{m['seconds']:.4f}")
-        detail = (f"kernel={m['kernel']}{' (emulated)' if m['emulated'] else ''} error={m['error']:.4g} "
+        err = "n/a" if m["error"] is None else f"{m['error']:.4g}"
+        detail = (f"kernel={m['kernel']}{' (emulated)' if m['emulated'] else ''} error={err} "
                   f"threshold={m['threshold']:g}")
         if m["passed"]:
             ET.SubElement(case, "system-out").text = detail

@@ -83,7 +83,9 @@ class ModuleResult:
     message: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return self.__dict__.copy()
+        d = self.__dict__.copy()
+        d["error"] = None if math.isnan(self.error) else self.error  # JSON has no NaN
+        return d
 
 
 @dataclass
@@ -127,7 +129,7 @@ def _runtime(opts: VerifyOptions, target: str) -> Runtime:
     rt = Runtime(dev, opts.kernels, target)
     if rt.cuda:
         rt.cc = torch.cuda.get_device_capability(dev)
-    if opts.kernels != "torch":
+    if opts.kernels != "torch" and rt.cuda:  # FlashInfer kernels are CUDA-only: skip the (slow) import
         try:
             import flashinfer  # noqa: F401
             rt.fi = flashinfer

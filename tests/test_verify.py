@@ -1,0 +1,314 @@
+"""verify: passes untouched conversions and fails on every planted fault class (mutation suite)."""
+
+from __future__ import annotations
+
+import shutil
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fixtures.generate import make_checkpoint
+from mocli.loader import load_converted
+from mocli.verify import THRESHOLDS
+from mocli.verify.flashinfer_args import cutlass_fused_moe_fp8_args, cutlass_fused_moe_nvfp4_args, mm_fp4_args
+from mocli.verify.quant import e2m1_round, nvfp4_quant
+from tests import reference as ref
+from tests.conftest import REAL_LLAMA, REAL_QWEN
+
+CUTLASS, TRTLLM = "flashinfer-cutlass", "flashinfer-trtllm"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """One conversion per (source, target), made once; tests mutate copies."""
+    from tests.conftest import run_cli
+
+    base = tmp_path_factory.mktemp("conv")
+    sources = {
+        "qwen": REAL_QWEN,
+        "llama": REAL_LLAMA,
+        "mixtral": make_checkpoint(base / "mixtral-src", arch="mixtral", algo="FP8"),
+        "padded": make_checkpoint(base / "padded-src", algo="NVFP4", heads=1, kv_heads=1, head_dim=48),
+    }
+    made = {}
+    for key, src in sources.items():
+        for target in (CUTLASS,) if key == "padded" else (CUTLASS, TRTLLM):  # N = 48: cutlass pads, trtllm refuses
+            out = base / f"{key}-{target}"
+            assert run_cli("-q", "convert", src, "-o", out, "--target", target).exit_code == 0
+            made[key, target] = out
+    return made
+
+
+def _copy(converted, key, target, tmp_path):
+    dst = tmp_path / "o"
+    shutil.copytree(converted[key, target], dst)
+    return dst
+
+
+def _mutate(out, fn: Callable[[dict[str, torch.Tensor]], bool]) -> None:
+    hit = False
+    for f in sorted(out.glob("model-*.safetensors")):
+        t = load_file(str(f))
+        if fn(t):
+            save_file(t, str(f), metadata={"format": "pt"})
+            hit = True
+    assert hit, "mutation touched nothing"
+
+
+def _verify(cli, out, *args):
+    r = cli("--json", "verify", out, *args)
+    assert r.exit_code in (0, 1), r.stderr
+    return r.exit_code, {m["module"]: m for m in r.json["modules"]}
+
+
+# --- untouched outputs pass -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key,target", [(k, t) for k in ("qwen", "llama", "mixtral") for t in (CUTLASS, TRTLLM)]
+                         + [("padded", CUTLASS)])
+def test_untouched_conversion_passes(cli, converted, key, target):
+    code, mods = _verify(cli, converted[key, target])
+    assert code == 0, {k: (m["error"], m["message"]) for k, m in mods.items() if not m["passed"]}
+    assert mods and all(m["passed"] and m["error"] < m["threshold"] for m in mods.values())
+    for m in mods.values():
+        assert m["threshold"] == THRESHOLDS[m["kind"]]
+        assert m["emulated"] == ("nvfp4" in m["kind"] or m["kind"] == "fp8_block_linear")
+        if m["emulated"]:
+            assert "emulated" in m["kernel"]
+
+
+def test_cpu_kernels_are_named(cli, converted):
+    _, mods = _verify(cli, converted["mixtral", CUTLASS])
+    assert mods["model.layers.0.block_sparse_moe.experts"]["kernel"] == "torch._scaled_mm per expert (CPU)"
+    assert mods["model.layers.0.self_attn.qkv_proj"]["kernel"] == "torch._scaled_mm"
+
+
+# --- the mutation suite ------------------------------------------------------------------------------
+
+def _swap_experts(prefix: str):
+    def fn(t):
+        hit = False
+        for suffix in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
+            name = f"{prefix}.{suffix}"
+            if name in t and t[name].dim() == 3:
+                w = t[name].clone()
+                w[[0, 1]] = w[[1, 0]]
+                t[name] = w
+                hit = True
+        return hit
+    return fn
+
+
+def _scale(name: str, factor: float):
+    def fn(t):
+        if name not in t:
+            return False
+        t[name] = t[name] * factor
+        return True
+    return fn
+
+
+def _unswizzle_scales(name: str, rows: int, cols: int, twice: bool = False):
+    def fn(t):
+        if name not in t:
+            return False
+        s = t[name]
+        def one(x):
+            if twice:
+                return ref.swizzle_by_offsets(x).view(torch.float8_e4m3fn)
+            plain = ref.unswizzle_by_offsets(x, rows, cols)
+            out = torch.zeros_like(x.view(torch.uint8))
+            out[:rows, :cols] = plain
+            return out.view(torch.float8_e4m3fn)
+        t[name] = torch.stack([one(x) for x in s]) if s.dim() == 3 else one(s)
+        return True
+    return fn
+
+
+def _dirty_padding(name: str, rows: int | None = None, cols: int | None = None):
+    def fn(t):
+        if name not in t:
+            return False
+        w = t[name].clone()
+        raw = w.view(torch.uint8)
+        if rows is not None:
+            raw[rows:] = 0x11
+        if cols is not None:
+            raw[:, cols:] = 0x11
+        t[name] = w
+        return True
+    return fn
+
+
+def _other_layer(name: str, other: str):
+    def fn(t):
+        if name not in t:
+            return False
+        t[name] = t[other].clone()
+        return True
+    return fn
+
+
+Q0 = "model.layers.0.mlp.experts"
+M0 = "model.layers.0.block_sparse_moe.experts"
+MUTATIONS = {
+    # w1/w3 halves swapped: [w1; w3] written instead of [w3; w1] (SEMANTICS §4: GSM8K 0%)
+    # rows 0..127 of the 128x4-swizzled scales are exactly the first 128 logical rows (one tile)
+    "nvfp4 moe w1/w3 swapped": ("qwen", CUTLASS, Q0, [lambda t: _swap_rows(t, f"{Q0}.w13_weight", 128)
+                                                       and _swap_rows(t, f"{Q0}.w13_weight_scale", 128)]),
+    "fp8 moe w1/w3 swapped": ("mixtral", CUTLASS, M0, [lambda t: _swap_rows(t, f"{M0}.w13_weight", 128)]),
+    "nvfp4 moe experts exchanged": ("qwen", CUTLASS, Q0, [_swap_experts(Q0)]),
+    "fp8 moe experts exchanged (trtllm)": ("mixtral", TRTLLM, M0, [_swap_experts(M0)]),
+    "nvfp4 moe block scales unswizzled": ("qwen", CUTLASS, Q0, [_unswizzle_scales(f"{Q0}.w13_weight_scale", 256, 16)]),
+    "nvfp4 moe block scales swizzled twice": ("qwen", TRTLLM, Q0,
+                                              [_unswizzle_scales(f"{Q0}.w2_weight_scale", 256, 8, twice=True)]),
+    "nvfp4 dense block scales unswizzled": ("qwen", CUTLASS, "model.layers.1.self_attn.qkv_proj",
+                                            [_unswizzle_scales("model.layers.1.self_attn.qkv_proj.weight_scale",
+                                                               512, 16)]),
+    "nvfp4 moe g1_alphas x2": ("qwen", CUTLASS, Q0, [_scale(f"{Q0}.g1_alphas", 2.0)]),
+    "fp8 moe g2_alphas x2": ("mixtral", TRTLLM, M0, [_scale(f"{M0}.g2_alphas", 2.0)]),
+    "nvfp4 dense alpha x2": ("qwen", TRTLLM, "model.layers.0.self_attn.o_proj",
+                             [_scale("model.layers.0.self_attn.o_proj.alpha", 2.0)]),
+    "fp8 dense weight_scale x2": ("llama", CUTLASS, "model.layers.1.mlp.gate_up_proj",
+                                  [_scale("model.layers.1.mlp.gate_up_proj.weight_scale", 2.0)]),
+    "fp8 dense input_scale x0.5": ("llama", TRTLLM, "model.layers.0.self_attn.qkv_proj",
+                                   [_scale("model.layers.0.self_attn.qkv_proj.input_scale", 0.5)]),
+    "nvfp4 padded weight columns not zero": ("padded", CUTLASS, "model.layers.0.self_attn.o_proj",
+                                             [_dirty_padding("model.layers.0.self_attn.o_proj.weight", cols=24)]),
+    "nvfp4 padded weight rows not zero": ("padded", CUTLASS, "model.layers.1.self_attn.qkv_proj",
+                                          [_dirty_padding("model.layers.1.self_attn.qkv_proj.weight", rows=144)]),
+    "nvfp4 swizzle padding not zero": ("padded", CUTLASS, "model.layers.0.self_attn.qkv_proj",
+                                       [_dirty_padding("model.layers.0.self_attn.qkv_proj.weight_scale", rows=144)]),
+    "fp8 dense shard from another layer": ("llama", CUTLASS, "model.layers.0.self_attn.qkv_proj",
+                                           [_other_layer("model.layers.0.self_attn.qkv_proj.weight",
+                                                         "model.layers.1.self_attn.qkv_proj.weight")]),
+    "nvfp4 moe w2 from another layer": ("qwen", TRTLLM, Q0, [_other_layer(f"{Q0}.w2_weight",
+                                                                         "model.layers.1.mlp.experts.w2_weight")]),
+}
+
+
+def _swap_rows(t, name, half):
+    if name not in t:
+        return False
+    w = t[name]
+    t[name] = torch.cat([w[:, half:], w[:, :half]], dim=1).contiguous()
+    return True
+
+
+@pytest.mark.parametrize("fault", sorted(MUTATIONS))
+def test_verify_fails_on_planted_fault(cli, converted, tmp_path, fault):
+    key, target, module, mutations = MUTATIONS[fault]
+    out = _copy(converted, key, target, tmp_path)
+    for m in mutations:
+        _mutate(out, m)
+    code, mods = _verify(cli, out)
+    assert code == 1
+    assert not mods[module]["passed"], mods[module]
+    others = [m for name, m in mods.items() if name != module and not m["passed"]]
+    assert not others, "the fault should be pinned to its module"
+
+
+# --- CLI behaviour ----------------------------------------------------------------------------------
+
+def test_junit_xml_and_human_output(cli, converted, tmp_path):
+    xml_path = tmp_path / "verify.xml"
+    r = cli("verify", converted["qwen", CUTLASS], "--junit-xml", xml_path)
+    assert r.exit_code == 0 and "6 passed, 0 failed" in r.stdout and "emulated" in r.stdout
+    suite = ET.parse(xml_path).getroot()
+    assert suite.get("tests") == "6" and suite.get("failures") == "0"
+    assert {c.get("name") for c in suite.iter("testcase")} >= {"model.layers.0.mlp.experts"}
+
+
+def test_junit_records_failures(cli, converted, tmp_path):
+    out = _copy(converted, "llama", CUTLASS, tmp_path)
+    _mutate(out, _scale("model.layers.1.mlp.gate_up_proj.weight_scale", 2.0))
+    r = cli("verify", out, "--junit-xml", tmp_path / "v.xml")
+    assert r.exit_code == 1 and "FAILED" in r.stdout
+    failures = ET.parse(tmp_path / "v.xml").getroot().findall(".//failure")
+    assert len(failures) == 1
+
+
+def test_layers_filter_tokens_seed(cli, converted):
+    r = cli("--json", "verify", converted["qwen", TRTLLM], "--layers", "*layers.1.mlp*", "--tokens", "8",
+            "--seed", "3")
+    assert r.exit_code == 0
+    assert [m["module"] for m in r.json["modules"]] == ["model.layers.1.mlp.experts"]
+    assert r.json["tokens"] == 8 and r.json["seed"] == 3
+    r = cli("verify", converted["qwen", TRTLLM], "--layers", "nothing*")
+    assert r.exit_code == 2 and "matches no converted module" in r.stderr
+
+
+def test_not_a_converted_directory(cli):
+    r = cli("verify", REAL_QWEN)
+    assert r.exit_code == 2 and "not a mocli-converted" in r.stderr
+
+
+def test_changed_source_is_refused(cli, tmp_path, real_copy):
+    src = real_copy("llama-fp8_kv")
+    out = tmp_path / "o"
+    assert cli("-q", "convert", src, "-o", out, "--target", CUTLASS).exit_code == 0
+    assert cli("-q", "verify", out).exit_code == 0
+    with open(src / "model.safetensors", "r+b") as f:  # flip one byte of tensor data
+        f.seek(-1, 2)
+        b = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([b[0] ^ 1]))
+    r = cli("verify", out)
+    assert r.exit_code == 2 and "no longer matches" in r.stderr
+    r = cli("verify", out, "--source", REAL_LLAMA)  # an unchanged copy is accepted
+    assert r.exit_code == 0
+
+
+def test_flashinfer_kernels_need_gpu(cli, converted):
+    if torch.cuda.is_available():
+        pytest.skip("GPU present")
+    r = cli("verify", converted["qwen", CUTLASS], "--kernels", "flashinfer")
+    assert r.exit_code == 2 and "CUDA" in r.stderr
+    r = cli("verify", converted["qwen", CUTLASS], "--device", "cuda")
+    assert r.exit_code == 2
+
+
+# --- FlashInfer call contracts (SEMANTICS §4, §7, §9): arguments only, no kernel here ---------------
+
+def test_cutlass_fused_moe_fp8_arguments(converted):
+    ck = load_converted(converted["mixtral", CUTLASS])
+    mod = ck.modules[M0]
+    x = torch.randn(5, mod.hidden)
+    ids, w = torch.randint(0, 4, (5, 2)), torch.rand(5, 2)
+    a = cutlass_fused_moe_fp8_args(mod, x, ids, w)
+    assert a["input"].dtype == torch.float8_e4m3fn
+    assert torch.equal(a["input"].view(torch.uint8),
+                       (x / mod.w13_input_scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert a["token_selected_experts"].dtype == torch.int32 and a["token_final_scales"].dtype == torch.float32
+    g1, a2_inv, g2, a1 = a["quant_scales"]
+    assert g1.shape == (4,) and torch.allclose(g1, mod.w13_weight_scale * mod.w13_input_scale)  # a1 folded in
+    assert a2_inv.dim() == 0 and torch.isclose(a2_inv, 1 / mod.w2_input_scale)
+    assert torch.allclose(g2, mod.w2_weight_scale * mod.w2_input_scale) and a1.dim() == 0
+    assert a["fc1_expert_weights"].shape == (4, 2 * mod.intermediate, mod.hidden)
+
+
+def test_cutlass_fused_moe_nvfp4_and_mm_fp4_arguments(converted):
+    ck = load_converted(converted["qwen", CUTLASS])
+    mod = ck.modules[Q0]
+    a = cutlass_fused_moe_nvfp4_args(mod, torch.zeros(3, 128, dtype=torch.uint8), torch.zeros(3, 16),
+                                     torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))
+    assert a["fc1_expert_weights"].dtype == torch.long and a["fc1_expert_weights"].shape == (8, 256, 16)
+    qs = a["quant_scales"]
+    assert [q.dtype for q in qs] == [torch.float32, torch.int32, torch.float32, torch.float32, torch.int32,
+                                     torch.float32]
+    assert torch.allclose(qs[0], 1 / mod.w13_input_scale) and torch.allclose(qs[2], mod.g1_alphas)
+    lin = ck.modules["model.layers.0.self_attn.o_proj"]
+    m = mm_fp4_args(lin, torch.zeros(2, 128, dtype=torch.uint8), torch.zeros(2, 16))
+    assert m["b"].shape == (128, 256) and m["alpha"].shape == (1,)
+    assert torch.isclose(m["alpha"][0], lin.input_scale * lin.weight_scale_2)
+
+
+# --- the activation quantizer against hand values ---------------------------------------------------
+
+def test_e2m1_round_and_nvfp4_quant_hand_values():
+    assert e2m1_round(torch.tensor([0.2, 0.3, 2.4, 2.6, 5.1, 7.0, -1.3])).tolist() == [0.0, 0.5, 2.0, 3.0, 6.0,
+                                                                                       6.0, -1.5]
+    x = torch.tensor([[6.0] + [3.0] * 15])  # block amax 6, gs 1: sf = fp8(1.0); values exact
+    assert torch.equal(nvfp4_quant(x, torch.tensor(1.0)), x)
