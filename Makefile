@@ -19,6 +19,8 @@ install-flashinfer:
 demo: install
 	$(PYTHON) -m mocli inspect $(DEMO_MODEL)
 	$(PYTHON) -m mocli validate $(DEMO_MODEL) --target flashinfer-cutlass
+	$(PYTHON) -m mocli convert $(DEMO_MODEL) -o $(DEMO_OUT) --target flashinfer-cutlass --overwrite
+	$(PYTHON) -m mocli verify $(DEMO_OUT)
 
 test: install
 	$(PYTHON) -m pytest

@@ -24,6 +24,7 @@ from mocli.quant_config import (
 )
 
 INDEX_NAME = "model.safetensors.index.json"
+LAYOUT_MANIFEST = "mocli-layout.json"  # written by mocli convert (mocli.plan.MANIFEST_NAME)
 SINGLE_NAME = "model.safetensors"
 
 
@@ -69,6 +70,9 @@ def open_checkpoint(spec: str | Path) -> Checkpoint:
     """Resolve ``spec`` and read every header; raise InputError/CorruptFileError when unusable."""
     source = resolve_source(str(spec))
     root = source.path
+    if (root / LAYOUT_MANIFEST).exists():
+        raise InputError(f"{root}: this is a mocli-converted checkpoint (kernel layout), not a ModelOpt export",
+                         hint="inspect/validate/convert its source; check it with mocli verify")
     index_path = root / INDEX_NAME
     if index_path.exists():
         files, tensors = _read_sharded(root, index_path)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from mocli.census import Census, Module, MoELayer
+from mocli.checkpoint import LAYOUT_MANIFEST
 from mocli.io.safetensors_file import DTYPE_SIZES, TensorEntry, TensorReader
 from mocli.ops.fp8 import requantize_fp8
 from mocli.ops.layout import (
@@ -30,7 +31,7 @@ from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.targets import Target
 
 LAYOUT_VERSION = 1
-MANIFEST_NAME = "mocli-layout.json"
+MANIFEST_NAME = LAYOUT_MANIFEST
 # cutlass NVFP4 GEMMs take N and K padded to multiples of 32 (SEMANTICS §6).
 CUTLASS_FP4_PAD = 32
 

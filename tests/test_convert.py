@@ -278,3 +278,10 @@ def test_output_inside_input_is_refused(cli, real_copy):
     src = real_copy("llama-fp8_kv")
     r = cli("convert", src, "-o", src / "out", "--target", "flashinfer-cutlass")
     assert r.exit_code == 2 and "overlaps" in r.stderr
+
+
+def test_converted_output_is_not_taken_as_a_source(cli, tmp_path):
+    convert(cli, REAL_LLAMA, tmp_path / "o", "flashinfer-cutlass")
+    for cmd in (["inspect"], ["validate"], ["convert", "-o", str(tmp_path / "again"), "--target", "flashinfer-cutlass"]):
+        r = cli(cmd[0], tmp_path / "o", *cmd[1:])
+        assert r.exit_code == 2 and "mocli-converted" in r.stderr

@@ -56,14 +56,16 @@ from mocli.verify.quant import (
 #   real Llama export: 1.4-2.0%); BF16 output rounding adds 2^-9.
 # - fp8_channel/block_linear, nvfp4_linear: weights are bit-identical to the source; only BF16
 #   output rounding and summation order differ (rescaled NVFP4 shards: one fp8 rounding, 2^-4).
-# - MoE: the intermediate activation is re-quantized (FP8 e4m3 / NVFP4 e2m1) from slightly different
-#   GEMM1 outputs, so a few values flip to a neighbouring code; e2m1 codes are up to 33% apart.
+# - MoE: both GEMM1 halves carry the requantization error above and silu(gate) * up multiplies them
+#   (~sqrt(2) x 3.6%); the intermediate activation is then re-quantized (FP8 e4m3 / NVFP4 e2m1) from
+#   slightly different values, so some flip to a neighbouring code (e2m1 codes are up to 33% apart).
+#   Measured on the H100 with 256 tokens: FP8 MoE 0.032-0.048, NVFP4 MoE 0.027.
 THRESHOLDS: dict[str, float] = {
     "fp8_linear": 0.05,
     "fp8_channel_linear": 0.01,
     "fp8_block_linear": 0.01,
     "nvfp4_linear": 0.03,
-    "fp8_moe": 0.05,
+    "fp8_moe": 0.10,
     "nvfp4_moe": 0.10,
 }
 
