@@ -14,7 +14,7 @@ install:
 
 # Optional: FlashInfer's pure-torch layout helpers, used as cross-checks by some tests (~1 min on CPU).
 install-flashinfer:
-	$(PYTHON) -m pip install -q "flashinfer-python==0.7.2"
+	$(PYTHON) -m pip install -q "flashinfer-python==0.7.2" "$(TORCH_SPEC)"
 
 demo: install
 	$(PYTHON) -m mocli inspect $(DEMO_MODEL)
