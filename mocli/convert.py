@@ -178,11 +178,12 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
     out = Path(out)
     _check_out(out, overwrite, ckpt.path)
     census = build_census(ckpt.tensors)
-    report = validate(ckpt, target, census)
+    scales = read_scales(ckpt, census)
+    report = validate(ckpt, target, census, scales)
     if report.findings.errors:
         raise ConversionRefused(report.findings)
 
-    plan = build_plan(census, read_scales(ckpt, census), target)
+    plan = build_plan(census, scales, target)
     specs = [TensorSpec(t.name, t.dtype, t.shape, t.nbytes) for t in plan.tensors.values()]
     layout = layout_shards(specs, max_shard_bytes)
     layout_dict = layout.to_dict()

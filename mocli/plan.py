@@ -382,16 +382,24 @@ def _s(scales: dict[str, torch.Tensor], m: Module, suffix: str) -> torch.Tensor:
     return scales[m.tensors[suffix].name].reshape(())
 
 
+def _per_expert(scales: dict[str, torch.Tensor], mods: list, suffix: str) -> tuple[torch.Tensor, ...]:
+    """([E] gate, [E] up, [E] down) values of one scale suffix."""
+    return tuple(torch.stack([_s(scales, trio[j], suffix) for trio in mods]) for j in range(3))
+
+
+def _moe_input_scales(scales: dict[str, torch.Tensor], mods: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a13, a2): max input scale over all experts' w1/w3, and over their w2 (SEMANTICS §4, §7.3)."""
+    g, u, d = _per_expert(scales, mods, INPUT_SCALE)
+    return torch.maximum(g, u).max(), d.max()
+
+
 def _plan_moe_fp8(plan: Plan, layer: MoELayer, scales: dict[str, torch.Tensor], consumed: set[str]) -> None:
     target = plan.target
     mods, e_count, i, h = _moe_common(plan, layer, consumed)
     p = layer.name
-    s1 = torch.stack([_s(scales, g, WEIGHT_SCALE) for g, _, _ in mods])
-    s3 = torch.stack([_s(scales, u, WEIGHT_SCALE) for _, u, _ in mods])
-    s2 = torch.stack([_s(scales, d, WEIGHT_SCALE) for _, _, d in mods])
+    s1, s3, s2 = _per_expert(scales, mods, WEIGHT_SCALE)
     w13_scale = torch.maximum(s1, s3)
-    a1 = torch.stack([_s(scales, m, INPUT_SCALE) for g, u, _ in mods for m in (g, u)]).max()
-    a2 = torch.stack([_s(scales, d, INPUT_SCALE) for _, _, d in mods]).max()
+    a1, a2 = _moe_input_scales(scales, mods)
     plan.repairs["fp8_requantized_shards"] += int((s1 != w13_scale).sum() + (s3 != w13_scale).sum())
     g1 = w13_scale * a1
     g2 = s2 * a2
@@ -451,17 +459,14 @@ def _plan_moe_nvfp4(plan: Plan, layer: MoELayer, scales: dict[str, torch.Tensor]
     target = plan.target
     mods, e_count, i, h = _moe_common(plan, layer, consumed)
     p = layer.name
-    s2_1 = torch.stack([_s(scales, g, WEIGHT_SCALE_2) for g, _, _ in mods])
-    s2_3 = torch.stack([_s(scales, u, WEIGHT_SCALE_2) for _, u, _ in mods])
-    s2_2 = torch.stack([_s(scales, d, WEIGHT_SCALE_2) for _, _, d in mods])
+    s2_1, s2_3, s2_2 = _per_expert(scales, mods, WEIGHT_SCALE_2)
     w13_s2 = torch.maximum(s2_1, s2_3)  # mocli policy: max, rescale the other half (SEMANTICS §7.1)
     mismatched = s2_1 != s2_3
     plan.repairs["nvfp4_rescaled_experts"] += int(mismatched.sum())
     if bool(mismatched.any()):
         ratio = float((w13_s2 / torch.minimum(s2_1, s2_3)).max())
         plan.repairs["nvfp4_worst_scale_2_ratio"] = max(plan.repairs["nvfp4_worst_scale_2_ratio"], ratio)
-    a13 = torch.stack([_s(scales, m, INPUT_SCALE) for g, u, _ in mods for m in (g, u)]).max()
-    a2 = torch.stack([_s(scales, d, INPUT_SCALE) for _, _, d in mods]).max()
+    a13, a2 = _moe_input_scales(scales, mods)
     a13_v, a2_v = a13.expand(e_count).clone(), a2.expand(e_count).clone()
     g1 = w13_s2 * a13
     g2 = s2_2 * a2

@@ -46,7 +46,9 @@ class ValidationReport:
         }
 
 
-def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | None = None) -> ValidationReport:
+def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | None = None,
+             scales: dict[str, torch.Tensor] | None = None) -> ValidationReport:
+    """All checks; ``census``/``scales`` may be passed in when the caller already has them."""
     findings = Findings(ckpt.config_findings)
     census = census or build_census(ckpt.tensors)
     report = ValidationReport(findings, census)
@@ -57,7 +59,8 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
     _check_mixed_layers(quant, census, findings)
     _check_exclusions(quant, census, declared, findings)
     _check_tensors(quant, census, declared, findings)
-    report.stats["scales"] = _check_scales(ckpt, census, findings)
+    report.stats["scales"] = _check_scales(scales if scales is not None else read_scales(ckpt, census),
+                                           census, findings)
     if target is not None:
         _check_target(target, census, findings)
     return report
@@ -234,9 +237,8 @@ def _check_moe_layer(layer: MoELayer, findings: Findings) -> None:
 
 # --- scale health ---------------------------------------------------------------------------------
 
-def _check_scales(ckpt: Checkpoint, census: Census, findings: Findings) -> dict[str, Any]:
+def _check_scales(values: dict[str, torch.Tensor], census: Census, findings: Findings) -> dict[str, Any]:
     """NaN/Inf/non-positive scales, FP8 shard spread, NVFP4 weight_scale_2 mismatch. Returns stats."""
-    values = read_scales(ckpt, census)
     for name, v in values.items():
         if not bool(torch.isfinite(v).all()):
             findings.add("SCL001", name, f"contains {'NaN' if bool(torch.isnan(v).any()) else 'Inf'}",

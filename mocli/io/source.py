@@ -51,6 +51,7 @@ def _download(spec: str, repo_id: str, revision: str | None) -> Source:
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
+        HFValidationError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -71,6 +72,8 @@ def _download(spec: str, repo_id: str, revision: str | None) -> Source:
                          hint="check the repo id and your HF token") from None
     except RevisionNotFoundError:
         raise InputError(f"{spec}: revision {revision!r} not found") from None
+    except HFValidationError as e:
+        raise InputError(f"{spec}: not a valid Hub repo id ({e})") from None
     except HfHubHTTPError as e:
         raise InputError(f"{spec}: Hub request failed: {str(e).splitlines()[0]}") from None
     local_path = Path(local)

@@ -403,14 +403,26 @@ def _layer_scales(info, src: _Source, suffix_proj: list[str]) -> torch.Tensor:
                         for e in sorted(layer.experts) for p in suffix_proj]).max()
 
 
+def _moe_case(mod: Fp8MoE | Nvfp4MoE, info, src: _Source, rt: Runtime, opts: VerifyOptions, fp4: bool):
+    """Activations, routing and the source reference for one MoE layer."""
+    a13, a2 = _layer_scales(info, src, ["gate", "up"]), _layer_scales(info, src, ["down"])
+    if fp4:
+        def qin(t): return nvfp4_quant(t, 1 / a13) * a13
+        def qmid(t): return nvfp4_quant(t, 1 / a2) * a2
+    else:
+        def qin(t): return fp8_static(t, a13).float() * a13
+        def qmid(t): return fp8_static(t, a2).float() * a2
+    gen = _gen(opts.seed, mod.name)
+    # Scaled so the calibrated range (input_scale x format max) covers about 4 standard deviations.
+    amax = float(a13) * (448 * 6 if fp4 else 448)
+    x = (torch.randn(opts.tokens, mod.hidden, generator=gen) * (amax / 4)).to(rt.device)
+    r = _route(opts.tokens, mod.experts, _top_k(src, mod.experts), gen, rt.device)
+    return x, r, _moe_reference(info, src, x, r, qin, qmid)
+
+
 def _fp8_moe(mod: Fp8MoE, info, src, rt, opts):
     e_count, i, h = mod.experts, mod.intermediate, mod.hidden
-    a1, a2 = _layer_scales(info, src, ["gate", "up"]), _layer_scales(info, src, ["down"])
-    gen = _gen(opts.seed, mod.name)
-    x = (torch.randn(opts.tokens, h, generator=gen) * (float(a1) * 448 / 4)).to(rt.device)
-    r = _route(opts.tokens, e_count, _top_k(src, e_count), gen, rt.device)
-    ref = _moe_reference(info, src, x, r, lambda t: fp8_static(t, a1).float() * a1,
-                         lambda t: fp8_static(t, a2).float() * a2)
+    x, r, ref = _moe_case(mod, info, src, rt, opts, fp4=False)
     if rt.fi is not None and rt.kernels == "flashinfer":
         out = flashinfer_args.run_cutlass_fused_moe_fp8(rt.fi, mod, x, r.topk_ids, r.topk_weights)
         return "flashinfer.cutlass_fused_moe", False, out, ref
@@ -449,12 +461,7 @@ def _fp8_moe(mod: Fp8MoE, info, src, rt, opts):
 
 def _nvfp4_moe(mod: Nvfp4MoE, info, src, rt, opts):
     e_count, i, h = mod.experts, mod.intermediate, mod.hidden
-    a13, a2 = _layer_scales(info, src, ["gate", "up"]), _layer_scales(info, src, ["down"])
-    gen = _gen(opts.seed, mod.name)
-    x = (torch.randn(opts.tokens, h, generator=gen) * (float(a13) * 2688 / 4)).to(rt.device)
-    r = _route(opts.tokens, e_count, _top_k(src, e_count), gen, rt.device)
-    ref = _moe_reference(info, src, x, r, lambda t: nvfp4_quant(t, 1 / a13) * a13,
-                         lambda t: nvfp4_quant(t, 1 / a2) * a2)
+    x, r, ref = _moe_case(mod, info, src, rt, opts, fp4=True)
     if _fp4_kernels(rt):
         out = flashinfer_args.run_cutlass_fused_moe_nvfp4(rt.fi, mod, x, r.topk_ids, r.topk_weights)
         return "flashinfer.cutlass_fused_moe", False, out, ref
