@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -51,7 +52,7 @@ def _global(
     ctx: typer.Context,
     json_: JsonOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only errors on stderr; no progress.")] = False,
-    verbose: Annotated[int, typer.Option("--verbose", "-v", count=True, help="More detail (repeat for more).")] = 0,
+    verbose: Annotated[int, typer.Option("--verbose", "-v", count=True, help="Timing on stderr; -vv also prints tracebacks of internal errors.")] = 0,
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
 ) -> None:
@@ -80,7 +81,7 @@ def _errors(out: Output):
     except typer.Exit:
         raise
     except Exception as e:  # noqa: BLE001 - the last line of defence
-        if os.environ.get("MOCLI_DEBUG"):
+        if os.environ.get("MOCLI_DEBUG") or out.verbose >= 2:
             traceback.print_exc()
         out.error(f"internal error: {type(e).__name__}: {e}",
                   "this is a mocli bug; set MOCLI_DEBUG=1 for the traceback and report it")
@@ -89,8 +90,11 @@ def _errors(out: Output):
 
 def _run(ctx: typer.Context, json_: bool, body: Callable[[Output], int | None]) -> None:
     out = _out(ctx, json_)
+    t0 = time.perf_counter()
     with _errors(out):
         code = body(out)
+    if out.verbose:
+        out.info(f"[dim]{ctx.info_name} finished in {time.perf_counter() - t0:.2f} s (exit {code or 0})[/]")
     if code:
         raise typer.Exit(code)
 

@@ -154,3 +154,13 @@ def test_quiet_suppresses_warnings(cli, tmp_path):
     (path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP7"}}))
     assert "warning" in cli("inspect", path).stderr
     assert cli("-q", "inspect", path).stderr == ""
+
+
+def test_verbose_reports_timing_and_traceback(cli, monkeypatch):
+    r = cli("-v", "inspect", REAL_QWEN)
+    assert r.exit_code == 0 and "inspect finished in" in r.stderr
+    import mocli.inspection
+
+    monkeypatch.setattr(mocli.inspection, "inspect_checkpoint", lambda *a, **k: 1 / 0)
+    r = cli("-vv", "inspect", REAL_QWEN)
+    assert r.exit_code == 3 and "Traceback" in r.stderr and "ZeroDivisionError" in r.stderr
