@@ -12,7 +12,7 @@ import hashlib
 import math
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -360,6 +360,14 @@ class _Routing:
     topk_ids: torch.Tensor  # [T, k]
     topk_weights: torch.Tensor  # [T, k]
 
+    def groups(self) -> Iterator[tuple[int, slice]]:
+        """(expert, its slice of the expert-sorted pairs) for every expert that received tokens."""
+        start = 0
+        for e, n in enumerate(self.counts.tolist()):
+            if n:
+                yield e, slice(start, start + n)
+            start += n
+
 
 def _route(tokens: int, experts: int, top_k: int, gen: torch.Generator, device: torch.device) -> _Routing:
     logits = torch.randn(tokens, experts, generator=gen)
@@ -382,13 +390,7 @@ def _moe_reference(info, src: _Source, x: torch.Tensor, r: _Routing, quant_in, q
     layer = next(m for m in src.census.moe if m.name == info["name"])
     out = torch.zeros(x.shape[0], layer.hidden, device=x.device)
     xq = quant_in(x)
-    start = 0
-    for e in sorted(layer.experts):
-        n = int(r.counts[e])
-        if n == 0:
-            continue
-        sel = slice(start, start + n)
-        start += n
+    for e, sel in r.groups():
         ex = layer.experts[e]
         xt = xq[r.token[sel]]
         h = F.silu(xt @ src.dequant(ex.gate).T) * (xt @ src.dequant(ex.up).T)
@@ -443,13 +445,8 @@ def _fp8_moe(mod: Fp8MoE, info, src, rt, opts):
         kernel = "torch._scaled_grouped_mm"
     else:
         o2 = torch.empty(xq.shape[0], h)
-        start, one = 0, torch.tensor(1.0)
-        for e in range(e_count):
-            n = int(r.counts[e])
-            if n == 0:
-                continue
-            sel = slice(start, start + n)
-            start += n
+        one = torch.tensor(1.0)
+        for e, sel in r.groups():
             o1 = torch._scaled_mm(xq[sel], w13[e].t(), scale_a=one, scale_b=g1[e], out_dtype=torch.bfloat16).float()
             act = F.silu(o1[:, i:]) * o1[:, :i]
             hq = (act * mod.w2_input_scale_inv.float()).clamp(-448, 448).to(FP8)
@@ -460,20 +457,14 @@ def _fp8_moe(mod: Fp8MoE, info, src, rt, opts):
 
 
 def _nvfp4_moe(mod: Nvfp4MoE, info, src, rt, opts):
-    e_count, i, h = mod.experts, mod.intermediate, mod.hidden
+    i, h = mod.intermediate, mod.hidden
     x, r, ref = _moe_case(mod, info, src, rt, opts, fp4=True)
     if _fp4_kernels(rt):
         out = flashinfer_args.run_cutlass_fused_moe_nvfp4(rt.fi, mod, x, r.topk_ids, r.topk_weights)
         return "flashinfer.cutlass_fused_moe", False, out, ref
     o13, o2_order = row_order(2 * i, rt.target, gated=True), row_order(h, rt.target, gated=False)
     out = torch.zeros(opts.tokens, h, device=rt.device)
-    start = 0
-    for e in range(e_count):
-        n = int(r.counts[e])
-        if n == 0:
-            continue
-        sel = slice(start, start + n)
-        start += n
+    for e, sel in r.groups():
         w13 = unpermute(mod.w13_weight[e], o13)
         bs13 = unpermute(unswizzle(mod.w13_weight_scale[e], 2 * i, h // 16, f"{mod.name}.w13_weight_scale[{e}]"), o13)
         w2 = unpermute(mod.w2_weight[e], o2_order)
