@@ -25,7 +25,3 @@ def requantize_fp8(q: torch.Tensor, scale: torch.Tensor, new_scale: torch.Tensor
     x.mul_(scale.to(q.device, torch.float32)).mul_(inv.to(q.device)).clamp_(-FP8_MAX, FP8_MAX)
     return x.to(FP8)
 
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 q * scale; scale broadcasts (0-dim, [N, 1], …)."""
-    return q.to(torch.float32) * scale.to(q.device, torch.float32)

@@ -19,13 +19,6 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((table[lo], table[hi]), dim=-1).flatten(-2)
 
 
-def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
-    """w = e2m1 * (float(block_scale) * scale_2). packed U8 [N, K/2], block_scale F8 [N, K/16]."""
-    vals = unpack_e2m1(packed)
-    eff = block_scale.to(torch.float32) * scale_2.to(vals.device, torch.float32)
-    return (vals.unflatten(-1, (-1, BLOCK)) * eff.unsqueeze(-1)).flatten(-2)
-
-
 def rescale_block_scales(block_scale: torch.Tensor, scale_2: torch.Tensor, new_scale_2: torch.Tensor) -> torch.Tensor:
     """bs' = fp8(float(bs) * s2_i / S2), so bs' * S2 ≈ bs * s2_i (SEMANTICS §6 mocli policy).
 
