@@ -26,7 +26,13 @@ from mocli.census import build_census
 from mocli.checkpoint import INDEX_NAME, Checkpoint
 from mocli.errors import FindingsError, InputError
 from mocli.findings import Findings
-from mocli.io.shard_writer import DEFAULT_MAX_SHARD_BYTES, ShardWriter, TensorSpec, layout_shards
+from mocli.io.shard_writer import (
+    DEFAULT_MAX_SHARD_BYTES,
+    ShardWriter,
+    TensorSpec,
+    layout_shards,
+    shards_intact,
+)
 from mocli.plan import LAYOUT_VERSION, MANIFEST_NAME, Piece, Plan, UnitContext, build_plan
 from mocli.quant_config import CONFIG_JSON, HF_QUANT_CONFIG
 from mocli.scales import read_scales
@@ -192,7 +198,8 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
     partial = _partial_dir(out)
     journal_path = partial / JOURNAL_NAME
     done = _read_journal(journal_path, fingerprint) if partial.exists() else None
-    resumed = done is not None
+    # The journal only counts if the bytes it vouches for are still there.
+    resumed = done is not None and shards_intact(partial, layout)
     if not resumed:
         if partial.exists():
             shutil.rmtree(partial)

@@ -64,6 +64,20 @@ def test_partial_from_other_arguments_is_discarded(cli, tmp_path, moe_src, monke
     assert _digest(out) == _digest(tmp_path / "clean")
 
 
+def test_partial_with_a_damaged_shard_starts_over(cli, tmp_path, moe_src, monkeypatch):
+    out = tmp_path / "o"
+    _interrupt_after(monkeypatch, 30)
+    assert cli("convert", moe_src, "-o", out, "--target", "flashinfer-cutlass").exit_code == 130
+    monkeypatch.undo()
+    shard = next((tmp_path / ".o.mocli-partial").glob("model-*.safetensors"))
+    with open(shard, "r+b") as f:  # the journal still lists finished units, their bytes are gone
+        f.truncate(shard.stat().st_size // 2)
+    r = cli("--json", "convert", moe_src, "-o", out, "--target", "flashinfer-cutlass")
+    assert r.exit_code == 0 and r.json["resumed_units"] == 0
+    assert cli("convert", moe_src, "-o", tmp_path / "clean", "--target", "flashinfer-cutlass").exit_code == 0
+    assert _digest(out) == _digest(tmp_path / "clean")
+
+
 KILLER = """
 import os, signal, sys
 from mocli.io.shard_writer import ShardWriter

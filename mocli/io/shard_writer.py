@@ -94,18 +94,30 @@ def tensor_bytes(t: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B"), t
 
 
+def shards_intact(directory: Path, layout: ShardLayout) -> bool:
+    """Every planned shard exists with its planned size and header (a resume may trust its journal)."""
+    for f in layout.files:
+        path = directory / f.name
+        try:
+            if path.stat().st_size != f.size:
+                return False
+            with open(path, "rb") as fh:
+                if fh.read(len(f.header)) != f.header:
+                    return False
+        except OSError:
+            return False
+    return True
+
+
 class ShardWriter:
-    """Opens (creating or re-opening for resume) every planned shard for positional writes."""
+    """Opens every planned shard for positional writes: re-opened as is when resuming, else created."""
 
     def __init__(self, directory: Path, layout: ShardLayout, resume: bool) -> None:
         self.layout = layout
         self.fds: list[int] = []
         for f in layout.files:
             path = directory / f.name
-            if resume and path.exists() and path.stat().st_size == f.size:
-                with open(path, "rb") as fh:
-                    if fh.read(len(f.header)) != f.header:
-                        raise RuntimeError(f"{path}: header differs from the plan")
+            if resume:  # the caller checked shards_intact()
                 fd = os.open(path, os.O_RDWR)
             else:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
