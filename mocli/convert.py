@@ -87,16 +87,10 @@ def _check_out(out: Path, overwrite: bool, source: Path) -> None:
         raise InputError(f"{out.parent}: parent directory does not exist")
 
 
-def _header_digest(path: Path) -> str:
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return hashlib.sha256(f.read(n)).hexdigest()
-
-
 def _fingerprint(plan: Plan, layout_dict: dict, ckpt: Checkpoint) -> str:
     ident = {
         "mocli": __version__, "layout_version": LAYOUT_VERSION, "target": str(plan.target),
-        "source": [(h.path.name, h.size, _header_digest(h.path)) for h in ckpt.files],
+        "source": [(h.path.name, h.size, h.header_sha256) for h in ckpt.files],
         "tensors": {n: t.to_dict() for n, t in plan.tensors.items()},
         "shards": layout_dict,
     }

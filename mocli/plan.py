@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mocli.census import Census, Module, MoELayer
+from mocli.census import Census, Kind, Module, MoELayer
 from mocli.checkpoint import LAYOUT_MANIFEST
 from mocli.io.safetensors_file import DTYPE_SIZES, TensorEntry, TensorReader
 from mocli.ops.fp8 import requantize_fp8
@@ -142,14 +142,13 @@ def _scalar(v: float | torch.Tensor) -> torch.Tensor:
 def build_plan(census: Census, scales: dict[str, torch.Tensor], target: Target) -> Plan:
     plan = Plan(target)
     consumed: set[str] = set()
-    fused_members = {m.name for g in census.fused for m in g.shards}
 
     for g in census.fused:
         schemes = {m.scheme for m in g.shards}
         if len(schemes) == 1 and None not in schemes:
             _plan_dense(plan, g.name, g.shards, schemes.pop(), scales, consumed)
     for m in census.modules.values():
-        if m.scheme is not None and m.kind.value in ("linear", "fused shard") and m.name not in fused_members:
+        if m.scheme is not None and m.kind is Kind.LINEAR:
             _plan_dense(plan, m.name, [m], m.scheme, scales, consumed)
     for layer in census.moe:
         schemes = layer.schemes

@@ -7,6 +7,7 @@ mismatch) in a one-line message. It is also faster for 90k-tensor checkpoints (o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -62,6 +63,7 @@ class SafetensorsHeader:
     data_start: int
     tensors: dict[str, TensorEntry]
     metadata: dict[str, str]
+    header_sha256: str  # of the raw JSON header: identifies layout and offsets without rereading
 
 
 def read_header(path: Path) -> SafetensorsHeader:
@@ -120,7 +122,7 @@ def read_header(path: Path) -> SafetensorsHeader:
         if b1 < e0:
             raise CorruptFileError(f"{path}: tensors '{n0}' and '{n1}' overlap (bytes {b1}..{e0})",
                                    hint="the header is corrupt")
-    return SafetensorsHeader(path, size, data_start, tensors, dict(metadata))
+    return SafetensorsHeader(path, size, data_start, tensors, dict(metadata), hashlib.sha256(raw).hexdigest())
 
 
 class TensorReader:
