@@ -9,12 +9,12 @@ DEMO_OUT ?= demo-out
 .PHONY: install install-flashinfer demo test test-gpu lint bench clean
 
 install:
-	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
-	$(PYTHON) -m pip install -q -e ".[dev]"
+	$(PYTHON) -m pip install -qq "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install -qq -e ".[dev]"
 
 # Optional: FlashInfer's pure-torch layout helpers, used as cross-checks by some tests (~1 min on CPU).
 install-flashinfer:
-	$(PYTHON) -m pip install -q "flashinfer-python==0.7.2" "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install -qq "flashinfer-python==0.7.2" "$(TORCH_SPEC)"
 
 demo: install
 	$(PYTHON) -m mocli inspect $(DEMO_MODEL)

@@ -56,6 +56,7 @@ def test_shuffle_and_reorder_match_loops():
         shuffle_row_indices(48)
 
 
+@pytest.mark.flashinfer
 def test_layout_helpers_match_flashinfer():
     fi = pytest.importorskip("flashinfer")
     from flashinfer.fused_moe.core import reorder_rows_for_gated_act_gemm
