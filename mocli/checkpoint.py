@@ -5,13 +5,13 @@ Nothing here reads tensor data; ``Checkpoint.reader()`` does that on demand.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mocli.errors import CorruptFileError, InputError
 from mocli.findings import Findings
+from mocli.io.jsonfile import read_json
 from mocli.io.safetensors_file import SafetensorsHeader, TensorEntry, TensorReader, read_header
 from mocli.io.source import Source, resolve_source
 from mocli.quant_config import (
@@ -26,15 +26,6 @@ from mocli.quant_config import (
 INDEX_NAME = "model.safetensors.index.json"
 LAYOUT_MANIFEST = "mocli-layout.json"  # written by mocli convert (mocli.plan.MANIFEST_NAME)
 SINGLE_NAME = "model.safetensors"
-
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptFileError(f"{path}: invalid JSON ({e})", hint="fix or re-download the file") from None
-    except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
 @dataclass
@@ -110,16 +101,21 @@ def _read_sharded(root: Path, index_path: Path) -> tuple[list[SafetensorsHeader]
     index = read_json(index_path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CorruptFileError(f"{index_path}: no \"weight_map\" object of tensor -> file name")
-    root_resolved = root.resolve()
+        raise CorruptFileError(f"{index_path}: no \"weight_map\" object of tensor -> file name",
+                               hint="the index is corrupt; download it again or delete it for a single-file checkpoint")
     headers: dict[str, SafetensorsHeader] = {}
     for fname in sorted(set(weight_map.values())):
-        fpath = (root / fname).resolve()
-        if Path(fname).is_absolute() or not fpath.is_relative_to(root_resolved):
+        # Containment is judged on the names, not on where links point: a Hugging Face cache
+        # snapshot is made of symlinks into ../../blobs/, and those are fine.
+        parts = Path(fname).parts
+        if not fname or Path(fname).is_absolute() or ".." in parts or "\0" in fname:
             raise InputError(f"{index_path}: weight_map entry {fname!r} points outside the model directory",
-                             hint="shard names must be files inside the checkpoint directory")
+                             hint="shard names must be plain file names inside the checkpoint directory")
+        fpath = root / fname
         if not fpath.is_file():
-            raise InputError(f"{index_path}: shard {fname!r} does not exist", hint="the download is incomplete")
+            why = "is a dangling or looping link" if fpath.is_symlink() else "does not exist"
+            raise InputError(f"{index_path}: shard {fname!r} {why}",
+                             hint="the download is incomplete; fetch the missing shard again")
         headers[fname] = read_header(fpath)
     tensors: dict[str, TensorEntry] = {}
     owner: dict[str, str] = {}

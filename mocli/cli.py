@@ -6,6 +6,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from enum import StrEnum
@@ -15,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from mocli import __version__
-from mocli.errors import EXIT_FINDINGS, EXIT_INTERNAL, InputError, MocliError
+from mocli.errors import EXIT_BROKEN_PIPE, EXIT_FINDINGS, EXIT_INTERNAL, EXIT_UNUSABLE, InputError, MocliError
 from mocli.output import Output
 from mocli.targets import Target
 
@@ -31,6 +32,9 @@ app = typer.Typer(
 ModelArg = Annotated[str, typer.Argument(metavar="MODEL", help="Checkpoint directory or Hugging Face repo id (owner/name[@revision]).",
                                          show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Only errors on stderr; no progress or warnings.")]
+VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True,
+                                         help="Timing on stderr; -vv also prints tracebacks of internal errors.")]
 TargetOpt = Annotated[Target | None, typer.Option("--target", "-t", help="Also check this target's constraints.",
                                                   case_sensitive=False)]
 
@@ -51,8 +55,8 @@ def _version(value: bool) -> None:
 def _global(
     ctx: typer.Context,
     json_: JsonOpt = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only errors on stderr; no progress.")] = False,
-    verbose: Annotated[int, typer.Option("--verbose", "-v", count=True, help="Timing on stderr; -vv also prints tracebacks of internal errors.")] = 0,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
 ) -> None:
@@ -60,18 +64,55 @@ def _global(
     ctx.obj = Output(json=json_, quiet=quiet, verbose=verbose)
 
 
-def _out(ctx: typer.Context, json_: bool) -> Output:
+def _out(ctx: typer.Context, json_: bool, quiet: bool = False, verbose: int = 0) -> Output:
+    """The global options, with those repeated after the command added (``mocli validate M -q``)."""
     out: Output = ctx.obj or Output()
-    if json_:
-        out.json = True
+    out.json |= json_
+    out.quiet |= quiet
+    out.verbose = max(out.verbose, verbose)
     return out
+
+
+def _os_error(e: OSError) -> tuple[str, str]:
+    """An OSError as a one-line message and a hint (full disk, read-only or vanished paths)."""
+    import errno
+
+    where = f"{e.filename}: " if e.filename else ""
+    hints = {
+        errno.ENOSPC: "the disk is full; free space or write elsewhere, then run the same command again",
+        errno.EDQUOT: "the disk quota is exhausted; free space or write elsewhere",
+        errno.EROFS: "that file system is read-only; choose a writable location",
+        errno.EACCES: "permission denied; choose a location you can write, or fix its permissions",
+        errno.EPERM: "operation not permitted there; choose another location",
+        errno.ENOENT: "a file or directory is missing or vanished while mocli ran",
+        errno.EMFILE: "too many open files; raise the limit (ulimit -n)",
+        errno.ELOOP: "a symbolic link loops; fix or remove it",
+    }
+    return f"{where}{e.strerror or e}", hints.get(e.errno, "check the path and the disk")
+
+
+def _silence_broken_pipe() -> None:
+    """After EPIPE, point stdout/stderr at /dev/null so nothing more is written (or complained about)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):
+            pass
 
 
 @contextmanager
 def _errors(out: Output):
     """Map exceptions to exit codes in one place; tracebacks only for our bugs (MOCLI_DEBUG=1)."""
     try:
-        yield
+        with warnings.catch_warnings():
+            # Library warnings go through the one sink, so -q hides them and --json keeps stdout clean.
+            warnings.showwarning = lambda message, category, *a, **k: out.warn(f"{category.__name__}: {message}")
+            yield
+    except BrokenPipeError:
+        # The reader went away (mocli ... | head): stop quietly, as other command-line tools do.
+        _silence_broken_pipe()
+        raise typer.Exit(EXIT_BROKEN_PIPE) from None
     except MocliError as e:
         out.error(e.message, e.hint)
         raise typer.Exit(e.exit_code) from None
@@ -80,6 +121,9 @@ def _errors(out: Output):
         raise typer.Exit(130) from None
     except typer.Exit:
         raise
+    except OSError as e:  # environment, not a bug: full disk, read-only or vanished paths
+        out.error(*_os_error(e))
+        raise typer.Exit(EXIT_UNUSABLE) from None
     except Exception as e:  # noqa: BLE001 - the last line of defence
         if os.environ.get("MOCLI_DEBUG") or out.verbose >= 2:
             traceback.print_exc()
@@ -88,8 +132,9 @@ def _errors(out: Output):
         raise typer.Exit(EXIT_INTERNAL) from None
 
 
-def _run(ctx: typer.Context, json_: bool, body: Callable[[Output], int | None]) -> None:
-    out = _out(ctx, json_)
+def _run(ctx: typer.Context, json_: bool, body: Callable[[Output], int | None], quiet: bool = False,
+         verbose: int = 0) -> None:
+    out = _out(ctx, json_, quiet, verbose)
     t0 = time.perf_counter()
     with _errors(out):
         code = body(out)
@@ -100,7 +145,8 @@ def _run(ctx: typer.Context, json_: bool, body: Callable[[Output], int | None]) 
 
 
 @app.command("inspect")
-def inspect_cmd(ctx: typer.Context, model: ModelArg, json_: JsonOpt = False) -> None:
+def inspect_cmd(ctx: typer.Context, model: ModelArg, json_: JsonOpt = False, quiet: QuietOpt = False,
+                verbose: VerboseOpt = 0) -> None:
     """Show what is in a checkpoint, from headers only."""
     from mocli.checkpoint import open_checkpoint
     from mocli.inspection import inspect_checkpoint
@@ -110,11 +156,12 @@ def inspect_cmd(ctx: typer.Context, model: ModelArg, json_: JsonOpt = False) -> 
         info = inspect_checkpoint(open_checkpoint(model))
         out.emit(info, render_inspect)
 
-    _run(ctx, json_, body)
+    _run(ctx, json_, body, quiet, verbose)
 
 
 @app.command("validate")
-def validate_cmd(ctx: typer.Context, model: ModelArg, target: TargetOpt = None, json_: JsonOpt = False) -> None:
+def validate_cmd(ctx: typer.Context, model: ModelArg, target: TargetOpt = None, json_: JsonOpt = False,
+                 quiet: QuietOpt = False, verbose: VerboseOpt = 0) -> None:
     """Check config, exclusions, tensors and scales; exit 1 if any error is found."""
     from mocli.checkpoint import open_checkpoint
     from mocli.render import render_validation
@@ -125,7 +172,7 @@ def validate_cmd(ctx: typer.Context, model: ModelArg, target: TargetOpt = None, 
         out.emit(report.to_dict(), render_validation)
         return 0 if report.ok else EXIT_FINDINGS
 
-    _run(ctx, json_, body)
+    _run(ctx, json_, body, quiet, verbose)
 
 
 @app.command("convert")
@@ -142,6 +189,8 @@ def convert_cmd(
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Shard size limit, e.g. 5GB, 500MB.")]
     = "5GB",
     json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
 ) -> None:
     """Convert a checkpoint into kernel-ready FlashInfer shards (streaming, resumable)."""
     from mocli.checkpoint import open_checkpoint
@@ -155,7 +204,7 @@ def convert_cmd(
                               max_shard_bytes=parse_size(max_shard_size), progress=progress)
         out.emit(summary, render_convert)
 
-    _run(ctx, json_, body)
+    _run(ctx, json_, body, quiet, verbose)
 
 
 class Kernels(StrEnum):
@@ -182,6 +231,8 @@ def verify_cmd(
     seed: Annotated[int, typer.Option("--seed", help="Seed for activations and routing.")] = 0,
     junit_xml: Annotated[Path | None, typer.Option("--junit-xml", help="Also write a JUnit XML report.")] = None,
     json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
 ) -> None:
     """Run real GEMMs on converted tensors and compare with a reference from the source; exit 1 on failure."""
     from mocli.render import render_verify
@@ -198,7 +249,7 @@ def verify_cmd(
         out.emit(report, render_verify)
         return 0 if report["ok"] else EXIT_FINDINGS
 
-    _run(ctx, json_, body)
+    _run(ctx, json_, body, quiet, verbose)
 
 
 def parse_size(text: str) -> int:

@@ -6,6 +6,8 @@ EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_UNUSABLE = 2
 EXIT_INTERNAL = 3
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for tools killed by a closed pipe
 
 
 class MocliError(Exception):

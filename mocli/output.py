@@ -13,6 +13,13 @@ from rich.console import Console
 from rich.markup import escape
 
 
+class _Console(Console):
+    """rich exits 1 on a broken pipe by itself; hand it to mocli.cli's one error handler instead."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError
+
+
 def _json_default(o: Any) -> Any:
     if hasattr(o, "to_dict"):
         return o.to_dict()
@@ -32,13 +39,13 @@ class Output:
     @property
     def stdout(self) -> Console:
         if self._stdout is None:
-            self._stdout = Console(file=sys.stdout, highlight=False, soft_wrap=False)
+            self._stdout = _Console(file=sys.stdout, highlight=False, soft_wrap=False)
         return self._stdout
 
     @property
     def stderr(self) -> Console:
         if self._stderr is None:
-            self._stderr = Console(file=sys.stderr, highlight=False)
+            self._stderr = _Console(file=sys.stderr, highlight=False)
         return self._stderr
 
     @property

@@ -202,7 +202,7 @@ def parse_config_json(raw: Any, findings: Findings) -> QuantConfig | None:
         findings.add("CFG002", where, "must be an object")
         return None
     method = q.get("quant_method")
-    if method not in MODELOPT_METHODS:
+    if not isinstance(method, str) or method not in MODELOPT_METHODS:
         findings.add("CFG005", where, f"quant_method is {method!r}, not a ModelOpt checkpoint",
                      hint="mocli handles checkpoints exported by NVIDIA ModelOpt")
         return None
@@ -231,6 +231,10 @@ def _config_groups_group_size(groups: Any, where: str, findings: Findings) -> in
         for g in groups.values():
             w = g.get("weights") if isinstance(g, dict) else None
             if isinstance(w, dict) and "group_size" in w:
+                if not _is_int(w["group_size"]):
+                    findings.add("CFG002", where, f"config_groups group_size must be an integer, got "
+                                 f"{_show(w['group_size'])}", hint=f"NVFP4 uses blocks of {NVFP4_GROUP_SIZE}")
+                    continue
                 sizes.add(w["group_size"])
     if len(sizes) > 1:
         findings.add("CFG002", where, f"config_groups use several group sizes {sorted(sizes)}")
@@ -243,7 +247,8 @@ def reconcile(hf: QuantConfig | None, cj: QuantConfig | None, findings: Findings
         pairs = [
             ("quant_algo", hf.algo, cj.algo),
             ("kv cache algorithm", hf.kv_cache_algo, cj.kv_cache_algo),
-            ("exclude_modules / ignore", sorted(hf.exclude_modules), sorted(cj.exclude_modules)),
+            # Engines test membership, so order and repeated entries do not change what is excluded.
+            ("exclude_modules / ignore", sorted(set(hf.exclude_modules)), sorted(set(cj.exclude_modules))),
         ]
         if hf.algo is Algo.NVFP4 and hf.group_size is not None:
             pairs.append(("group_size", hf.group_size, cj.group_size))

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from mocli.errors import CorruptFileError
+from mocli.io.jsonfile import parse_json_bytes
 
 # Bytes per element for every safetensors dtype string (safetensors `Dtype`).
 DTYPE_SIZES: dict[str, int] = {
@@ -82,15 +83,17 @@ def read_header(path: Path) -> SafetensorsHeader:
                     hint="the file is truncated or not a safetensors file")
             raw = f.read(n)
     except OSError as e:
-        raise CorruptFileError(f"{path}: cannot read: {e.strerror or e}") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptFileError(f"{path}: header is not valid JSON ({e})",
-                               hint="the file is corrupt or not a safetensors file") from None
+        raise read_error(path, e) from None
+    header = parse_json_bytes(raw, path, "header")
     if not isinstance(header, dict):
-        raise CorruptFileError(f"{path}: header is not a JSON object")
+        raise CorruptFileError(f"{path}: header is not a JSON object", hint="the file is not a safetensors file")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CorruptFileError(f"{path}: __metadata__ is not an object", hint="the header is corrupt")
+    # json keeps the last of two equal keys; safetensors refuses the file. Counting the entries'
+    # "data_offsets" keys in the raw text finds a duplicate without an object hook on every entry.
+    if raw.count(b'"data_offsets"') > len(header):
+        _raise_duplicate(raw, path)
     data_start = 8 + n
     data_size = size - data_start
     tensors: dict[str, TensorEntry] = {}
@@ -98,14 +101,19 @@ def read_header(path: Path) -> SafetensorsHeader:
     for name, info in header.items():
         try:
             dtype = info["dtype"]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(_dim(d) for d in info["shape"])
+            begin, end = (_dim(x) for x in info["data_offsets"])
         except (TypeError, KeyError, ValueError):
-            raise CorruptFileError(f"{path}: tensor '{name}' has a malformed header entry") from None
-        if dtype not in DTYPE_SIZES:
-            raise CorruptFileError(f"{path}: tensor '{name}' has unknown dtype {dtype!r}")
-        if any(d < 0 for d in shape) or begin < 0 or end < begin:
-            raise CorruptFileError(f"{path}: tensor '{name}' has negative shape or offsets")
+            raise CorruptFileError(f"{path}: tensor '{name}' has a malformed header entry (needs dtype, "
+                                   "shape and data_offsets [begin, end])", hint="the header is corrupt; "
+                                   "re-export or download the file again") from None
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+            raise CorruptFileError(f"{path}: tensor '{name}' has unknown dtype {dtype!r}",
+                                   hint="safetensors dtypes are " + ", ".join(DTYPE_SIZES) +
+                                   "; the file is corrupt or from a newer format")
+        if end < begin:
+            raise CorruptFileError(f"{path}: tensor '{name}' has reversed offsets [{begin}, {end}]",
+                                   hint="the header is corrupt; re-export or download the file again")
         expected = math.prod(shape) * DTYPE_SIZES[dtype]
         if end - begin != expected:
             raise CorruptFileError(
@@ -123,6 +131,38 @@ def read_header(path: Path) -> SafetensorsHeader:
             raise CorruptFileError(f"{path}: tensors '{n0}' and '{n1}' overlap (bytes {b1}..{e0})",
                                    hint="the header is corrupt")
     return SafetensorsHeader(path, size, data_start, tensors, dict(metadata), hashlib.sha256(raw).hexdigest())
+
+
+def _dim(x: object) -> int:
+    """A JSON shape dim or offset: a non-negative integer (bools and floats are malformed)."""
+    if type(x) is not int or x < 0:
+        raise ValueError(x)
+    return x
+
+
+def _raise_duplicate(raw: bytes, path: Path) -> None:
+    def hook(pairs: list) -> dict:
+        seen: set = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise CorruptFileError(f"{path}: tensor '{k}' appears twice in the header",
+                                       hint="safetensors refuses such files; re-export the checkpoint")
+            seen.add(k)
+        return dict(pairs)
+
+    json.loads(raw, object_pairs_hook=hook)
+
+
+def read_error(path: Path, e: OSError) -> CorruptFileError:
+    """One-line error for an OSError while reading ``path`` (symlink loops included)."""
+    import errno
+
+    why = e.strerror or str(e)
+    hint = {errno.ELOOP: "a symbolic link points to itself; fix or remove the link",
+            errno.EACCES: "check the file's permissions",
+            errno.ENOENT: "the file disappeared or is a dangling link; download it again",
+            errno.EIO: "the disk reported an I/O error; copy the file again"}.get(e.errno, "check the file")
+    return CorruptFileError(f"{path}: cannot read: {why}", hint=hint)
 
 
 class TensorReader:

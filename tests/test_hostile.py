@@ -1,0 +1,261 @@
+"""Broken and hostile input: exit 0/1/2 only, one error line with a hint, never a traceback or exit 3."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures.generate import make_checkpoint
+from tests.conftest import REAL_LLAMA, REAL_QWEN, ROOT
+
+
+def _header(path: Path) -> tuple[bytes, bytes]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return raw[8:8 + n], raw[8 + n:]
+
+
+def _write(path: Path, header: bytes, data: bytes) -> None:
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+def _one_error_line(r, code: int = 2) -> str:
+    assert r.exit_code == code, (r.exit_code, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert "(hint:" in lines[0], f"no hint: {lines[0]}"
+    return lines[0]
+
+
+@pytest.fixture
+def single(tmp_path):
+    return make_checkpoint(tmp_path / "m")
+
+
+def _edit_header(d: Path, fn) -> None:
+    f = d / "model.safetensors"
+    header, data = _header(f)
+    _write(f, fn(header), data)
+
+
+def test_duplicate_tensor_name_in_one_header(cli, single):
+    # json keeps the last of two equal keys; the safetensors library refuses the file.
+    def dup(h: bytes) -> bytes:
+        j = json.loads(h)
+        name = "model.layers.0.self_attn.o_proj.weight_scale"
+        entry = json.dumps({name: j[name]})[1:-1]
+        return h.rstrip()[:-1] + b"," + entry.encode() + b"}"
+
+    _edit_header(single, dup)
+    line = _one_error_line(cli("validate", single))
+    assert "model.layers.0.self_attn.o_proj.weight_scale" in line and "twice" in line
+
+
+@pytest.mark.parametrize("kind", ["lone_surrogate", "invalid_utf8"])
+def test_names_that_are_not_unicode(cli, single, kind):
+    def bad(h: bytes) -> bytes:
+        if kind == "lone_surrogate":
+            return h.replace(b'"lm_head.weight"', b'"lm_head.\\ud800weight"')
+        return h.replace(b'"lm_head.weight"', b'"lm_head.\xffweight"')
+
+    _edit_header(single, bad)
+    for cmd in ("inspect", "validate"):
+        line = _one_error_line(cli(cmd, single))
+        assert "model.safetensors" in line
+
+
+@pytest.mark.parametrize("where", ["config.json", "hf_quant_config.json", "index", "header"])
+def test_deeply_nested_json(cli, tmp_path, where):
+    d = make_checkpoint(tmp_path / "m", shards=2)
+    deep = "[" * 100_000 + "]" * 100_000
+    if where == "index":
+        (d / "model.safetensors.index.json").write_text('{"weight_map": ' + deep + "}")
+    elif where == "header":
+        f = next(d.glob("model-*.safetensors"))
+        header, data = _header(f)
+        _write(f, header.rstrip()[:-1] + b',"__x__": ' + deep.encode() + b"}", data)
+    else:
+        (d / where).write_text('{"quantization_config": ' + deep + "}")
+    line = _one_error_line(cli("validate", d))
+    assert "deep" in line or "nest" in line
+
+
+def test_nesting_within_the_json_limit_is_still_refused(cli, single):
+    # 200 levels parse fine with json, but anything walking them recursively could blow the stack.
+    (single / "config.json").write_text('{"quantization_config": {"ignore": ' + "[" * 200 + "]" * 200 + "}}")
+    assert "deeper than" in _one_error_line(cli("inspect", single))
+
+
+@pytest.mark.parametrize("fault,expect", [
+    ("unknown_dtype", "unknown dtype"),
+    ("reversed_offsets", "reversed offsets"),
+    ("float_shape", "malformed"),
+])
+def test_header_faults_have_hints(cli, single, fault, expect):
+    def bad(h: bytes) -> bytes:
+        j = json.loads(h)
+        e = j["lm_head.weight"]
+        if fault == "unknown_dtype":
+            e["dtype"] = "F7"
+        elif fault == "reversed_offsets":
+            e["data_offsets"] = e["data_offsets"][::-1]
+        else:
+            e["shape"] = [float(x) for x in e["shape"]]
+        return json.dumps(j).encode()
+
+    _edit_header(single, bad)
+    assert expect in _one_error_line(cli("inspect", single))
+
+
+@pytest.mark.parametrize("weight_map", ['"x"', "[1, 2]", '{"a": 1}', "null"])
+def test_index_weight_map_of_the_wrong_type(cli, tmp_path, weight_map):
+    d = make_checkpoint(tmp_path / "m", shards=2)
+    (d / "model.safetensors.index.json").write_text('{"weight_map": ' + weight_map + "}")
+    assert "weight_map" in _one_error_line(cli("inspect", d))
+
+
+def test_symlink_loop(cli, tmp_path):
+    d = make_checkpoint(tmp_path / "m")
+    (d / "model.safetensors").unlink()
+    os.symlink("model.safetensors", d / "model.safetensors")
+    _one_error_line(cli("inspect", d))
+    d2 = make_checkpoint(tmp_path / "s", shards=2)
+    shard = next(d2.glob("model-*.safetensors"))
+    shard.unlink()
+    os.symlink(shard.name, shard)
+    assert "link" in _one_error_line(cli("inspect", d2))
+
+
+def test_sharded_repo_from_the_hf_cache(cli, tmp_path, monkeypatch):
+    """Cache snapshots are symlinks into ../../blobs/: containment is judged on names, not targets."""
+    import hashlib
+
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4", shards=3)
+    repo = cache / "models--org--sharded"
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    snap = repo / "snapshots" / rev
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in src.iterdir():
+        blob = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copy(f, repo / "blobs" / blob)
+        os.symlink(f"../../blobs/{blob}", snap / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    r = cli("--json", "validate", "org/sharded", env={"HF_HUB_OFFLINE": "1"})
+    assert r.exit_code == 0, r.stderr
+    r = cli("--json", "inspect", "org/sharded", env={"HF_HUB_OFFLINE": "1"})
+    assert r.exit_code == 0 and len(r.json["shards"]) == 3
+
+
+@pytest.mark.parametrize("entry", ["../outside.safetensors", "/etc/passwd", "a/../../x.safetensors", ""])
+def test_index_entries_outside_the_directory(cli, tmp_path, entry):
+    d = make_checkpoint(tmp_path / "m", shards=2)
+    j = json.loads((d / "model.safetensors.index.json").read_text())
+    j["weight_map"][next(iter(j["weight_map"]))] = entry
+    (d / "model.safetensors.index.json").write_text(json.dumps(j))
+    assert "outside" in _one_error_line(cli("inspect", d))
+
+
+def test_same_exclude_entry_twice_is_not_a_disagreement(cli, tmp_path):
+    d = make_checkpoint(tmp_path / "m")
+    for name, key in (("hf_quant_config.json", None), ("config.json", "quantization_config")):
+        j = json.loads((d / name).read_text())
+        q = j["quantization"] if key is None else j[key]
+        field = "exclude_modules" if key is None else "ignore"
+        q[field] = q[field] + ["lm_head"] if key is None else ["lm_head"] + q[field][::-1]
+        (d / name).write_text(json.dumps(j))
+    r = cli("--json", "validate", d)
+    assert r.exit_code == 0 and not [f for f in r.json["findings"] if f["code"] == "CFG004"], r.stdout
+
+
+def test_quiet_and_verbose_after_the_command(cli, tmp_path):
+    d = make_checkpoint(tmp_path / "m")
+    (d / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP7"}}))
+    assert "warning" in cli("inspect", d).stderr
+    r = cli("inspect", d, "-q")
+    assert r.exit_code == 0 and r.stderr == ""
+    r = cli("validate", REAL_LLAMA, "-v")
+    assert r.exit_code == 0 and "validate finished in" in r.stderr
+
+
+def _run(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mocli", *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, **kw)
+
+
+def test_closed_pipe_stops_quietly():
+    """`mocli inspect M | head -1`: like other tools, stop with the SIGPIPE status and say nothing."""
+    p = subprocess.Popen([sys.executable, "-m", "mocli", "inspect", str(REAL_QWEN)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p.stdout.readline()
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait() == 141 and err == "", err
+
+
+def test_no_numpy_warning_or_any_warning(tmp_path):
+    p = _run("validate", str(REAL_LLAMA))
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+
+
+# --- the sweep: random damage to headers and configs -------------------------------------------------
+
+def _mutations(seed: int, d: Path) -> None:
+    rnd = random.Random(seed)
+    f = d / "model.safetensors"
+    header, data = _header(f)
+    kind = rnd.choice(["flip", "truncate_header", "json_type", "config_type", "length", "data_truncate"])
+    if kind == "flip":
+        h = bytearray(header)
+        for _ in range(rnd.randint(1, 4)):
+            h[rnd.randrange(len(h))] = rnd.randrange(256)
+        _write(f, bytes(h), data)
+    elif kind == "truncate_header":
+        _write(f, header[: rnd.randrange(len(header))], data)
+    elif kind == "json_type":
+        j = json.loads(header)
+        name = rnd.choice([k for k in j if k != "__metadata__"])
+        field = rnd.choice(["dtype", "shape", "data_offsets"])
+        j[name][field] = rnd.choice([None, 1.5, "x", [], {}, [[1]], True, -1, [1, 2, 3], 2**70])
+        _write(f, json.dumps(j).encode(), data)
+    elif kind == "config_type":
+        name = rnd.choice(["config.json", "hf_quant_config.json"])
+        j = json.loads((d / name).read_text())
+        q = j.get("quantization") or j.get("quantization_config")
+        key = rnd.choice(sorted(q))
+        q[key] = rnd.choice([None, 1, "FP8", [], {}, [["a"]], {"a": {"b": []}}, True])
+        (d / name).write_text(json.dumps(j))
+    elif kind == "length":
+        raw = f.read_bytes()
+        f.write_bytes(struct.pack("<Q", rnd.choice([0, 1, 7, len(header) + 1, 2**63])) + raw[8:])
+    else:
+        f.write_bytes(f.read_bytes()[: 8 + len(header) + rnd.randrange(max(1, len(data)))])
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("MOCLI_FUZZ_SEEDS", "40"))))
+def test_fuzzed_inputs_never_crash(cli, tmp_path, seed):
+    src = tmp_path / "m"
+    shutil.copytree(REAL_LLAMA if seed % 2 else REAL_QWEN, src)
+    _mutations(seed, src)
+    for args in (["inspect", src], ["validate", src, "--target", "flashinfer-cutlass"],
+                 ["convert", src, "-o", tmp_path / "out", "--target", "flashinfer-trtllm"]):
+        r = cli(*args)
+        assert r.exit_code in (0, 1, 2), (args[0], r.exit_code, r.stderr)
+        assert "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
+        if args[0] == "convert" and r.exit_code != 0:
+            assert not (tmp_path / "out").exists()
