@@ -16,7 +16,15 @@ from typing import Annotated, Any
 import typer
 
 from mocli import __version__
-from mocli.errors import EXIT_BROKEN_PIPE, EXIT_FINDINGS, EXIT_INTERNAL, EXIT_UNUSABLE, InputError, MocliError
+from mocli.errors import (
+    EXIT_BROKEN_PIPE,
+    EXIT_FINDINGS,
+    EXIT_INTERNAL,
+    EXIT_UNUSABLE,
+    InputError,
+    MocliError,
+    os_error,
+)
 from mocli.output import Output
 from mocli.targets import Target
 
@@ -73,24 +81,6 @@ def _out(ctx: typer.Context, json_: bool, quiet: bool = False, verbose: int = 0)
     return out
 
 
-def _os_error(e: OSError) -> tuple[str, str]:
-    """An OSError as a one-line message and a hint (full disk, read-only or vanished paths)."""
-    import errno
-
-    where = f"{e.filename}: " if e.filename else ""
-    hints = {
-        errno.ENOSPC: "the disk is full; free space or write elsewhere, then run the same command again",
-        errno.EDQUOT: "the disk quota is exhausted; free space or write elsewhere",
-        errno.EROFS: "that file system is read-only; choose a writable location",
-        errno.EACCES: "permission denied; choose a location you can write, or fix its permissions",
-        errno.EPERM: "operation not permitted there; choose another location",
-        errno.ENOENT: "a file or directory is missing or vanished while mocli ran",
-        errno.EMFILE: "too many open files; raise the limit (ulimit -n)",
-        errno.ELOOP: "a symbolic link loops; fix or remove it",
-    }
-    return f"{where}{e.strerror or e}", hints.get(e.errno, "check the path and the disk")
-
-
 def _silence_broken_pipe() -> None:
     """After EPIPE, point stdout/stderr at /dev/null so nothing more is written (or complained about)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -122,13 +112,14 @@ def _errors(out: Output):
     except typer.Exit:
         raise
     except OSError as e:  # environment, not a bug: full disk, read-only or vanished paths
-        out.error(*_os_error(e))
+        out.error(*os_error(e))
         raise typer.Exit(EXIT_UNUSABLE) from None
     except Exception as e:  # noqa: BLE001 - the last line of defence
         if os.environ.get("MOCLI_DEBUG") or out.verbose >= 2:
             traceback.print_exc()
+        notes = "; ".join(getattr(e, "__notes__", []))
         out.error(f"internal error: {type(e).__name__}: {e}",
-                  "this is a mocli bug; set MOCLI_DEBUG=1 for the traceback and report it")
+                  "this is a mocli bug; set MOCLI_DEBUG=1 for the traceback and report it" + (f"; {notes}" if notes else ""))
         raise typer.Exit(EXIT_INTERNAL) from None
 
 
@@ -159,16 +150,35 @@ def inspect_cmd(ctx: typer.Context, model: ModelArg, json_: JsonOpt = False, qui
     _run(ctx, json_, body, quiet, verbose)
 
 
+TpOpt = Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size (SEMANTICS §10).")]
+EpOpt = Annotated[int, typer.Option("--ep", min=1, help="Expert-parallel size for MoE layers (ep = tp x dp; 1: MoE "
+                                    "tensor-parallel over --tp).")]
+
+
 @app.command("validate")
-def validate_cmd(ctx: typer.Context, model: ModelArg, target: TargetOpt = None, json_: JsonOpt = False,
-                 quiet: QuietOpt = False, verbose: VerboseOpt = 0) -> None:
-    """Check config, exclusions, tensors and scales; exit 1 if any error is found."""
-    from mocli.checkpoint import open_checkpoint
-    from mocli.render import render_validation
-    from mocli.validate import validate
+def validate_cmd(
+    ctx: typer.Context,
+    model: ModelArg,
+    target: TargetOpt = None,
+    tp: TpOpt = 1,
+    ep: EpOpt = 1,
+    deep: Annotated[bool, typer.Option("--deep", help="Also scan every weight and scale byte for NaN/Inf codes "
+                                       "(reads the whole checkpoint at disk speed).")] = False,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Check config, exclusions, tensors, scales, a target's and a TP/EP layout's constraints; exit 1 on errors."""
 
     def body(out: Output) -> int:
-        report = validate(open_checkpoint(model), target)
+        from mocli.checkpoint import open_checkpoint
+        from mocli.parallel import ParallelLayout
+        from mocli.render import render_validation
+        from mocli.validate import validate
+
+        ckpt = open_checkpoint(model)
+        with out.progress_bar("scanning") as progress:
+            report = validate(ckpt, target, parallel=ParallelLayout(tp, ep), deep=deep, progress=progress)
         out.emit(report.to_dict(), render_validation)
         return 0 if report.ok else EXIT_FINDINGS
 
@@ -183,6 +193,8 @@ def convert_cmd(
                                          show_default=False)],
     target: Annotated[Target, typer.Option("--target", "-t", case_sensitive=False, help="Kernel layout to write.",
                                            show_default=False)],
+    tp: TpOpt = 1,
+    ep: EpOpt = 1,
     device: Annotated[Device, typer.Option("--device", help="Where to compute: auto picks CUDA when present.",
                                            case_sensitive=False)] = Device.AUTO,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUTPUT.")] = False,
@@ -192,17 +204,32 @@ def convert_cmd(
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Convert a checkpoint into kernel-ready FlashInfer shards (streaming, resumable)."""
-    from mocli.checkpoint import open_checkpoint
-    from mocli.convert import convert
-    from mocli.render import render_convert
+    """Convert a checkpoint into kernel-ready FlashInfer shards, per rank with --tp/--ep (streaming, resumable;
+    under torchrun the processes share the work)."""
 
     def body(out: Output) -> None:
-        ckpt = open_checkpoint(model)
+        from mocli.checkpoint import open_checkpoint
+        from mocli.io.digests import SourceDigests
+
+        shard_bytes = parse_size(max_shard_size)
         with out.progress_bar("converting") as progress:
-            summary = convert(ckpt, output, target, device=device.value, overwrite=overwrite,
-                              max_shard_bytes=parse_size(max_shard_size), progress=progress)
-        out.emit(summary, render_convert)
+            progress.phase("reading headers")
+            ckpt = open_checkpoint(model)
+            digests = SourceDigests([h.path for h in ckpt.files])  # hashing overlaps the torch import
+            progress.phase("loading torch")
+            from mocli.convert import convert
+            from mocli.engine import dist_from_env
+            from mocli.render import render_convert
+
+            dist = dist_from_env()
+            try:
+                summary = convert(ckpt, output, target, device=device.value, overwrite=overwrite,
+                                  max_shard_bytes=shard_bytes, progress=progress, tp=tp, ep=ep, digests=digests,
+                                  dist=dist)
+            finally:
+                dist.close()
+        if dist.rank == 0:
+            out.emit(summary, render_convert)
 
     _run(ctx, json_, body, quiet, verbose)
 
@@ -259,7 +286,7 @@ def parse_size(text: str) -> int:
     for suffix, mult in units.items():
         if t.endswith(suffix) and t[: -len(suffix)].strip().replace(".", "", 1).isdigit():
             return int(float(t[: -len(suffix)]) * mult)
-    if t.isdigit():
+    if t.isdigit() and int(t) > 0:
         return int(t)
     raise InputError(f"--max-shard-size {text!r}: not a size", hint="use e.g. 5GB, 500MB or a byte count")
 

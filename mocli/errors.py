@@ -35,3 +35,27 @@ class FindingsError(MocliError):
     """Validation or verification produced errors: exit 1 (the report was already rendered)."""
 
     exit_code = EXIT_FINDINGS
+
+
+class Interrupted(MocliError):
+    """Ctrl-C: exit 130; the hint says where the resumable partial output is."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
+def os_error(e: OSError) -> tuple[str, str]:
+    """An OSError as a one-line message and a hint (full disk, read-only or vanished paths)."""
+    import errno
+
+    where = f"{e.filename}: " if e.filename else ""
+    hints = {
+        errno.ENOSPC: "the disk is full; free space or write elsewhere, then run the same command again",
+        errno.EDQUOT: "the disk quota is exhausted; free space or write elsewhere",
+        errno.EROFS: "that file system is read-only; choose a writable location",
+        errno.EACCES: "permission denied; choose a location you can write, or fix its permissions",
+        errno.EPERM: "operation not permitted there; choose another location",
+        errno.ENOENT: "a file or directory is missing or vanished while mocli ran",
+        errno.EMFILE: "too many open files; raise the limit (ulimit -n)",
+        errno.ELOOP: "a symbolic link loops; fix or remove it",
+    }
+    return f"{where}{e.strerror or e}", hints.get(e.errno, "check the path and the disk")

@@ -40,9 +40,17 @@ CODES: dict[str, tuple[Severity, str]] = {
     "SCL003": (Severity.ERROR, "MoE expert has no input_scale"),
     "SCL004": (Severity.WARNING, "FP8 fused shards have widely different weight scales"),
     "SCL005": (Severity.WARNING, "NVFP4 fused shards have different weight_scale_2"),
-    # target constraints (SEMANTICS §4-§7)
+    # target constraints (SEMANTICS §4-§7), judged on each rank's shapes
     "TGT001": (Severity.ERROR, "shape violates the target's alignment"),
     "TGT002": (Severity.ERROR, "scheme not supported by the target"),
+    # tensor / expert parallel ranks (SEMANTICS §10; validate --tp/--ep, convert --tp/--ep)
+    "PAR001": (Severity.ERROR, "attention heads cannot be divided among the tensor-parallel ranks"),
+    "PAR002": (Severity.ERROR, "experts cannot be divided among the expert-parallel ranks"),
+    "PAR003": (Severity.ERROR, "a dimension cannot be split evenly across ranks at its block granularity"),
+    "PAR004": (Severity.ERROR, "no known tensor-parallel split for this layer"),
+    "PAR005": (Severity.ERROR, "config.json lacks or contradicts the head counts needed to split attention"),
+    # tensor data (validate --deep; convert and repair read every byte anyway)
+    "DAT001": (Severity.ERROR, "weight or scale bytes encode NaN or Inf"),
 }
 
 

@@ -1,8 +1,9 @@
 """Public API: load a converted directory into per-module objects holding what a FlashInfer call needs.
 
     from mocli.loader import load_converted
-    ck = load_converted("out/", device="cuda")
-    moe = ck.modules["model.layers.0.mlp.experts"]          # Nvfp4MoE
+    ck = load_converted("out/", device="cuda")                 # tp = 1 output
+    ck = load_converted("out-tp8/", rank=3, device="cuda:3")    # one rank of a --tp/--ep output
+    moe = ck.modules["model.layers.0.mlp.experts"]              # Nvfp4MoE
     cutlass_fused_moe(..., quant_scales=moe.cutlass_quant_scales(), ...)
 
 The layout contract is ``mocli/docs/LAYOUT.md`` (layout_version 1).
@@ -10,7 +11,9 @@ The layout contract is ``mocli/docs/LAYOUT.md`` (layout_version 1).
 
 from __future__ import annotations
 
-import json
+import os
+import queue
+import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,9 @@ import torch
 
 from mocli.checkpoint import INDEX_NAME
 from mocli.errors import CorruptFileError, InputError
-from mocli.io.safetensors_file import TensorReader, read_header
+from mocli.io.jsonfile import read_json
+from mocli.io.safetensors_file import TensorEntry, TensorReader, read_header, tensor_bytes_view, torch_dtypes
+from mocli.kinds import ModuleKind
 from mocli.plan import LAYOUT_VERSION, MANIFEST_NAME
 
 
@@ -34,6 +39,7 @@ class Fp8Linear:
     n: int
     k: int
     shard_rows: list[int]
+    bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -46,6 +52,7 @@ class Fp8ChannelLinear:
     n: int
     k: int
     shard_rows: list[int]
+    bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -58,6 +65,7 @@ class Fp8BlockLinear:
     n: int
     k: int
     shard_rows: list[int]
+    bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -76,6 +84,7 @@ class Nvfp4Linear:
     shard_rows: list[int]
     padded_n: int
     padded_k: int
+    bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -100,6 +109,7 @@ class Fp8MoE:
     output1_scales_scalar: torch.Tensor | None = None
     output1_scales_gate_scalar: torch.Tensor | None = None
     output2_scales_scalar: torch.Tensor | None = None
+    expert_offset: int = 0  # global id of local expert 0 (expert parallel)
 
     def cutlass_quant_scales(self) -> list[torch.Tensor]:
         """FlashInfer cutlass_fused_moe FP8 quant_scales (SEMANTICS §4, §9): a1 folded into g1_alphas."""
@@ -130,6 +140,7 @@ class Nvfp4MoE:
     output1_scale_scalar: torch.Tensor | None = None
     output1_scale_gate_scalar: torch.Tensor | None = None
     output2_scale_scalar: torch.Tensor | None = None
+    expert_offset: int = 0
 
     def cutlass_quant_scales(self) -> list[torch.Tensor]:
         """FlashInfer cutlass_fused_moe NVFP4 quant_scales (SEMANTICS §7.5)."""
@@ -137,20 +148,39 @@ class Nvfp4MoE:
                 self.a2_gscale, self.w2_weight_scale.view(torch.int32), self.g2_alphas]
 
 
-KINDS: dict[str, type] = {
-    "fp8_linear": Fp8Linear, "fp8_channel_linear": Fp8ChannelLinear, "fp8_block_linear": Fp8BlockLinear,
-    "nvfp4_linear": Nvfp4Linear, "fp8_moe": Fp8MoE, "nvfp4_moe": Nvfp4MoE,
+CLASSES: dict[ModuleKind, type] = {
+    ModuleKind.FP8_LINEAR: Fp8Linear, ModuleKind.FP8_CHANNEL_LINEAR: Fp8ChannelLinear,
+    ModuleKind.FP8_BLOCK_LINEAR: Fp8BlockLinear, ModuleKind.NVFP4_LINEAR: Nvfp4Linear,
+    ModuleKind.FP8_MOE: Fp8MoE, ModuleKind.NVFP4_MOE: Nvfp4MoE,
 }
 ConvertedModule = Fp8Linear | Fp8ChannelLinear | Fp8BlockLinear | Nvfp4Linear | Fp8MoE | Nvfp4MoE
+
+
+def rank_view(manifest: dict[str, Any], rank: int | None) -> tuple[str, list[dict], dict[str, Any]]:
+    """(directory, modules, tensors) of one rank; the top level for a one-rank output."""
+    ranks = manifest.get("ranks")
+    if not ranks:
+        if rank not in (None, 0):
+            raise InputError(f"rank {rank}: this output has one rank", hint="omit rank / --rank")
+        return "", manifest["modules"], manifest["tensors"]
+    if rank is None:
+        raise InputError(f"this output has {len(ranks)} ranks (tp {manifest['parallel']['tp']}, "
+                         f"ep {manifest['parallel']['ep']})", hint="pick one with rank=R (--rank R)")
+    if not 0 <= rank < len(ranks):
+        raise InputError(f"rank {rank}: this output has ranks 0..{len(ranks) - 1}", hint="pick an existing rank")
+    r = ranks[rank]
+    return r["dir"], r["modules"], r["tensors"]
 
 
 @dataclass
 class ConvertedCheckpoint:
     path: Path
     manifest: dict[str, Any]
+    rank: int | None
     modules: dict[str, ConvertedModule]
     _reader: TensorReader
-    _entries: dict
+    _entries: dict[str, TensorEntry]
+    _module_info: dict[str, dict[str, Any]]
 
     @property
     def target(self) -> str:
@@ -160,26 +190,35 @@ class ConvertedCheckpoint:
     def provenance(self) -> dict[str, Any]:
         return self.manifest.get("provenance", {})
 
+    @property
+    def parallel(self) -> dict[str, Any]:
+        return self.manifest.get("parallel", {"tp": 1, "ep": 1, "ranks": 1})
+
     def module_info(self, name: str) -> dict[str, Any]:
-        return next(m for m in self.manifest["modules"] if m["name"] == name)
+        return self._module_info[name]
+
+    def entry(self, name: str) -> TensorEntry:
+        return self._entries[name]
 
     def tensor(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
-        """Any output tensor by name (pass-through tensors included)."""
+        """Any of this rank's output tensors by name (the shared pass-through ones included)."""
         if name not in self._entries:
             raise KeyError(name)
         return self._reader.read(self._entries[name]).to(device)
 
-    def load_module(self, name: str, device: str | torch.device = "cpu") -> ConvertedModule:
+    def load_module(self, name: str, device: str | torch.device = "cpu",
+                    tensors: dict[str, torch.Tensor] | None = None) -> ConvertedModule:
         """Build one module object from its manifest entry, tensors on ``device``."""
         m = self.module_info(name)
-        cls = KINDS[m["kind"]]
+        cls = CLASSES[ModuleKind(m["kind"])]
         names = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {"name": name}
         for role, tname in m["tensors"].items():
             if role in names:
                 if tname not in self._entries:
-                    raise CorruptFileError(f"{self.path}: manifest names tensor '{tname}' that no shard holds")
-                kwargs[role] = self.tensor(tname, device)
+                    raise CorruptFileError(f"{self.path}: manifest names tensor '{tname}' that no shard holds",
+                                           hint="the output is damaged; convert again")
+                kwargs[role] = tensors[tname] if tensors is not None else self.tensor(tname, device)
         kwargs |= {k: v for k, v in m["meta"].items() if k in names}
         return cls(**kwargs)
 
@@ -192,33 +231,162 @@ def read_manifest(path: Path) -> dict[str, Any]:
     if not mpath.exists():
         raise InputError(f"{path}: no {MANIFEST_NAME}; not a mocli-converted checkpoint",
                          hint="run mocli convert first")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptFileError(f"{mpath}: invalid JSON ({e})") from None
-    if manifest.get("format") != "mocli-layout":
-        raise CorruptFileError(f"{mpath}: not a mocli layout manifest")
+    manifest = read_json(mpath)
+    if not isinstance(manifest, dict) or manifest.get("format") != "mocli-layout":
+        raise CorruptFileError(f"{mpath}: not a mocli layout manifest", hint="the file is damaged; convert again")
     if manifest.get("layout_version") != LAYOUT_VERSION:
         raise InputError(f"{mpath}: layout_version {manifest.get('layout_version')} is not supported "
                          f"(this mocli reads {LAYOUT_VERSION})", hint="convert again with this mocli version")
     return manifest
 
 
-def load_converted(path: str | Path, device: str | torch.device = "cpu",
-                   modules: list[str] | None = None) -> ConvertedCheckpoint:
-    """Read the manifest and the tensors of every (or the named; [] for none) module onto ``device``."""
+def _index_entries(directory: Path) -> dict[str, TensorEntry]:
+    index_path = directory / INDEX_NAME
+    index = read_json(index_path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CorruptFileError(f"{index_path}: no weight_map", hint="the output is damaged; convert again")
+    entries: dict[str, TensorEntry] = {}
+    for fname in sorted(set(weight_map.values())):
+        if not isinstance(fname, str) or "/" in fname or fname.startswith("."):
+            raise CorruptFileError(f"{index_path}: bad shard name {fname!r}", hint="the output is damaged; convert again")
+        entries |= read_header(directory / fname).tensors
+    return entries
+
+
+def open_converted(path: str | Path, rank: int | None = None) -> ConvertedCheckpoint:
+    """Manifest and headers of one rank, no tensor data yet."""
     path = Path(path)
     manifest = read_manifest(path)
-    index_path = path / INDEX_NAME
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CorruptFileError(f"{index_path}: unreadable index ({e})") from None
-    entries: dict = {}
-    for fname in sorted(set(weight_map.values())):
-        entries |= read_header(path / fname).tensors
-    ck = ConvertedCheckpoint(path, manifest, {}, TensorReader(), entries)
-    wanted = [m["name"] for m in manifest["modules"]] if modules is None else modules
+    group, modules, _ = rank_view(manifest, rank)
+    entries = _index_entries(path) if (path / INDEX_NAME).exists() else {}
+    if group:
+        entries |= _index_entries(path / group)
+    return ConvertedCheckpoint(path, manifest, rank, {}, TensorReader(), entries, {m["name"]: m for m in modules})
+
+
+def load_converted(path: str | Path, device: str | torch.device = "cpu", modules: list[str] | None = None,
+                   rank: int | None = None) -> ConvertedCheckpoint:
+    """Read the manifest and the tensors of every (or the named; [] for none) module of ``rank``
+    onto ``device``. Loading everything reads each shard file once, straight into place."""
+    ck = open_converted(path, rank)
+    wanted = list(ck._module_info) if modules is None else modules
+    if not wanted:
+        return ck
+    names = {t for n in wanted for t in ck.module_info(n)["tensors"].values()}
+    tensors = load_tensors([ck._entries[n] for n in sorted(names) if n in ck._entries], device)
     for name in wanted:
-        ck.modules[name] = ck.load_module(name, device)
+        ck.modules[name] = ck.load_module(name, device, tensors)
     return ck
+
+
+# --- bulk loading ---------------------------------------------------------------------------------
+
+STAGE = 64 << 20  # bytes per pinned staging buffer
+
+
+def load_tensors(entries: list[TensorEntry], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Tensors for ``entries``, reading each file's needed span once.
+
+    CPU: one buffer per file, tensors are views. CUDA: the file span goes through a ring of pinned
+    staging buffers (filled by reader threads, pread drops the GIL) into one device allocation with
+    asynchronous copies; tensors are views of it. Views whose offset does not suit their dtype's
+    alignment are copied.
+    """
+    device = torch.device(device)
+    by_file: dict[Path, list[TensorEntry]] = {}
+    for e in entries:
+        by_file.setdefault(e.file, []).append(e)
+    out: dict[str, torch.Tensor] = {}
+    for path, es in by_file.items():
+        start = min(e.start for e in es)
+        end = max(e.start + e.nbytes for e in es)
+        if device.type == "cuda":
+            buf = _read_to_device(path, start, end - start, device)
+        else:
+            buf = torch.empty(end - start, dtype=torch.uint8)
+            _pread_into(path, start, tensor_bytes_view(buf))
+        dtypes = torch_dtypes()
+        for e in es:
+            raw = buf[e.start - start: e.start - start + e.nbytes]
+            dt = dtypes[e.dtype]
+            if e.nbytes == 0:
+                out[e.name] = torch.empty(e.shape, dtype=dt, device=device)
+                continue
+            if (e.start - start) % dt.itemsize:
+                raw = raw.clone()
+            out[e.name] = raw.view(dt).view(e.shape)
+    return out
+
+
+def _pread_into(path: Path, offset: int, view: memoryview) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CorruptFileError(f"{path}: unexpected end of file", hint="the output is damaged; convert again")
+            done += n
+    finally:
+        os.close(fd)
+
+
+def _read_to_device(path: Path, offset: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if nbytes == 0:
+        return dst
+    chunks = [(a, min(STAGE, nbytes - a)) for a in range(0, nbytes, STAGE)]
+    workers = max(1, min(4, len(chunks), (os.cpu_count() or 1) // 2))
+    stages = [torch.empty(STAGE, dtype=torch.uint8, pin_memory=True) for _ in range(min(len(chunks), 2 * workers))]
+    free: queue.Queue = queue.Queue()
+    for i in range(len(stages)):
+        free.put(i)
+    ready: dict[int, int] = {}
+    cond = threading.Condition()
+    todo = iter(range(len(chunks)))
+    todo_lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            while True:
+                with todo_lock:
+                    j = next(todo, None)
+                if j is None:
+                    return
+                s = free.get()
+                a, n = chunks[j]
+                _pread_into(path, offset + a, tensor_bytes_view(stages[s])[:n])
+                with cond:
+                    ready[j] = s
+                    cond.notify_all()
+        except BaseException as e:  # re-raised below
+            errors.append(e)
+            with cond:
+                cond.notify_all()
+
+    threads = [threading.Thread(target=reader, daemon=True) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    stream = torch.cuda.current_stream(device)
+    events: dict[int, torch.cuda.Event] = {}
+    for j, (a, n) in enumerate(chunks):
+        with cond:
+            while j not in ready and not errors:
+                cond.wait()
+            if errors:
+                break
+            s = ready.pop(j)
+        dst[a:a + n].copy_(stages[s][:n], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        events[s] = ev
+        # recycle the staging buffer once its copy is done, without blocking this loop on it
+        threading.Thread(target=lambda e=ev, i=s: (e.synchronize(), free.put(i)), daemon=True).start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    stream.synchronize()
+    return dst

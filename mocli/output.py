@@ -62,37 +62,54 @@ class Output:
 
     @contextmanager
     def progress_bar(self, label: str) -> Iterator[Any]:
-        """A mocli.convert.Progress driving a rich bar on stderr (bytes, units, ETA); silent in JSON/quiet."""
-        from mocli.convert import Progress as Sink
+        """A mocli.engine.Progress driving a rich bar on stderr (phase, bytes, units, ETA); silent in
+        JSON/quiet mode and in every torchrun process but the first."""
+        import os
 
-        if not self.show_progress:
+        from mocli.engine import Progress as Sink
+
+        if not self.show_progress or int(os.environ.get("RANK", "0")) != 0:
             yield Sink()
             return
         from rich.progress import (
             BarColumn,
             DownloadColumn,
             Progress,
+            SpinnerColumn,
             TextColumn,
             TimeRemainingColumn,
             TransferSpeedColumn,
         )
 
-        bar = Progress(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                       TextColumn("{task.fields[units]} units"), TimeRemainingColumn(), console=self.stderr,
-                       transient=True)
-        state: dict[str, Any] = {}
+        bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                       TransferSpeedColumn(), TextColumn("{task.fields[units]}"), TimeRemainingColumn(),
+                       console=self.stderr, transient=True)
+        state: dict[str, Any] = {"task": None, "done": 0, "total": 0}
+
+        # The bar starts on first use: a command that reports nothing leaves stderr untouched.
+        def phase(text: str) -> None:
+            if state["task"] is None:
+                bar.start()
+                state["task"] = bar.add_task(f"{label}: {text}", total=None, units="")
+            else:
+                bar.update(state["task"], description=f"{label}: {text}")
 
         def start(total_bytes: int, total_units: int) -> None:
-            state.update(task=bar.add_task(label, total=total_bytes, units=f"0/{total_units}"),
-                         done=0, total=total_units)
+            phase("")
+            state.update(done=0, total=total_units)
+            bar.update(state["task"], description=label, total=total_bytes, completed=0,
+                       units=f"0/{total_units} units")
 
         def advance(nbytes: int, units: int = 1) -> None:
-            if "task" in state:
+            if state["task"] is not None:
                 state["done"] += units
-                bar.update(state["task"], advance=nbytes, units=f"{state['done']}/{state['total']}")
+                bar.update(state["task"], advance=nbytes, units=f"{state['done']}/{state['total']} units")
 
-        with bar:
-            yield Sink(start=start, advance=advance)
+        try:
+            yield Sink(start=start, advance=advance, phase=phase)
+        finally:
+            if state["task"] is not None:
+                bar.stop()
 
     @contextmanager
     def module_progress(self, label: str) -> Iterator[Any]:

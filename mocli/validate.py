@@ -1,7 +1,8 @@
-"""``mocli validate``: config, exclusions, tensor census, scale health, target constraints.
+"""``mocli validate``: config, exclusions, tensor census, scale health, target and per-rank constraints.
 
-Reads headers, plus the small float32 scale tensors (0-dim, per-channel, per-block) for scale health.
-Never prints; returns a report that the CLI renders.
+Reads headers, plus the small float32 scale tensors (0-dim, per-channel, per-block) for scale health;
+``deep`` also scans every weight and block-scale byte for NaN/Inf codes at disk speed. No torch
+here: validate starts in a fraction of a second. Never prints; returns a report the CLI renders.
 """
 
 from __future__ import annotations
@@ -10,16 +11,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+import numpy as np
 
 from mocli.census import Census, Kind, Module, MoELayer, build_census
 from mocli.checkpoint import Checkpoint
 from mocli.exclusions import PartialFusedExclusion, is_excluded, pattern_reports
 from mocli.findings import Findings
+from mocli.parallel import HEAD_SPLIT, Heads, ParallelLayout, Split, rank_slices, split_of
 from mocli.quant_config import Algo, QuantConfig
 from mocli.scales import read_scales
 from mocli.tables import INPUT_SCALE, SCALE_SUFFIXES, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
-from mocli.targets import CONSTRAINTS, SUPPORTED, Target
+from mocli.targets import Target, layout_of
 
 # Requantizing an FP8 shard to a max scale this many times larger pushes its small values three
 # binades down, into e4m3's subnormal range, where they lose mantissa bits (SEMANTICS §3).
@@ -47,7 +49,8 @@ class ValidationReport:
 
 
 def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | None = None,
-             scales: dict[str, torch.Tensor] | None = None) -> ValidationReport:
+             scales: dict[str, np.ndarray] | None = None, parallel: ParallelLayout | None = None,
+             deep: bool = False, progress: Any = None) -> ValidationReport:
     """All checks; ``census``/``scales`` may be passed in when the caller already has them."""
     findings = Findings(ckpt.config_findings)
     census = census or build_census(ckpt.tensors)
@@ -55,14 +58,21 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
     quant = ckpt.quant
     if quant is None or quant.algo is None:
         return report  # CFG00x already says why; nothing else can be judged
+    parallel = parallel or ParallelLayout()
     declared = _declared_quantized(quant, census, findings)
     _check_mixed_layers(quant, census, findings)
     _check_exclusions(quant, census, declared, findings)
     _check_tensors(quant, census, declared, findings)
-    report.stats["scales"] = _check_scales(scales if scales is not None else read_scales(ckpt, census),
-                                           census, findings)
+    scales = scales if scales is not None else read_scales(ckpt, census)
+    report.stats["scales"] = _check_scales(scales, census, findings)
+    report.stats["scale_names"] = list(scales) if deep else []
+    sliceable = _check_parallel(parallel, Heads.from_config(ckpt.config), census, findings)
     if target is not None:
-        _check_target(target, census, findings)
+        _check_target(target, parallel, Heads.from_config(ckpt.config), census, sliceable, findings)
+    if deep:
+        from mocli.deep_scan import scan
+
+        report.stats["deep"] = scan(ckpt, findings, skip=set(report.stats.get("scale_names", ())), progress=progress)
     return report
 
 
@@ -164,11 +174,17 @@ def _check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool 
             continue
         w = m.tensors.get(WEIGHT)
         if w is None or len(w.shape) != 2:
-            findings.add("TNS001", m.name, "has scales but no 2-D weight")
+            findings.add("TNS001", m.name, "has scales but no 2-D weight",
+                         hint="the export is incomplete; re-export the checkpoint")
             continue
         want_wdtype = "U8" if scheme is Algo.NVFP4 else "F8_E4M3"
         if w.dtype != want_wdtype:
-            findings.add("TNS002", f"{m.name}.weight", f"is {w.dtype}, {scheme} stores {want_wdtype}")
+            findings.add("TNS002", f"{m.name}.weight", f"is {w.dtype}, {scheme} stores {want_wdtype}",
+                         hint="the export is broken; re-export the checkpoint")
+            continue
+        if 0 in w.shape:
+            findings.add("TNS003", f"{m.name}.weight", f"quantized weight {list(w.shape)} has no elements",
+                         hint="an empty layer cannot be quantized or served; re-export the checkpoint")
             continue
         configured = quant.algo_for(m.name)
         if declared.get(m.engine_name) and configured is not None and configured is not scheme:
@@ -183,15 +199,17 @@ def _check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool 
             if t is None:
                 if suffix == INPUT_SCALE and m.kind is Kind.EXPERT:
                     findings.add("SCL003", m.name, "expert has no input_scale",
-                                 hint="calibration never routed tokens to it; recalibrate with more data")
+                                 hint="calibration never routed tokens to it; mocli repair fills it in (SEMANTICS §11)")
                 else:
-                    findings.add("TNS001", m.name, f"{scheme} module has no {suffix}")
+                    findings.add("TNS001", m.name, f"{scheme} module has no {suffix}",
+                                 hint="the export is incomplete; re-export the checkpoint")
                 continue
             if t.dtype != dtype:
-                findings.add("TNS002", t.name, f"is {t.dtype}, {scheme} stores {dtype}")
+                findings.add("TNS002", t.name, f"is {t.dtype}, {scheme} stores {dtype}",
+                             hint="the export is broken; re-export the checkpoint")
             elif shape is not None and t.shape != shape and not _equivalent_shape(scheme, suffix, t.shape, shape):
                 findings.add("TNS003", t.name, f"shape {list(t.shape)}, expected {list(shape)} for weight "
-                             f"{list(w.shape)}")
+                             f"{list(w.shape)}", hint="the export is broken; re-export the checkpoint")
     for g in census.fused:
         ks = {m.out_in[1] for m in g.shards if m.out_in}
         if len(ks) > 1:
@@ -214,13 +232,15 @@ def _check_moe_layer(layer: MoELayer, findings: Findings) -> None:
     idx = sorted(layer.experts)
     if idx != list(range(len(idx))):
         missing = sorted(set(range(max(idx) + 1)) - set(idx))
-        findings.add("TNS006", layer.name, f"expert indices are not 0..{len(idx) - 1}: missing {_few(missing)}")
+        findings.add("TNS006", layer.name, f"expert indices are not 0..{len(idx) - 1}: missing {_few(missing)}",
+                     hint="the export is incomplete; re-export the checkpoint")
     shapes: dict[str, dict[tuple, list[int]]] = {"gate": {}, "up": {}, "down": {}}
     for e in idx:
         for proj, m in layer.experts[e].projections():
             if m is None:
                 name = getattr(layer.naming, proj)
-                findings.add("TNS006", f"{layer.name}.{e}", f"expert has no {name} projection")
+                findings.add("TNS006", f"{layer.name}.{e}", f"expert has no {name} projection",
+                             hint="the export is incomplete; re-export the checkpoint")
             elif m.out_in:
                 shapes[proj].setdefault(m.out_in, []).append(e)
     for proj, by_shape in shapes.items():
@@ -228,31 +248,39 @@ def _check_moe_layer(layer: MoELayer, findings: Findings) -> None:
             common = max(by_shape, key=lambda s: len(by_shape[s]))
             odd = [e for s, es in by_shape.items() if s != common for e in es]
             findings.add("TNS006", layer.name, f"{proj} projections differ in shape: experts {_few(odd)} are not "
-                         f"{list(common)}")
+                         f"{list(common)}", hint="experts of one layer must share shapes")
     gate, up = shapes["gate"], shapes["up"]
     if len(gate) == 1 and len(up) == 1 and set(gate) != set(up):
         findings.add("TNS006", layer.name, f"gate {list(next(iter(gate)))} and up {list(next(iter(up)))} "
-                     "projections differ in shape")
+                     "projections differ in shape", hint="gate and up projections must share shapes")
 
 
 # --- scale health ---------------------------------------------------------------------------------
 
-def _check_scales(values: dict[str, torch.Tensor], census: Census, findings: Findings) -> dict[str, Any]:
+def _check_scales(values: dict[str, np.ndarray], census: Census, findings: Findings) -> dict[str, Any]:
     """NaN/Inf/non-positive scales, FP8 shard spread, NVFP4 weight_scale_2 mismatch. Returns stats."""
-    for name, v in values.items():
-        if not bool(torch.isfinite(v).all()):
-            findings.add("SCL001", name, f"contains {'NaN' if bool(torch.isnan(v).any()) else 'Inf'}",
-                         hint="the export is broken; re-run calibration")
-        elif v.numel() and bool((v <= 0).any()):
-            findings.add("SCL002", name, f"has a non-positive value ({float(v.min()):.3g})",
-                         hint="dequant scales must be > 0")
+    names = list(values)
+    if names:
+        # One vectorized pass over every scale, then a look at the few arrays that failed it.
+        flat = np.concatenate([values[n].reshape(-1) for n in names])
+        sizes = np.fromiter((values[n].size for n in names), dtype=np.int64, count=len(names))
+        owner = np.repeat(np.arange(len(names)), sizes)
+        bad = np.unique(owner[~(np.isfinite(flat) & (flat > 0))])
+        for i in bad.tolist():
+            v = values[names[i]]
+            if not np.isfinite(v).all():
+                findings.add("SCL001", names[i], f"contains {'NaN' if np.isnan(v).any() else 'Inf'}",
+                             hint="the export is broken; re-run calibration")
+            else:
+                findings.add("SCL002", names[i], f"has a non-positive value ({float(v.min()):.3g})",
+                             hint="dequant scales must be > 0")
 
     def scalar(m: Module | None, suffix: str) -> float | None:
         t = m.tensors.get(suffix) if m else None
         v = values.get(t.name) if t else None
-        if v is None or v.numel() != 1:
+        if v is None or v.size != 1:
             return None
-        x = float(v)
+        x = float(v.reshape(-1)[0])
         return x if math.isfinite(x) and x > 0 else None
 
     # Pairs/groups of shards that the engine merges into one scale.
@@ -303,27 +331,132 @@ def _check_scales(values: dict[str, torch.Tensor], census: Census, findings: Fin
         findings.add("SCL005", layer if len(items) > 1 else worst[0],
                      f"{len(items)} {'pair' if len(items) == 1 else 'groups'} with differing weight_scale_2, "
                      f"worst ratio {worst[1]:.3g}x ({worst[0]})",
-                     hint="engines keep one value and silently mis-scale the other; mocli convert rescales (SEMANTICS §7)")
+                     hint="engines keep one value and silently mis-scale the other; mocli repair and convert "
+                          "rescale instead (SEMANTICS §7, §11)")
     return stats
 
 
-# --- target constraints ---------------------------------------------------------------------------
+# --- tensor / expert parallel (SEMANTICS §10) ------------------------------------------------------
 
-def _check_target(target: Target, census: Census, findings: Findings) -> None:
-    constraints = CONSTRAINTS[target]
-    supported = SUPPORTED[target]
-    for m in census.modules.values():
-        if m.kind not in (Kind.LINEAR, Kind.FUSED_SHARD) or m.scheme is None or not m.out_in:
+def _dense_units(census: Census) -> list[tuple[str, list[Module], Algo]]:
+    """Every quantized dense module as converted: fused groups whole, other linears alone."""
+    out = []
+    for g in census.fused:
+        schemes = {m.scheme for m in g.shards}
+        if len(schemes) == 1 and None not in schemes:
+            out.append((g.name, list(g.shards), schemes.pop()))
+    out += [(m.name, [m], m.scheme) for m in census.modules.values() if m.scheme is not None and m.kind is Kind.LINEAR]
+    return [(n, s, a) for n, s, a in out if all(m.out_in for m in s)]
+
+
+def _check_parallel(par: ParallelLayout, heads: Heads | None, census: Census, findings: Findings) -> set[str]:
+    """PAR findings for a tp/ep layout; returns the dense modules that can be sliced (for TGT checks)."""
+    dense = _dense_units(census)
+    if par.single:
+        return {n for n, _, _ in dense}
+    tp, ep = par.tp, par.ep
+    at = f"tp {tp}" + (f", ep {ep}" if ep > 1 else "")
+    if ep > 1 and ep % tp:
+        findings.add("PAR002", "parallel layout", f"ep {ep} is not a multiple of tp {tp}",
+                     hint="expert parallel spans tp x dp ranks (vLLM); choose ep = tp x dp")
+    ok: set[str] = set()
+    attention = [m for _, shards, _ in dense for m in shards if m.name.rpartition(".")[2] in HEAD_SPLIT]
+    head_fault = False
+    if attention and tp > 1:
+        if heads is None:
+            findings.add("PAR005", "config.json", "no num_attention_heads / num_key_value_heads / head_dim",
+                         hint="q/k/v are split on whole heads at tp > 1; add the counts to config.json")
+            head_fault = True
+        else:
+            if heads.heads % tp:
+                findings.add("PAR001", "config.json", f"{heads.heads} attention heads do not divide among {tp} ranks",
+                             hint="choose a tp that divides num_attention_heads")
+                head_fault = True
+            kv = heads.kv_heads
+            if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+                findings.add("PAR001", "config.json", f"{kv} kv heads neither divide among nor replicate evenly over "
+                             f"{tp} ranks", hint="tp must divide num_key_value_heads, or be a multiple of it")
+                head_fault = True
+            for m in attention:
+                want = (heads.heads if HEAD_SPLIT[m.name.rpartition(".")[2]] == "q" else kv) * heads.head_dim
+                if m.out_in[0] != want:
+                    findings.add("PAR005", m.name, f"has {m.out_in[0]} rows but config.json's heads x head_dim "
+                                 f"says {want}", hint="fix num_attention_heads / num_key_value_heads / head_dim")
+                    head_fault = True
+    for name, shards, scheme in dense:
+        split = split_of(shards[0].name)
+        if split is None:
+            findings.add("PAR004", name, f"mocli does not know how engines split '{name.rpartition('.')[2]}' "
+                         f"across ranks ({at})", hint="convert at tp 1, or exclude the layer from quantization")
             continue
-        if m.scheme not in supported["linear"]:
-            findings.add("TGT002", m.name, f"{target} does not take {m.scheme} linears")
+        faults = []
+        k = shards[0].out_in[1]
+        if split is Split.COLUMN:
+            for m in shards:
+                n = m.out_in[0]
+                if m.name.rpartition(".")[2] in HEAD_SPLIT:
+                    if head_fault:
+                        faults.append("heads")
+                    continue
+                if n % tp:
+                    faults.append(f"{m.name.rpartition('.')[2]} has {n} rows, not divisible by tp {tp}")
+            if scheme is Algo.FP8_PB_WO and not faults:
+                sl = rank_slices(par, heads, shards)[0]
+                for m, (a, b) in zip(shards, sl.rows, strict=True):
+                    if (b - a) % 128:
+                        faults.append(f"{m.name.rpartition('.')[2]}: {b - a} rows per rank is not a whole "
+                                      "128-row FP8 block")
+        elif split is Split.ROW:
+            if k % tp:
+                faults.append(f"K = {k} is not divisible by tp {tp}")
+            elif scheme is Algo.NVFP4 and (k // tp) % 16:
+                faults.append(f"K / tp = {k // tp} is not a whole number of 16-element NVFP4 blocks")
+            elif scheme is Algo.FP8_PB_WO and (k // tp) % 128:
+                faults.append(f"K / tp = {k // tp} is not a whole 128-column FP8 block")
+        for f in faults:
+            if f != "heads":
+                findings.add("PAR003", name, f"{f} ({at})", hint="choose a tp that splits this layer evenly")
+        if not faults:
+            ok.add(name)
+    for layer in census.moe:
+        if not (layer.schemes - {None}) or layer.intermediate is None:
             continue
-        n, k = m.out_in
+        e = layer.num_experts
+        if ep > 1:
+            if e % ep:
+                findings.add("PAR002", layer.name, f"{e} experts do not divide among {ep} expert-parallel ranks",
+                             hint="choose an ep that divides the number of experts")
+        else:
+            i = layer.intermediate
+            if i % tp:
+                findings.add("PAR003", layer.name, f"intermediate size {i} is not divisible by tp {tp}",
+                             hint="choose a tp that divides I, or use --ep")
+            elif Algo.NVFP4 in layer.schemes and (i // tp) % 16:
+                findings.add("PAR003", layer.name, f"I / tp = {i // tp} is not a whole number of 16-element "
+                             "NVFP4 blocks", hint="choose a smaller tp, or use --ep")
+    return ok
+
+
+# --- target constraints, on each rank's shapes ---------------------------------------------------------
+
+def _check_target(target: Target, par: ParallelLayout, heads: Heads | None, census: Census,
+                  sliceable: set[str], findings: Findings) -> None:
+    layout = layout_of(target)
+    constraints, supported = layout.constraints, layout.supported
+    at = "" if par.single else f" per rank at tp {par.tp}" + (f", ep {par.ep}" if par.ep > 1 else "")
+    for name, shards, scheme in _dense_units(census):
+        if scheme not in supported["linear"]:
+            findings.add("TGT002", name, f"{target} does not take {scheme} linears",
+                         hint="convert for another target, or re-export in a supported scheme")
+            continue
+        if name not in sliceable:
+            continue
+        sl = rank_slices(par, heads, shards)[0]
         for c in constraints:
-            if c.scope == "linear" and c.algo is m.scheme:
-                size = n if c.dim == "N" else k
+            if c.scope == "linear" and c.algo is scheme:
+                size = sl.n if c.dim == "N" else sl.k
                 if size % c.multiple:
-                    findings.add("TGT001", m.name, f"{c.dim} = {size} is not a multiple of {c.multiple}",
+                    findings.add("TGT001", name, f"{c.dim} = {size}{at} is not a multiple of {c.multiple}",
                                  hint=c.why)
     for layer in census.moe:
         schemes = layer.schemes - {None}
@@ -331,21 +464,24 @@ def _check_target(target: Target, census: Census, findings: Findings) -> None:
             continue
         if len(schemes) > 1 or None in layer.schemes:
             findings.add("TGT002", layer.name, "experts are stored in mixed schemes "
-                         f"({', '.join(sorted(str(s) for s in layer.schemes))})")
+                         f"({', '.join(sorted(str(s) for s in layer.schemes))})",
+                         hint="the fused-MoE kernel takes one scheme per layer; re-export")
             continue
         scheme = schemes.pop()
         if scheme not in supported["moe"]:
-            findings.add("TGT002", layer.name, f"{target} has no fused-MoE path for {scheme} experts")
+            findings.add("TGT002", layer.name, f"{target} has no fused-MoE path for {scheme} experts",
+                         hint="convert for another target, or re-export the experts as FP8 or NVFP4")
             continue
         i, h = layer.intermediate, layer.hidden
         if i is None or h is None:
             continue
+        i_rank = i if par.expert_parallel or i % par.tp else i // par.tp
         for c in constraints:
             if c.scope == "moe" and c.algo is scheme:
-                size = 2 * i if c.dim == "2I" else h
+                size = 2 * i_rank if c.dim == "2I" else h
                 if size % c.multiple:
-                    findings.add("TGT001", layer.name, f"{c.dim} = {size} is not a multiple of {c.multiple} "
-                                 f"(I = {i}, H = {h})", hint=c.why)
+                    findings.add("TGT001", layer.name, f"{c.dim} = {size}{at} is not a multiple of {c.multiple} "
+                                 f"(I = {i_rank}, H = {h})", hint=c.why)
 
 
 def _few(items: list, n: int = 4) -> str:

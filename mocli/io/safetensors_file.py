@@ -13,9 +13,9 @@ import math
 import os
 import struct
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from mocli.errors import CorruptFileError
 from mocli.io.jsonfile import parse_json_bytes
@@ -28,14 +28,21 @@ DTYPE_SIZES: dict[str, int] = {
     "I64": 8, "U64": 8, "F64": 8,
 }  # fmt: skip
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I16": torch.int16, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I32": torch.int32, "F32": torch.float32, "I64": torch.int64, "F64": torch.float64,
-}  # fmt: skip
+if TYPE_CHECKING:  # header-only commands (inspect, validate) never import torch
+    import torch
 
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+
+@cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """safetensors dtype string -> torch dtype (imports torch on first use)."""
+    import torch
+
+    return {
+        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8,
+        "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+        "I16": torch.int16, "F16": torch.float16, "BF16": torch.bfloat16,
+        "I32": torch.int32, "F32": torch.float32, "I64": torch.int64, "F64": torch.float64,
+    }  # fmt: skip
 
 # A header larger than this is not a real checkpoint (safetensors itself caps it at 100 MB).
 MAX_HEADER_BYTES = 100_000_000
@@ -165,41 +172,68 @@ def read_error(path: Path, e: OSError) -> CorruptFileError:
     return CorruptFileError(f"{path}: cannot read: {why}", hint=hint)
 
 
+def tensor_bytes_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
+    import ctypes
+
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
 class TensorReader:
     """Reads single tensors by offset; keeps file handles open. Not thread-safe."""
 
     def __init__(self) -> None:
         self._files: dict[Path, int] = {}
 
-    def _fd(self, path: Path) -> int:
+    def fd(self, path: Path) -> int:
         fd = self._files.get(path)
         if fd is None:
             fd = os.open(path, os.O_RDONLY)
             self._files[path] = fd
         return fd
 
+    def read_range(self, entry: TensorEntry, start: int, view: memoryview) -> None:
+        """Fill ``view`` with the entry's bytes from ``start`` (bytes into the tensor)."""
+        fd = self.fd(entry.file)
+        done, n = 0, len(view)
+        try:
+            while done < n:
+                got = os.preadv(fd, [view[done:]], entry.start + start + done)
+                if got <= 0:
+                    raise CorruptFileError(f"{entry.file}: unexpected end of file reading '{entry.name}'",
+                                           hint="the file was truncated after it was opened; download it again")
+                done += got
+        except OSError as e:
+            raise read_error(entry.file, e) from None
+
+    def read_into(self, entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
+        """Read the entry's bytes into ``out`` (a contiguous CPU uint8 tensor of entry.nbytes)."""
+        if entry.nbytes:
+            self.read_range(entry, 0, memoryview(tensor_bytes_view(out)))
+        return out
+
     def read_bytes(self, entry: TensorEntry) -> bytearray:
         buf = bytearray(entry.nbytes)
-        view = memoryview(buf)
-        fd = self._fd(entry.file)
-        done = 0
-        while done < entry.nbytes:
-            got = os.preadv(fd, [view[done:]], entry.start + done)
-            if got <= 0:
-                raise CorruptFileError(f"{entry.file}: unexpected end of file reading '{entry.name}'")
-            done += got
+        if entry.nbytes:
+            self.read_range(entry, 0, memoryview(buf))
         return buf
 
     def read(self, entry: TensorEntry) -> torch.Tensor:
         """Tensor with the entry's dtype and shape, in CPU memory we own (writable)."""
-        if entry.dtype not in TORCH_DTYPES:
+        import torch
+
+        dtypes = torch_dtypes()
+        if entry.dtype not in dtypes:
             raise CorruptFileError(f"{entry.file}: tensor '{entry.name}' has dtype {entry.dtype} "
-                                   "that torch cannot represent")
-        buf = self.read_bytes(entry)
+                                   "that torch cannot represent", hint="mocli cannot process this tensor")
+        out = torch.empty(entry.nbytes, dtype=torch.uint8)
+        self.read_into(entry, out)
         if entry.nbytes == 0:
-            return torch.empty(entry.shape, dtype=TORCH_DTYPES[entry.dtype])
-        flat = torch.frombuffer(buf, dtype=torch.uint8)
-        return flat.view(TORCH_DTYPES[entry.dtype]).reshape(entry.shape)
+            return torch.empty(entry.shape, dtype=dtypes[entry.dtype])
+        return out.view(dtypes[entry.dtype]).reshape(entry.shape)
 
     def close(self) -> None:
         for fd in self._files.values():

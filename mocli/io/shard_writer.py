@@ -1,13 +1,13 @@
 """Pre-planned safetensors shards: headers written first, tensor bytes written in place later.
 
 Every tensor's shard and byte offset is fixed before any data moves, so work units can write
-their results straight to their place (``pwrite``), in any order, and a resumed run rewrites
-exactly the same bytes.
+their results straight to their place (``pwrite``, or ``copy_file_range`` for verbatim source
+bytes), in any order, and a resumed run rewrites exactly the same bytes.
 """
 
 from __future__ import annotations
 
-import ctypes
+import errno
 import json
 import os
 import struct
@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from mocli.io.safetensors_file import tensor_bytes_view
 
 SHARD_PATTERN = "model-{index:05d}-of-{count:05d}.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3  # the Hugging Face default, "5GB"
@@ -34,18 +36,42 @@ class ShardFile:
     tensors: list[TensorSpec] = field(default_factory=list)
     header: bytes = b""
     size: int = 0
+    offsets: dict[str, tuple[int, int]] = field(default_factory=dict)  # tensor -> (absolute offset, nbytes)
 
 
 @dataclass
 class ShardLayout:
     files: list[ShardFile]
-    where: dict[str, tuple[int, int, int]]  # name -> (file index, absolute offset, nbytes)
 
     def weight_map(self) -> dict[str, str]:
         return {t.name: f.name for f in self.files for t in f.tensors}
 
     def to_dict(self) -> dict:
         return {f.name: [[t.name, t.dtype, list(t.shape)] for t in f.tensors] for f in self.files}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @classmethod
+    def from_files(cls, files: list[tuple[str, list[TensorSpec]]], metadata: dict[str, str] | None = None) -> ShardLayout:
+        """Given file names and their tensors in order: headers and offsets."""
+        meta = {"format": "pt", **(metadata or {})}
+        out = []
+        for name, specs in files:
+            f = ShardFile(name, list(specs))
+            header: dict = {"__metadata__": meta}
+            off = 0
+            for s in specs:
+                header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [off, off + s.nbytes]}
+                off += s.nbytes
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)
+            f.header = struct.pack("<Q", len(raw)) + raw
+            f.size = len(f.header) + off
+            f.offsets = {s.name: (len(f.header) + header[s.name]["data_offsets"][0], s.nbytes) for s in specs}
+            out.append(f)
+        return cls(out)
 
 
 def layout_shards(specs: list[TensorSpec], max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -60,38 +86,8 @@ def layout_shards(specs: list[TensorSpec], max_shard_bytes: int = DEFAULT_MAX_SH
             size = 0
         groups[-1].append(s)
         size += s.nbytes
-    files: list[ShardFile] = []
-    where: dict[str, tuple[int, int, int]] = {}
-    meta = {"format": "pt", **(metadata or {})}
-    for idx, group in enumerate(groups):
-        f = ShardFile(SHARD_PATTERN.format(index=idx + 1, count=len(groups)), group)
-        header: dict = {"__metadata__": meta}
-        off = 0
-        for s in group:
-            header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [off, off + s.nbytes]}
-            off += s.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        f.header = struct.pack("<Q", len(raw)) + raw
-        f.size = len(f.header) + off
-        data_start = len(f.header)
-        for s in group:
-            begin = header[s.name]["data_offsets"][0]
-            where[s.name] = (idx, data_start + begin, s.nbytes)
-        files.append(f)
-    return ShardLayout(files, where)
-
-
-def tensor_bytes(t: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
-    """A zero-copy byte view of a CPU tensor (and the tensor that keeps the memory alive)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(b""), t
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B"), t
+    return ShardLayout.from_files([(SHARD_PATTERN.format(index=i + 1, count=len(groups)), g)
+                                   for i, g in enumerate(groups)], metadata)
 
 
 def shards_intact(directory: Path, layout: ShardLayout) -> bool:
@@ -109,37 +105,73 @@ def shards_intact(directory: Path, layout: ShardLayout) -> bool:
     return True
 
 
+def create_shards(directory: Path, layout: ShardLayout) -> None:
+    """Write every planned shard's header and size it (sparse until written: unwritten bytes read 0)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in layout.files:
+        fd = os.open(directory / f.name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.pwrite(fd, f.header, 0)
+            os.ftruncate(fd, f.size)
+        finally:
+            os.close(fd)
+
+
 class ShardWriter:
-    """Opens every planned shard for positional writes: re-opened as is when resuming, else created."""
+    """Positional writes into planned shards (already created), from any thread.
 
-    def __init__(self, directory: Path, layout: ShardLayout, resume: bool) -> None:
-        self.layout = layout
-        self.fds: list[int] = []
-        for f in layout.files:
-            path = directory / f.name
-            if resume:  # the caller checked shards_intact()
-                fd = os.open(path, os.O_RDWR)
-            else:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.pwrite(fd, f.header, 0)
-                os.ftruncate(fd, f.size)  # sparse until written; unwritten regions read as zeros
-            self.fds.append(fd)
+    ``where[key]`` is (fd, absolute offset, nbytes) for every planned tensor.
+    """
 
-    def write(self, name: str, offset: int, data: torch.Tensor) -> int:
-        idx, start, nbytes = self.layout.where[name]
-        view, _keep = tensor_bytes(data)
+    def __init__(self, files: list[tuple[Path, ShardFile]], keys: dict[tuple[str, str], int]) -> None:
+        self.fds = [os.open(path, os.O_RDWR) for path, _ in files]
+        self.where: dict[tuple[str, str], tuple[int, int, int]] = {}
+        for key, idx in keys.items():
+            start, nbytes = files[idx][1].offsets[key[1]]
+            self.where[key] = (self.fds[idx], start, nbytes)
+        self._copy_ok = True
+
+    def write(self, key: tuple[str, str], offset: int, data: torch.Tensor) -> int:
+        fd, start, nbytes = self.where[key]
+        t = data.detach().contiguous()
+        view = tensor_bytes_view(t)
         if offset + len(view) > nbytes:
-            raise RuntimeError(f"write of {len(view)} bytes at {offset} overflows {name} ({nbytes} bytes)")
-        fd, pos, done = self.fds[idx], start + offset, 0
+            raise RuntimeError(f"write of {len(view)} bytes at {offset} overflows {key[1]} ({nbytes} bytes)")
+        pos, done = start + offset, 0
         while done < len(view):
             done += os.pwrite(fd, view[done:], pos + done)
         return len(view)
 
-    def sync(self) -> None:
-        for fd in self.fds:
-            os.fsync(fd)
+    def copy(self, key: tuple[str, str], offset: int, src_fd: int, src_offset: int, n: int) -> int:
+        """Copy ``n`` source bytes into place in the kernel; read/write where that is unsupported."""
+        fd, start, nbytes = self.where[key]
+        if offset + n > nbytes:
+            raise RuntimeError(f"copy of {n} bytes at {offset} overflows {key[1]} ({nbytes} bytes)")
+        done = 0
+        while done < n and self._copy_ok:
+            try:
+                got = os.copy_file_range(src_fd, fd, n - done, src_offset + done, start + offset + done)
+            except OSError as e:
+                if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    self._copy_ok = False
+                    break
+                raise
+            if got == 0:
+                raise OSError(errno.EIO, "source ended during copy")
+            done += got
+        buf = bytearray(min(n - done, 1 << 20)) if done < n else None
+        while done < n:
+            k = os.preadv(src_fd, [memoryview(buf)[: min(len(buf), n - done)]], src_offset + done)
+            if k <= 0:
+                raise OSError(errno.EIO, "source ended during copy")
+            w = 0
+            while w < k:
+                w += os.pwrite(fd, memoryview(buf)[w:k], start + offset + done + w)
+            done += k
+        return n
 
     def close(self) -> None:
         for fd in self.fds:
             os.close(fd)
         self.fds.clear()
+

@@ -1,0 +1,70 @@
+"""SHA-256 of every source shard, taken in background threads from the moment the source is open.
+
+Provenance records them so verify can tell that the source is unchanged since conversion. They are
+taken off the data path: hashing starts before torch is even imported and runs beside the work
+(hashlib releases the GIL). Files of a Hugging Face cache snapshot are symlinks to blobs named by
+their git-lfs object id, which is the file's SHA-256: those are taken from the name (verify
+re-hashes the bytes, so a damaged blob is still caught).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+from pathlib import Path
+
+_SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
+CHUNK = 1 << 20
+
+
+def lfs_digest(path: Path) -> str | None:
+    """The SHA-256 a Hugging Face cache symlink names, or None for an ordinary file."""
+    if not path.is_symlink():
+        return None
+    target = Path(os.readlink(path))
+    return target.name if target.parent.name == "blobs" and _SHA256_NAME.match(target.name) else None
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(CHUNK)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(memoryview(buf)[:n])
+    return h.hexdigest()
+
+
+class SourceDigests:
+    """file name -> SHA-256 for ``files``; ``result()`` waits for the background threads."""
+
+    def __init__(self, files: list[Path], threads: int = 2) -> None:
+        self.digests: dict[str, str] = {}
+        self.errors: list[OSError] = []
+        todo = []
+        for p in files:
+            d = lfs_digest(p)
+            if d:
+                self.digests[p.name] = d
+            else:
+                todo.append(p)
+        todo.sort(key=lambda p: -p.stat().st_size)
+        shares: list[list[Path]] = [todo[i::threads] for i in range(threads)]
+        self.threads = [threading.Thread(target=self._run, args=(s,), daemon=True) for s in shares if s]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, files: list[Path]) -> None:
+        for p in files:
+            try:
+                self.digests[p.name] = sha256_file(p)
+            except OSError as e:
+                self.errors.append(e)
+
+    def result(self) -> dict[str, str]:
+        for t in self.threads:
+            t.join()
+        if self.errors:
+            raise self.errors[0]
+        return dict(sorted(self.digests.items()))

@@ -1,0 +1,76 @@
+"""Kernel-facing module kinds and tensor roles: the one definition planner, loader and verify share.
+
+A converted module has a kind (what kernel it feeds) and a set of tensors, each with a role. The
+loader's dataclasses, the manifest, the verify checks and the consistency rules all key on these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from mocli.quant_config import Algo
+
+
+class ModuleKind(StrEnum):
+    FP8_LINEAR = "fp8_linear"
+    FP8_CHANNEL_LINEAR = "fp8_channel_linear"
+    FP8_BLOCK_LINEAR = "fp8_block_linear"
+    NVFP4_LINEAR = "nvfp4_linear"
+    FP8_MOE = "fp8_moe"
+    NVFP4_MOE = "nvfp4_moe"
+
+
+class Role(StrEnum):
+    # dense linears
+    WEIGHT = "weight"
+    WEIGHT_SCALE = "weight_scale"
+    WEIGHT_SCALE_2 = "weight_scale_2"
+    INPUT_SCALE = "input_scale"
+    ALPHA = "alpha"
+    INPUT_SCALE_INV = "input_scale_inv"
+    BIAS = "bias"
+    # fused MoE
+    W13_WEIGHT = "w13_weight"
+    W2_WEIGHT = "w2_weight"
+    W13_WEIGHT_SCALE = "w13_weight_scale"
+    W2_WEIGHT_SCALE = "w2_weight_scale"
+    W13_WEIGHT_SCALE_2 = "w13_weight_scale_2"
+    W2_WEIGHT_SCALE_2 = "w2_weight_scale_2"
+    W13_INPUT_SCALE = "w13_input_scale"
+    W2_INPUT_SCALE = "w2_input_scale"
+    W13_INPUT_SCALE_INV = "w13_input_scale_inv"
+    W2_INPUT_SCALE_INV = "w2_input_scale_inv"
+    G1_ALPHAS = "g1_alphas"
+    G2_ALPHAS = "g2_alphas"
+    A1_GSCALE = "a1_gscale"
+    A2_GSCALE = "a2_gscale"
+    # flashinfer-trtllm extras (FlashInfer spells the FP8 and NVFP4 names differently)
+    OUTPUT1_SCALES_SCALAR = "output1_scales_scalar"
+    OUTPUT1_SCALES_GATE_SCALAR = "output1_scales_gate_scalar"
+    OUTPUT2_SCALES_SCALAR = "output2_scales_scalar"
+    OUTPUT1_SCALE_SCALAR = "output1_scale_scalar"
+    OUTPUT1_SCALE_GATE_SCALAR = "output1_scale_gate_scalar"
+    OUTPUT2_SCALE_SCALAR = "output2_scale_scalar"
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    kind: ModuleKind
+    scheme: Algo
+    moe: bool
+
+
+KINDS: dict[ModuleKind, KindSpec] = {
+    ModuleKind.FP8_LINEAR: KindSpec(ModuleKind.FP8_LINEAR, Algo.FP8, False),
+    ModuleKind.FP8_CHANNEL_LINEAR: KindSpec(ModuleKind.FP8_CHANNEL_LINEAR, Algo.FP8_PER_CHANNEL_PER_TOKEN, False),
+    ModuleKind.FP8_BLOCK_LINEAR: KindSpec(ModuleKind.FP8_BLOCK_LINEAR, Algo.FP8_PB_WO, False),
+    ModuleKind.NVFP4_LINEAR: KindSpec(ModuleKind.NVFP4_LINEAR, Algo.NVFP4, False),
+    ModuleKind.FP8_MOE: KindSpec(ModuleKind.FP8_MOE, Algo.FP8, True),
+    ModuleKind.NVFP4_MOE: KindSpec(ModuleKind.NVFP4_MOE, Algo.NVFP4, True),
+}
+
+
+def kind_for(scheme: Algo, moe: bool) -> ModuleKind | None:
+    """The module kind a stored scheme converts to (None: no kernel path)."""
+    return next((k for k, s in KINDS.items() if s.scheme is scheme and s.moe is moe), None)

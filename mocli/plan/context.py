@@ -1,0 +1,26 @@
+"""The inputs every part of the convert planner shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mocli.census import Census, Module
+from mocli.parallel import Heads, ParallelLayout
+from mocli.plan.core import Plan
+from mocli.targets import TargetLayout
+
+
+@dataclass
+class PlanContext:
+    census: Census
+    scales: dict[str, torch.Tensor]
+    layout: TargetLayout
+    parallel: ParallelLayout
+    heads: Heads | None
+    plan: Plan = field(default_factory=Plan)
+    consumed: set[str] = field(default_factory=set)
+
+    def scale(self, m: Module, suffix: str) -> torch.Tensor:
+        return self.scales[m.tensors[suffix].name].reshape(())

@@ -1,0 +1,294 @@
+"""Dense linears: fused shards, per-rank slices, and each target's layout (SEMANTICS §3, §6, §8, §10).
+
+One unit per module reads every source shard once and writes every rank's tensors. Ranks that
+share a tensor-parallel rank (expert-parallel replicas) get identical bytes, computed once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mocli.census import Module
+from mocli.io.safetensors_file import TensorEntry
+from mocli.kinds import ModuleKind, Role, kind_for
+from mocli.ops.fp8 import has_nan_fp8, requantize_fp8, rescale_block_scales
+from mocli.ops.layout import pad_2d, permute_rows, swizzle_block_scales, swizzled_shape
+from mocli.parallel import RankSlice, Split, rank_slices, split_of
+from mocli.plan.context import PlanContext
+from mocli.plan.core import (
+    BadData,
+    ConvertedModule,
+    OutTensor,
+    Piece,
+    SourceRange,
+    Unit,
+    UnitContext,
+    concat_pieces,
+    scalar,
+)
+from mocli.quant_config import Algo
+from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+
+QUANT_SUFFIXES = (WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2, INPUT_SCALE, "bias")
+
+
+def plan_dense(pc: PlanContext, prefix: str, shards: list[Module], scheme: Algo) -> None:
+    for m in shards:
+        pc.consumed.update(e.name for s, e in m.tensors.items() if s in QUANT_SUFFIXES)
+    slices = rank_slices(pc.parallel, pc.heads, shards)
+    split = split_of(shards[0].name) if pc.parallel.tp > 1 else Split.REPLICATED
+    if scheme is Algo.NVFP4:
+        _Nvfp4Dense(pc, prefix, shards, slices, split).plan()
+    else:
+        _Fp8Dense(pc, prefix, shards, slices, split, scheme).plan()
+
+
+class _Dense:
+    """Shared bookkeeping: per-rank output tensors, manifest modules and the one unit."""
+
+    kind: ModuleKind
+
+    def __init__(self, pc: PlanContext, prefix: str, shards: list[Module], slices: dict[int, RankSlice],
+                 split: Split) -> None:
+        self.pc, self.prefix, self.shards, self.slices, self.split = pc, prefix, shards, slices, split
+        self.fused = ["concat_rows"] if len(shards) > 1 else []
+        self.n_full = sum(m.out_in[0] for m in shards)
+        self.k_full = shards[0].out_in[1]
+        self.ranks = range(pc.parallel.ranks)
+        self.tensors: dict[int, dict[str, str]] = {r: {} for r in self.ranks}
+        self.outputs: list = []
+
+    def slice_of(self, rank: int) -> RankSlice:
+        return self.slices[self.pc.parallel.tp_rank(rank)]
+
+    def slice_transforms(self, rank: int) -> list[str]:
+        if self.pc.parallel.single or self.split is Split.REPLICATED:
+            return []
+        return [f"{self.split}_parallel_slice"]
+
+    def add(self, rank: int, role: Role, dtype: str, shape: tuple[int, ...], sources: list[str],
+            transforms: list[str]) -> None:
+        t = OutTensor(f"{self.prefix}.{role}", dtype, shape, str(role), sources, transforms,
+                      self.pc.parallel.group(rank))
+        self.tensors[rank][str(role)] = self.pc.plan.add(t)
+        self.outputs.append(t.key)
+
+    def key(self, rank: int, role: Role) -> tuple[str, str]:
+        return self.pc.parallel.group(rank), f"{self.prefix}.{role}"
+
+    def sources(self, suffix: str) -> list[str]:
+        return [m.tensors[suffix].name for m in self.shards]
+
+    def finish(self, kind: ModuleKind, meta_extra, inputs: list[TensorEntry], run) -> None:
+        for r in self.ranks:
+            s = self.slice_of(r)
+            meta = {"n": s.n, "k": s.k, "shard_rows": [b - a for a, b in s.rows], **meta_extra(r)}
+            if not self.pc.parallel.single:
+                meta |= {"split": str(self.split), "tp_rank": s.tp_rank, "slices": s.meta(),
+                         "full": {"n": self.n_full, "k": self.k_full}}
+            self.pc.plan.modules.append(ConvertedModule(self.prefix, str(kind), str(KIND_SCHEME[kind]),
+                                                        self.tensors[r], [m.name for m in self.shards], meta,
+                                                        self.pc.parallel.group(r)))
+        self._plan_bias()
+        self.pc.plan.units.append(Unit(f"dense:{self.prefix}", inputs + self._bias_entries(), self.outputs, run))
+
+    # A bias is sliced with the rows of a column-parallel layer, whole elsewhere (the engine adds a
+    # row-parallel bias once, after the all-reduce).
+    def _bias_entries(self) -> list[TensorEntry]:
+        biases = [m.tensors.get("bias") for m in self.shards]
+        if not any(b is not None for b in biases):
+            return []
+        if not all(b is not None for b in biases):
+            raise ValueError(f"{self.prefix}: some shards have a bias and some do not")
+        return biases
+
+    def _plan_bias(self) -> None:
+        biases = self._bias_entries()
+        if not biases:
+            return
+        for r in self.ranks:
+            s = self.slice_of(r)
+            self.add(r, Role.BIAS, biases[0].dtype, (s.n,), [b.name for b in biases],
+                     self.fused + self.slice_transforms(r))
+            for m in self.pc.plan.modules[-len(self.ranks):]:
+                if m.group == self.pc.parallel.group(r):
+                    m.tensors[str(Role.BIAS)] = f"{self.prefix}.{Role.BIAS}"
+
+    def bias_pieces(self, ctx: UnitContext) -> list[Piece]:
+        biases = self._bias_entries()
+        if not biases:
+            return []
+        whole = [ctx.read(b) for b in biases]
+        pieces = []
+        for r in self.ranks:
+            s = self.slice_of(r)
+            pieces += concat_pieces(self.key(r, Role.BIAS), [w[a:b] for w, (a, b) in zip(whole, s.rows, strict=True)])
+        return pieces
+
+
+KIND_SCHEME = {ModuleKind.FP8_LINEAR: Algo.FP8, ModuleKind.FP8_CHANNEL_LINEAR: Algo.FP8_PER_CHANNEL_PER_TOKEN,
+               ModuleKind.FP8_BLOCK_LINEAR: Algo.FP8_PB_WO, ModuleKind.NVFP4_LINEAR: Algo.NVFP4}
+
+
+def check_fp8(t: torch.Tensor, entry: TensorEntry) -> None:
+    if has_nan_fp8(t):
+        raise BadData(entry.name, "FP8 bytes encode NaN (0x7F or 0xFF)")
+
+
+class _Fp8Dense(_Dense):
+    def __init__(self, pc, prefix, shards, slices, split, scheme: Algo) -> None:
+        super().__init__(pc, prefix, shards, slices, split)
+        self.scheme = scheme
+
+    def plan(self) -> None:
+        pc, shards = self.pc, self.shards
+        weights = [m.tensors[WEIGHT] for m in shards]
+        kind = kind_for(self.scheme, moe=False)
+        if self.scheme is Algo.FP8:
+            s = [pc.scale(m, WEIGHT_SCALE) for m in shards]
+            a = [pc.scale(m, INPUT_SCALE) for m in shards]
+            big_s, big_a = torch.stack(s).max(), torch.stack(a).max()
+            requant = [bool(si != big_s) for si in s]
+            pc.plan.repairs["fp8_requantized_shards"] += sum(requant)
+            for r in self.ranks:
+                sl = self.slice_of(r)
+                self.add(r, Role.WEIGHT, "F8_E4M3", (sl.n, sl.k), [w.name for w in weights],
+                         self.fused + self.slice_transforms(r) + (["requantize_max_scale"] if any(requant) else []))
+                self.add(r, Role.WEIGHT_SCALE, "F32", (), self.sources(WEIGHT_SCALE), ["max"] if self.fused else [])
+                self.add(r, Role.INPUT_SCALE, "F32", (), self.sources(INPUT_SCALE), ["max"] if self.fused else [])
+
+            def run(ctx: UnitContext) -> list[Piece]:
+                whole = []
+                for w, si in zip(weights, s, strict=True):
+                    q = ctx.load(w)
+                    check_fp8(q, w)
+                    whole.append(requantize_fp8(q, si, big_s, out=ctx.out(q)))
+                pieces = self._weight_pieces(whole)
+                for r in self.ranks:
+                    pieces += [Piece(self.key(r, Role.WEIGHT_SCALE), 0, scalar(big_s)),
+                               Piece(self.key(r, Role.INPUT_SCALE), 0, scalar(big_a))]
+                return pieces + self.bias_pieces(ctx)
+
+            self.finish(kind, lambda r: {}, weights, run)
+            return
+
+        scale_entries = [m.tensors[WEIGHT_SCALE] for m in shards]
+        block = self.scheme is Algo.FP8_PB_WO
+        for r in self.ranks:
+            sl = self.slice_of(r)
+            sshape = (sl.n // 128, sl.k // 128) if block else (sl.n,)
+            self.add(r, Role.WEIGHT, "F8_E4M3", (sl.n, sl.k), [w.name for w in weights],
+                     self.fused + self.slice_transforms(r))
+            self.add(r, Role.WEIGHT_SCALE, "F32", sshape, [e.name for e in scale_entries],
+                     self.fused + self.slice_transforms(r) + (["reshape_blocks"] if block else []))
+        k_full = self.k_full
+
+        def run(ctx: UnitContext) -> list[Piece]:
+            whole = []
+            for w in weights:
+                q = ctx.load(w)
+                check_fp8(q, w)
+                whole.append(q)
+            pieces = self._weight_pieces(whole)
+            # FP8_PB_WO [N/128, 1, K/128, 1] -> [N/128, K/128] (SEMANTICS §8); per-channel [N] or [N, 1] -> [N]
+            sc = [pc.scales[e.name].reshape(-1, k_full // 128) if block else pc.scales[e.name].reshape(-1)
+                  for e in scale_entries]
+            for r in self.ranks:
+                sl = self.slice_of(r)
+                if block:
+                    parts = [x[a // 128:b // 128, sl.cols[0] // 128:sl.cols[1] // 128] for x, (a, b) in zip(sc, sl.rows, strict=True)]
+                elif self.split is Split.ROW:
+                    parts = sc  # per-channel scales follow output rows: whole on every row-parallel rank
+                else:
+                    parts = [x[a:b] for x, (a, b) in zip(sc, sl.rows, strict=True)]
+                pieces += concat_pieces(self.key(r, Role.WEIGHT_SCALE), [p.contiguous() for p in parts])
+            return pieces + self.bias_pieces(ctx)
+
+        self.finish(kind, lambda r: {}, weights, run)
+
+    def _weight_pieces(self, whole: list[torch.Tensor]) -> list[Piece]:
+        pieces = []
+        for r in self.ranks:
+            sl = self.slice_of(r)
+            c0, c1 = sl.cols
+            parts = [q[a:b, c0:c1] if (c0, c1) != (0, q.shape[1]) else q[a:b]
+                     for q, (a, b) in zip(whole, sl.rows, strict=True)]
+            pieces += concat_pieces(self.key(r, Role.WEIGHT), parts)
+        return pieces
+
+
+class _Nvfp4Dense(_Dense):
+    def plan(self) -> None:
+        pc, shards, layout = self.pc, self.shards, self.pc.layout
+        s2 = [pc.scale(m, WEIGHT_SCALE_2) for m in shards]
+        a = [pc.scale(m, INPUT_SCALE) for m in shards]
+        big_s2, big_a = torch.stack(s2).max(), torch.stack(a).max()
+        rescaled = [bool(x != big_s2) for x in s2]
+        pc.plan.repairs["nvfp4_rescaled_shards"] += sum(rescaled)
+        if any(rescaled):
+            ratio = float(big_s2 / torch.stack(s2).min())
+            pc.plan.repairs["nvfp4_worst_scale_2_ratio"] = max(pc.plan.repairs["nvfp4_worst_scale_2_ratio"], ratio)
+        weights = [m.tensors[WEIGHT] for m in shards]
+        bscales = [m.tensors[WEIGHT_SCALE] for m in shards]
+        shapes = {}
+        for r in self.ranks:
+            sl = self.slice_of(r)
+            n, k = sl.n, sl.k
+            wshape = layout.nvfp4_weight_shape(n, k)
+            shapes[r] = wshape
+            rows = self.slice_transforms(r)
+            self.add(r, Role.WEIGHT, "U8", wshape, [w.name for w in weights],
+                     self.fused + rows + layout.nvfp4_weight_transforms(n, k))
+            strans = (self.fused + rows + (["rescale_to_max_scale_2"] if any(rescaled) else [])
+                      + (["shuffle_matrix_a_128"] if layout.nvfp4_weight_rows(n) is not None else []) + ["swizzle_128x4"])
+            self.add(r, Role.WEIGHT_SCALE, "F8_E4M3", swizzled_shape(n, k // 16), [b.name for b in bscales], strans)
+            self.add(r, Role.WEIGHT_SCALE_2, "F32", (), self.sources(WEIGHT_SCALE_2), ["max"])
+            self.add(r, Role.INPUT_SCALE, "F32", (), self.sources(INPUT_SCALE), ["max"])
+            self.add(r, Role.ALPHA, "F32", (), [], ["input_scale * weight_scale_2"])
+            self.add(r, Role.INPUT_SCALE_INV, "F32", (), [], ["1 / input_scale"])
+        alpha, inv = big_a * big_s2, torch.reciprocal(big_a)
+
+        def run(ctx: UnitContext) -> list[Piece]:
+            pieces: list[Piece] = []
+            loaded: dict[int, torch.Tensor] = {}  # shard -> packed weight, read only when a rank needs the bytes
+
+            def weight(i: int) -> torch.Tensor:
+                if i not in loaded:
+                    loaded[i] = ctx.load(weights[i])
+                return loaded[i]
+
+            bs = []
+            for b, si in zip(bscales, s2, strict=True):
+                raw = ctx.load(b)
+                check_fp8(raw, b)
+                bs.append(rescale_block_scales(raw, si, big_s2, out=ctx.out(raw)))
+            for t, sl in self.slices.items():
+                ranks = [r for r in self.ranks if self.pc.parallel.tp_rank(r) == t]
+                n, k = sl.n, sl.k
+                wshape = shapes[ranks[0]]
+                c0, c1 = sl.cols
+                # Weight bytes no transform touches are copied by the kernel, never read into Python.
+                copy = wshape == (n, k // 2) and layout.nvfp4_weight_rows(n) is None and (c0, c1) == (0, self.k_full)
+                if copy:
+                    wparts: list = [SourceRange(w, 0, w.nbytes).rows(a, bnd) for w, (a, bnd) in zip(weights, sl.rows, strict=True)]
+                else:
+                    wparts = [weight(i)[a:bnd, c0 // 2:c1 // 2] for i, (a, bnd) in enumerate(sl.rows)]
+                    rank_w = torch.cat(wparts) if len(wparts) > 1 or not wparts[0].is_contiguous() else wparts[0]
+                    idx = layout.nvfp4_weight_rows(n)
+                    if idx is not None:
+                        rank_w = permute_rows(rank_w, idx, ctx.out(rank_w))
+                    wparts = [pad_2d(rank_w, *wshape)]
+                rank_bs = torch.cat([x[a:bnd, c0 // 16:c1 // 16] for x, (a, bnd) in zip(bs, sl.rows, strict=True)])
+                rank_bs = permute_rows(rank_bs, layout.nvfp4_weight_rows(n))
+                swz = swizzle_block_scales(rank_bs)
+                for r in ranks:
+                    pieces += concat_pieces(self.key(r, Role.WEIGHT), wparts)
+                    pieces += [Piece(self.key(r, Role.WEIGHT_SCALE), 0, swz),
+                               Piece(self.key(r, Role.WEIGHT_SCALE_2), 0, scalar(big_s2)),
+                               Piece(self.key(r, Role.INPUT_SCALE), 0, scalar(big_a)),
+                               Piece(self.key(r, Role.ALPHA), 0, scalar(alpha)),
+                               Piece(self.key(r, Role.INPUT_SCALE_INV), 0, scalar(inv))]
+            return pieces + self.bias_pieces(ctx)
+
+        self.finish(ModuleKind.NVFP4_LINEAR, lambda r: {"padded_n": shapes[r][0], "padded_k": shapes[r][1] * 2},
+                    weights + bscales, run)

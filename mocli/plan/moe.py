@@ -1,0 +1,296 @@
+"""Fused MoE layers per rank: [w3; w1] stacking, scale merging, target row orders (SEMANTICS §4, §7, §10).
+
+One unit per expert reads its w1/w3/w2 once and writes every rank that holds it: all ranks (each
+with I/tp of the rows) under tensor parallel, one rank under expert parallel. Per-expert scale
+vectors follow their experts; a1/a2 are the max over all experts on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mocli.census import Module, MoELayer
+from mocli.kinds import ModuleKind, Role
+from mocli.ops.fp8 import has_nan_fp8, requantize_fp8, rescale_block_scales
+from mocli.ops.layout import permute_rows, swizzle_block_scales, swizzled_shape
+from mocli.parallel import expert_range, intermediate_range
+from mocli.plan.context import PlanContext
+from mocli.plan.core import BadData, ConvertedModule, OutTensor, Piece, SourceRange, Unit, UnitContext
+from mocli.plan.dense import QUANT_SUFFIXES
+from mocli.quant_config import Algo
+from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+
+F32 = torch.float32
+
+
+class _Moe:
+    def __init__(self, pc: PlanContext, layer: MoELayer, kind: ModuleKind) -> None:
+        self.pc, self.layer, self.kind = pc, layer, kind
+        self.mods = [(layer.experts[e].gate, layer.experts[e].up, layer.experts[e].down) for e in sorted(layer.experts)]
+        for trio in self.mods:
+            for m in trio:
+                pc.consumed.update(e.name for s, e in m.tensors.items() if s in QUANT_SUFFIXES)
+        self.e_count, self.i, self.h = len(self.mods), layer.intermediate, layer.hidden
+        self.p = layer.name
+        par = pc.parallel
+        self.ranks = range(par.ranks)
+        self.experts = {r: expert_range(self.e_count, par, r) for r in self.ranks}
+        self.inter = {r: intermediate_range(self.i, par, r) for r in self.ranks}
+        self.tensors: dict[int, dict[str, str]] = {r: {} for r in self.ranks}
+        self.outputs: list = []
+
+    # --- bookkeeping ---------------------------------------------------------------------------------
+
+    def group(self, r: int) -> str:
+        return self.pc.parallel.group(r)
+
+    def key(self, r: int, role: Role) -> tuple[str, str]:
+        return self.group(r), f"{self.p}.{role}"
+
+    def local(self, r: int) -> int:
+        e0, e1 = self.experts[r]
+        return e1 - e0
+
+    def i_r(self, r: int) -> int:
+        a, b = self.inter[r]
+        return b - a
+
+    def slice_transforms(self, r: int) -> list[str]:
+        if self.pc.parallel.single:
+            return []
+        return ["expert_parallel_slice"] if self.pc.parallel.expert_parallel else ["intermediate_slice"]
+
+    def add(self, r: int, role: Role, dtype: str, shape: tuple[int, ...], sources: list[str], transforms: list[str]) -> None:
+        t = OutTensor(f"{self.p}.{role}", dtype, shape, str(role), sources, transforms, self.group(r))
+        self.tensors[r][str(role)] = self.pc.plan.add(t)
+        self.outputs.append(t.key)
+
+    def src(self, proj: str, suffix: str, r: int | None = None) -> list[str]:
+        e0, e1 = self.experts[r] if r is not None else (0, self.e_count)
+        return [getattr(self.layer.experts[e], proj).tensors[suffix].name for e in sorted(self.layer.experts)[e0:e1]]
+
+    def per_expert(self, suffix: str) -> tuple[torch.Tensor, ...]:
+        """([E] gate, [E] up, [E] down) values of one scale suffix."""
+        return tuple(torch.stack([self.pc.scale(trio[j], suffix) for trio in self.mods]) for j in range(3))
+
+    def input_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a13, a2): max input scale over all experts' w1/w3, and over their w2 (SEMANTICS §4, §7.3)."""
+        g, u, d = self.per_expert(INPUT_SCALE)
+        return torch.maximum(g, u).max(), d.max()
+
+    def holders(self, e: int) -> list[int]:
+        return [r for r in self.ranks if self.experts[r][0] <= e < self.experts[r][1]]
+
+    def plan_vectors(self, vectors: dict[Role, tuple[torch.Tensor, str, list[str]]]) -> None:
+        """Per-expert [E] vectors sliced to each rank's experts; 0-dim scalars whole everywhere."""
+        frozen: dict[tuple[int, Role], torch.Tensor] = {}
+        for r in self.ranks:
+            e0, e1 = self.experts[r]
+            for role, (v, how, sources) in vectors.items():
+                v = v.to(F32).reshape(v.shape)
+                part = v[e0:e1].contiguous() if v.dim() else v.contiguous()
+                self.add(r, role, "F32", tuple(part.shape), sources if self.pc.parallel.single else
+                         [s for s in sources if self._expert_of(s) in range(e0, e1)], [how])
+                frozen[r, role] = part
+        keys = {(r, role): self.key(r, role) for r, role in frozen}
+        self.pc.plan.units.append(Unit(f"scales:{self.p}", [], list(keys.values()),
+                                       lambda ctx: [Piece(keys[k], 0, v) for k, v in frozen.items()]))
+
+    def _expert_of(self, name: str) -> int:
+        return int(name[len(self.layer.name) + 1:].split(".", 1)[0])
+
+    def module(self, r: int, meta: dict) -> None:
+        e0, e1 = self.experts[r]
+        meta = {"experts": self.local(r), "intermediate": self.i_r(r), "hidden": self.h,
+                "naming": self.layer.naming.style, **meta}
+        if not self.pc.parallel.single:
+            meta |= {"expert_offset": e0, "experts_total": self.e_count, "intermediate_slice": list(self.inter[r]),
+                     "intermediate_total": self.i}
+        self.pc.plan.modules.append(ConvertedModule(self.p, str(self.kind), str(self.scheme), self.tensors[r],
+                                                    [self.layer.name], meta, self.group(r)))
+
+    scheme: Algo
+
+
+def _check(t: torch.Tensor, m: Module, suffix: str) -> None:
+    if has_nan_fp8(t):
+        raise BadData(m.tensors[suffix].name, "FP8 bytes encode NaN (0x7F or 0xFF)")
+
+
+class _Fp8Moe(_Moe):
+    scheme = Algo.FP8
+
+    def plan(self) -> None:
+        pc, layout, h = self.pc, self.pc.layout, self.h
+        s1, s3, s2 = self.per_expert(WEIGHT_SCALE)
+        w13_scale = torch.maximum(s1, s3)
+        a1, a2 = self.input_scales()
+        pc.plan.repairs["fp8_requantized_shards"] += int((s1 != w13_scale).sum() + (s3 != w13_scale).sum())
+        g1, g2 = w13_scale * a1, s2 * a2
+        for r in self.ranks:
+            e, i = self.local(r), self.i_r(r)
+            st = self.slice_transforms(r)
+            self.add(r, Role.W13_WEIGHT, "F8_E4M3", (e, 2 * i, h), self.src("up", WEIGHT, r) + self.src("gate", WEIGHT, r),
+                     ["stack_experts"] + st + ["requantize_max_scale", "rows_w3_w1"] + layout.moe_row_transforms(True))
+            self.add(r, Role.W2_WEIGHT, "F8_E4M3", (e, h, i), self.src("down", WEIGHT, r),
+                     ["stack_experts"] + st + layout.moe_row_transforms(False))
+        a2_inv = torch.reciprocal(a2)
+        vectors: dict[Role, tuple[torch.Tensor, str, list[str]]] = {
+            Role.W13_WEIGHT_SCALE: (w13_scale, "max(w1, w3) per expert", self.src("gate", WEIGHT_SCALE) + self.src("up", WEIGHT_SCALE)),
+            Role.W2_WEIGHT_SCALE: (s2, "stack_experts", self.src("down", WEIGHT_SCALE)),
+            Role.W13_INPUT_SCALE: (a1, "max over experts", self.src("gate", INPUT_SCALE) + self.src("up", INPUT_SCALE)),
+            Role.W2_INPUT_SCALE: (a2, "max over experts", self.src("down", INPUT_SCALE)),
+            Role.W13_INPUT_SCALE_INV: (torch.reciprocal(a1), "1 / w13_input_scale", []),
+            Role.W2_INPUT_SCALE_INV: (a2_inv, "1 / w2_input_scale", []),
+            Role.G1_ALPHAS: (g1, "w13_weight_scale * w13_input_scale", []),
+            Role.G2_ALPHAS: (g2, "w2_weight_scale * w2_input_scale", []),
+        }
+        vectors |= {role: (v, how, []) for role, (v, how) in layout.moe_extra_scales(self.kind, g1, g2, a2_inv).items()}
+        self.plan_vectors(vectors)
+        for e, (g, u, d) in enumerate(self.mods):
+            self._expert_unit(e, g, u, d, s1[e], s3[e], w13_scale[e])
+        for r in self.ranks:
+            self.module(r, {})
+
+    def _expert_unit(self, e: int, g: Module, u: Module, d: Module, s1, s3, s) -> None:
+        layout, h = self.pc.layout, self.h
+        holders = self.holders(e)
+        outputs = [self.key(r, role) for r in holders for role in (Role.W13_WEIGHT, Role.W2_WEIGHT)]
+
+        def run(ctx: UnitContext) -> list[Piece]:
+            raw = {}
+            for m, suffix_scale in ((u, s3), (g, s1)):
+                q = ctx.load(m.tensors[WEIGHT])
+                _check(q, m, WEIGHT)
+                raw[id(m)] = requantize_fp8(q, suffix_scale, s, out=ctx.out(q))
+            up, gate = raw[id(u)], raw[id(g)]
+            w2 = ctx.load(d.tensors[WEIGHT])
+            _check(w2, d, WEIGHT)
+            pieces = []
+            for r in holders:
+                e_local = e - self.experts[r][0]
+                i0, i1 = self.inter[r]
+                i = i1 - i0
+                # [w3; w1]: FlashInfer computes act(second half) * first half (SEMANTICS §4)
+                w13 = torch.cat([up[i0:i1], gate[i0:i1]])
+                w13 = permute_rows(w13, layout.w13_rows(2 * i), ctx.out(w13))
+                w2_r = w2[:, i0:i1] if i != self.i else w2
+                w2_r = permute_rows(w2_r, layout.w2_rows(h), ctx.out(w2_r) if w2_r.is_contiguous() else None)
+                pieces += [Piece(self.key(r, Role.W13_WEIGHT), e_local * 2 * i * h, w13),
+                           Piece(self.key(r, Role.W2_WEIGHT), e_local * h * i, w2_r)]
+            return pieces
+
+        self.pc.plan.units.append(Unit(f"expert:{self.p}.{e}", [g.tensors[WEIGHT], u.tensors[WEIGHT], d.tensors[WEIGHT]],
+                                       outputs, run))
+
+
+class _Nvfp4Moe(_Moe):
+    scheme = Algo.NVFP4
+
+    def plan(self) -> None:
+        pc, layout, h = self.pc, self.pc.layout, self.h
+        s2_1, s2_3, s2_2 = self.per_expert(WEIGHT_SCALE_2)
+        w13_s2 = torch.maximum(s2_1, s2_3)  # mocli policy: max, rescale the other half (SEMANTICS §7.1)
+        mismatched = s2_1 != s2_3
+        pc.plan.repairs["nvfp4_rescaled_experts"] += int(mismatched.sum())
+        if bool(mismatched.any()):
+            ratio = float((w13_s2 / torch.minimum(s2_1, s2_3)).max())
+            pc.plan.repairs["nvfp4_worst_scale_2_ratio"] = max(pc.plan.repairs["nvfp4_worst_scale_2_ratio"], ratio)
+        a13, a2 = self.input_scales()
+        e_count = self.e_count
+        a13_v, a2_v = a13.expand(e_count).clone(), a2.expand(e_count).clone()
+        g1, g2 = w13_s2 * a13, s2_2 * a2
+        a2_gscale = torch.reciprocal(a2_v)
+        for r in self.ranks:
+            e, i = self.local(r), self.i_r(r)
+            st = self.slice_transforms(r)
+            gated, plain = layout.moe_row_transforms(True), layout.moe_row_transforms(False)
+            self.add(r, Role.W13_WEIGHT, "U8", (e, 2 * i, h // 2), self.src("up", WEIGHT, r) + self.src("gate", WEIGHT, r),
+                     ["stack_experts"] + st + ["rows_w3_w1"] + gated)
+            self.add(r, Role.W13_WEIGHT_SCALE, "F8_E4M3", (e, *swizzled_shape(2 * i, h // 16)),
+                     self.src("up", WEIGHT_SCALE, r) + self.src("gate", WEIGHT_SCALE, r),
+                     ["stack_experts"] + st + ["rescale_to_max_scale_2", "rows_w3_w1"] + gated + ["swizzle_128x4"])
+            self.add(r, Role.W2_WEIGHT, "U8", (e, h, i // 2), self.src("down", WEIGHT, r), ["stack_experts"] + st + plain)
+            self.add(r, Role.W2_WEIGHT_SCALE, "F8_E4M3", (e, *swizzled_shape(h, i // 16)), self.src("down", WEIGHT_SCALE, r),
+                     ["stack_experts"] + st + plain + ["swizzle_128x4"])
+        vectors: dict[Role, tuple[torch.Tensor, str, list[str]]] = {
+            Role.W13_WEIGHT_SCALE_2: (w13_s2, "max(w1, w3) per expert", self.src("gate", WEIGHT_SCALE_2) + self.src("up", WEIGHT_SCALE_2)),
+            Role.W2_WEIGHT_SCALE_2: (s2_2, "stack_experts", self.src("down", WEIGHT_SCALE_2)),
+            Role.W13_INPUT_SCALE: (a13_v, "max over experts and halves, broadcast [E]",
+                                   self.src("gate", INPUT_SCALE) + self.src("up", INPUT_SCALE)),
+            Role.W2_INPUT_SCALE: (a2_v, "max over experts, broadcast [E]", self.src("down", INPUT_SCALE)),
+            Role.G1_ALPHAS: (g1, "w13_weight_scale_2 * w13_input_scale", []),
+            Role.G2_ALPHAS: (g2, "w2_weight_scale_2 * w2_input_scale", []),
+            Role.A1_GSCALE: (torch.reciprocal(a13_v), "1 / w13_input_scale", []),
+            Role.A2_GSCALE: (a2_gscale, "1 / w2_input_scale", []),
+        }
+        vectors |= {role: (v, how, []) for role, (v, how) in layout.moe_extra_scales(self.kind, g1, g2, a2_gscale).items()}
+        self.plan_vectors(vectors)
+        for e, (g, u, d) in enumerate(self.mods):
+            self._expert_unit(e, g, u, d, s2_1[e], s2_3[e], w13_s2[e])
+        for r in self.ranks:
+            self.module(r, {})
+
+    def _expert_unit(self, e: int, g: Module, u: Module, d: Module, s2_1, s2_3, big) -> None:
+        layout, h = self.pc.layout, self.h
+        holders = self.holders(e)
+        roles = (Role.W13_WEIGHT, Role.W13_WEIGHT_SCALE, Role.W2_WEIGHT, Role.W2_WEIGHT_SCALE)
+        outputs = [self.key(r, role) for r in holders for role in roles]
+
+        def run(ctx: UnitContext) -> list[Piece]:
+            ub, gb, db = ctx.load(u.tensors[WEIGHT_SCALE]), ctx.load(g.tensors[WEIGHT_SCALE]), ctx.load(d.tensors[WEIGHT_SCALE])
+            for t, m in ((ub, u), (gb, g), (db, d)):
+                _check(t, m, WEIGHT_SCALE)
+            ub = rescale_block_scales(ub, s2_3, big, out=ctx.out(ub))
+            gb = rescale_block_scales(gb, s2_1, big, out=ctx.out(gb))
+            db = db.view(torch.float8_e4m3fn)
+            loaded: dict[str, torch.Tensor] = {}
+
+            def w(m: Module) -> torch.Tensor:
+                if m.name not in loaded:
+                    loaded[m.name] = ctx.load(m.tensors[WEIGHT])
+                return loaded[m.name]
+
+            pieces = []
+            for r in holders:
+                e_local = e - self.experts[r][0]
+                i0, i1 = self.inter[r]
+                i = i1 - i0
+                w13_idx, w2_idx = layout.w13_rows(2 * i), layout.w2_rows(h)
+                w13_bytes, w2_bytes = 2 * i * h // 2, h * i // 2
+                s13 = swizzled_shape(2 * i, h // 16)
+                s2s = swizzled_shape(h, i // 16)
+                # [w3; w1] (SEMANTICS §4). With no row order to apply, the weight rows are source bytes.
+                if w13_idx is None:
+                    w13: list = [SourceRange(u.tensors[WEIGHT], 0, u.tensors[WEIGHT].nbytes).rows(i0, i1),
+                                 SourceRange(g.tensors[WEIGHT], 0, g.tensors[WEIGHT].nbytes).rows(i0, i1)]
+                else:
+                    cat = torch.cat([w(u)[i0:i1], w(g)[i0:i1]])
+                    w13 = [permute_rows(cat, w13_idx, ctx.out(cat))]
+                if w2_idx is None and i == self.i:
+                    w2: list = [SourceRange(d.tensors[WEIGHT], 0, d.tensors[WEIGHT].nbytes)]
+                else:
+                    part = w(d)[:, i0 // 2:i1 // 2]
+                    w2 = [permute_rows(part, w2_idx) if w2_idx is not None else part.contiguous()]
+                bs13 = permute_rows(torch.cat([ub[i0:i1], gb[i0:i1]]), w13_idx)
+                bs2 = permute_rows(db[:, i0 // 16:i1 // 16], w2_idx) if w2_idx is not None else db[:, i0 // 16:i1 // 16]
+                off = e_local * w13_bytes
+                for part in w13:
+                    pieces.append(Piece(self.key(r, Role.W13_WEIGHT), off, part))
+                    off += part.nbytes if isinstance(part, SourceRange) else part.numel()
+                pieces += [Piece(self.key(r, Role.W2_WEIGHT), e_local * w2_bytes, w2[0]),
+                           Piece(self.key(r, Role.W13_WEIGHT_SCALE), e_local * s13[0] * s13[1], swizzle_block_scales(bs13)),
+                           Piece(self.key(r, Role.W2_WEIGHT_SCALE), e_local * s2s[0] * s2s[1],
+                                 swizzle_block_scales(bs2.contiguous()))]
+            return pieces
+
+        inputs = [m.tensors[x] for m in (g, u, d) for x in (WEIGHT, WEIGHT_SCALE)]
+        self.pc.plan.units.append(Unit(f"expert:{self.p}.{e}", inputs, outputs, run))
+
+
+def plan_moe(pc: PlanContext, layer: MoELayer) -> None:
+    schemes = layer.schemes
+    if schemes == {Algo.FP8}:
+        _Fp8Moe(pc, layer, ModuleKind.FP8_MOE).plan()
+    elif schemes == {Algo.NVFP4}:
+        _Nvfp4Moe(pc, layer, ModuleKind.NVFP4_MOE).plan()

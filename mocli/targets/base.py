@@ -1,0 +1,107 @@
+"""What every target provides, and the constraints both FlashInfer targets share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from mocli.kinds import ModuleKind, Role
+from mocli.quant_config import Algo
+
+if TYPE_CHECKING:  # transforms import torch when they run, so validate and inspect never load it
+    import torch
+
+
+class Target(StrEnum):
+    FLASHINFER_CUTLASS = "flashinfer-cutlass"
+    FLASHINFER_TRTLLM = "flashinfer-trtllm"
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """``dim % multiple == 0`` on one rank's shapes, for modules of ``scope`` stored in ``algo``.
+
+    linear dims: "N" (the rank's fused output rows), "K" (the rank's input columns);
+    moe dims: "2I" (twice the rank's intermediate size), "H" (hidden size).
+    """
+
+    scope: str
+    algo: Algo
+    dim: str
+    multiple: int
+    why: str
+
+
+# Both FlashInfer targets.
+SHARED_CONSTRAINTS: tuple[Constraint, ...] = (
+    # cuBLASLt / torch._scaled_mm FP8: both GEMM dims a multiple of 16.
+    Constraint("linear", Algo.FP8, "N", 16, "FP8 tensor-core GEMMs need N % 16 == 0"),
+    Constraint("linear", Algo.FP8, "K", 16, "FP8 tensor-core GEMMs need K % 16 == 0"),
+    # SEMANTICS §7.4/§7.6: fused-MoE kernels check alignTo(I, 64) and H % 64.
+    Constraint("moe", Algo.NVFP4, "2I", 128, "NVFP4 fused-MoE needs 2I % 128 == 0 (SEMANTICS §7)"),
+    Constraint("moe", Algo.NVFP4, "H", 64, "NVFP4 fused-MoE needs H % 64 == 0 (SEMANTICS §7)"),
+    Constraint("moe", Algo.FP8, "2I", 16, "FP8 fused-MoE GEMMs need 2I % 16 == 0"),
+    Constraint("moe", Algo.FP8, "H", 16, "FP8 fused-MoE GEMMs need H % 16 == 0"),
+)
+
+SUPPORTED: dict[str, frozenset[Algo]] = {
+    "linear": frozenset({Algo.FP8, Algo.FP8_PER_CHANNEL_PER_TOKEN, Algo.FP8_PB_WO, Algo.NVFP4}),
+    "moe": frozenset({Algo.FP8, Algo.NVFP4}),
+}
+
+
+class TargetLayout:
+    """One target's layout contract. Forward transforms take and return tensors (optionally into
+    ``out`` buffers); ``*_decode`` methods are their inverses, used by verify. Constraints are plain
+    data, so checking them needs no torch."""
+
+    target: Target
+    constraints: tuple[Constraint, ...] = SHARED_CONSTRAINTS
+    supported: dict[str, frozenset[Algo]] = SUPPORTED
+
+    # --- dense NVFP4 (SEMANTICS §6) ---------------------------------------------------------------
+
+    def nvfp4_weight_shape(self, n: int, k: int) -> tuple[int, int]:
+        """Stored shape of a packed [n, k/2] weight."""
+        raise NotImplementedError
+
+    def nvfp4_weight_rows(self, n: int) -> torch.Tensor | None:
+        """Row permutation of the weight and its block scales (None: natural order)."""
+        return None
+
+    def nvfp4_weight_transforms(self, n: int, k: int) -> list[str]:
+        raise NotImplementedError
+
+    def nvfp4_weight_decode(self, stored: torch.Tensor, n: int, k: int, what: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def nvfp4_scale_decode(self, stored: torch.Tensor, n: int, kb: int, what: str) -> torch.Tensor:
+        """Swizzled (and, trtllm, row-shuffled) block scales -> uint8 [n, kb] in natural order."""
+        from mocli.targets import decode
+
+        return self._unrow(decode.unswizzle(stored, n, kb, what))
+
+    def _unrow(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    # --- MoE (SEMANTICS §4, §7) -----------------------------------------------------------------------
+
+    def w13_rows(self, rows: int) -> torch.Tensor | None:
+        """Row permutation applied to each expert's [w3; w1] (weights and block scales)."""
+        return None
+
+    def w2_rows(self, rows: int) -> torch.Tensor | None:
+        return None
+
+    def moe_row_transforms(self, gated: bool) -> list[str]:
+        return []
+
+    def moe_rows_decode(self, stored: torch.Tensor, gated: bool) -> torch.Tensor:
+        """One expert's stored rows -> logical order ([w3; w1] for w13)."""
+        return stored
+
+    def moe_extra_scales(self, kind: ModuleKind, g1: torch.Tensor, g2: torch.Tensor,
+                         a2_inv: torch.Tensor) -> dict[Role, tuple[torch.Tensor, str]]:
+        """Extra per-expert scale vectors this target's kernel takes (role -> (value, how))."""
+        return {}

@@ -1,0 +1,60 @@
+"""Inverses of the layout transforms, written independently of the forward ones in ``mocli.ops``.
+
+Verify decodes converted bytes with these. The 128x4 interleave is undone with SEMANTICS §5's
+explicit offset formula (a gather) and the row shuffles by reshapes, not by inverting the
+indices the converter used, so a wrong forward transform cannot cancel itself out.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+
+class LayoutError(Exception):
+    """Converted bytes break a layout invariant (e.g. non-zero padding)."""
+
+
+@lru_cache(maxsize=64)
+def _offsets(rows: int, cols: int, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    m = torch.arange(rows).repeat_interleave(cols)
+    k = torch.arange(cols).repeat(rows)
+    off = (m // 128) * (kp // 4) * 512 + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
+    mask = torch.ones(roundup128(rows) * kp, dtype=torch.bool)
+    mask[off] = False
+    return off, mask
+
+
+def roundup128(x: int) -> int:
+    return (x + 127) // 128 * 128
+
+
+def unswizzle(swizzled: torch.Tensor, rows: int, cols: int, what: str) -> torch.Tensor:
+    """[Mp, Kp] 128x4-interleaved (1-byte dtype) -> uint8 [rows, cols]; padding must be zero."""
+    _, kp = swizzled.shape
+    flat = swizzled.contiguous().view(torch.uint8).reshape(-1)
+    off, mask = _offsets(rows, cols, kp)
+    off, mask = off.to(flat.device), mask.to(flat.device)
+    if bool(flat[mask].any()):
+        raise LayoutError(f"{what}: swizzle padding is not zero")
+    return flat[off].reshape(rows, cols)
+
+
+def unpad(t: torch.Tensor, rows: int, cols: int, what: str) -> torch.Tensor:
+    raw = t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
+    if bool(raw[rows:].any()) or bool(raw[:, cols:].any()):
+        raise LayoutError(f"{what}: padding is not zero")
+    return t[:rows, :cols]
+
+
+def unshuffle_rows(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of shuffle_matrix_a's rows: in[b + 4c + a] = out[b + 8a + c] (blocks of 32)."""
+    m = t.shape[0]
+    return t.reshape(m // 32, 4, 8, -1).transpose(1, 2).reshape(t.shape)
+
+
+def ungate_rows(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of reorder_rows_for_gated_act_gemm: in[i] = out[2i], in[M/2 + i] = out[2i + 1]."""
+    m = t.shape[0]
+    return t.reshape(m // 2, 2, -1).transpose(0, 1).reshape(t.shape)

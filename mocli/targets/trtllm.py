@@ -1,0 +1,84 @@
+"""flashinfer-trtllm: TensorRT-LLM-generated kernels, rows shuffled in tiles (SEMANTICS §4, §6, §7)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from mocli.kinds import ModuleKind, Role
+from mocli.quant_config import Algo
+from mocli.targets.base import SHARED_CONSTRAINTS, Constraint, Target, TargetLayout
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TrtllmLayout(TargetLayout):
+    target = Target.FLASHINFER_TRTLLM
+    constraints = SHARED_CONSTRAINTS + (
+        # SEMANTICS §6: shuffle_matrix_a(., 128) and the 128x4 scale interleave without padding.
+        Constraint("linear", Algo.NVFP4, "N", 128, "trtllm NVFP4 GEMM shuffles rows in 128-row tiles (SEMANTICS §6)"),
+        Constraint("linear", Algo.NVFP4, "K", 64, "trtllm NVFP4 needs (K/16) % 4 == 0 (SEMANTICS §6)"),
+        # SEMANTICS §4: shuffle_matrix_a permutes rows in blocks of 32 (w13 rows = 2I, w2 rows = H).
+        Constraint("moe", Algo.FP8, "2I", 32, "trtllm FP8 MoE shuffles w13 rows in blocks of 32 (SEMANTICS §4)"),
+        Constraint("moe", Algo.FP8, "H", 32, "trtllm FP8 MoE shuffles w2 rows in blocks of 32 (SEMANTICS §4)"),
+        # SEMANTICS §7.6: get_shuffle_matrix_sf_a_row_indices asserts M % 128 on the w2 block scales [H, I/16].
+        Constraint("moe", Algo.NVFP4, "H", 128, "trtllm shuffles w2 block scales [H, I/16] in 128-row tiles (SEMANTICS §7)"),
+    )
+
+    def nvfp4_weight_shape(self, n: int, k: int) -> tuple[int, int]:
+        return n, k // 2
+
+    def nvfp4_weight_rows(self, n: int) -> torch.Tensor | None:
+        from mocli.ops.layout import shuffle_row_indices
+
+        return shuffle_row_indices(n)
+
+    def nvfp4_weight_transforms(self, n: int, k: int) -> list[str]:
+        return ["shuffle_matrix_a_128"]
+
+    def nvfp4_weight_decode(self, stored: torch.Tensor, n: int, k: int, what: str) -> torch.Tensor:
+        from mocli.targets import decode
+
+        return decode.unshuffle_rows(stored)
+
+    def _unrow(self, t: torch.Tensor) -> torch.Tensor:
+        from mocli.targets import decode
+
+        return decode.unshuffle_rows(t)
+
+    def w13_rows(self, rows: int) -> torch.Tensor | None:
+        return _composed(rows)
+
+    def w2_rows(self, rows: int) -> torch.Tensor | None:
+        from mocli.ops.layout import shuffle_row_indices
+
+        return shuffle_row_indices(rows)
+
+    def moe_row_transforms(self, gated: bool) -> list[str]:
+        return (["reorder_rows_gated_act"] if gated else []) + ["shuffle_matrix_a_128"]
+
+    def moe_rows_decode(self, stored: torch.Tensor, gated: bool) -> torch.Tensor:
+        from mocli.targets import decode
+
+        rows = decode.unshuffle_rows(stored)
+        return decode.ungate_rows(rows) if gated else rows
+
+    def moe_extra_scales(self, kind: ModuleKind, g1: torch.Tensor, g2: torch.Tensor,
+                         a2_inv: torch.Tensor) -> dict[Role, tuple[torch.Tensor, str]]:
+        # SEMANTICS §4/§7.6: output1 = g1 * (1/a2) with the float32 reciprocal, as vLLM computes it
+        # (g1 / a2 differs by one ulp in about a third of real experts).
+        out1 = (g1 * a2_inv, "g1_alphas * (1 / w2_input_scale)")
+        if kind is ModuleKind.FP8_MOE:
+            return {Role.OUTPUT1_SCALES_SCALAR: out1, Role.OUTPUT1_SCALES_GATE_SCALAR: (g1, "g1_alphas"),
+                    Role.OUTPUT2_SCALES_SCALAR: (g2, "g2_alphas")}
+        return {Role.OUTPUT1_SCALE_SCALAR: out1, Role.OUTPUT1_SCALE_GATE_SCALAR: (g1, "g1_alphas"),
+                Role.OUTPUT2_SCALE_SCALAR: (g2, "g2_alphas")}
+
+
+@lru_cache(maxsize=64)
+def _composed(rows: int) -> torch.Tensor:
+    """reorder_rows_for_gated_act_gemm, then shuffle_matrix_a: one gather index."""
+    from mocli.ops.layout import gated_act_row_indices, shuffle_row_indices
+
+    return gated_act_row_indices(rows)[shuffle_row_indices(rows)]
