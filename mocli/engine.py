@@ -477,24 +477,26 @@ def run(job: Job) -> JobResult:
     dist = job.dist
     partial = partial_dir(job.out)
     lock = OutputLock(job.out, job.command) if dist.rank == 0 else None
-    prep: Any
-    try:
-        if lock is not None:
+    prep: Any = None
+    if lock is not None:
+        try:
             check_output(job.out, job.overwrite, job.source_path)
             lock.__enter__()
             try:
-                prep = _prepare(job)
+                prep = ("ok", *_prepare(job))
             except BaseException:
                 lock.__exit__(None, None, None)
                 raise
-    except MocliError as e:
-        dist.broadcast(("error", e.message, e.hint))
-        raise
-    except BaseException:
-        dist.broadcast(("error", "process 0 failed to prepare the output", None))
-        raise
-    else:
-        prep = dist.broadcast(("ok", *prep)) if dist.world > 1 else ("ok", *prep)
+        except MocliError as e:
+            if dist.world > 1:
+                dist.broadcast(("error", e.message, e.hint))
+            raise
+        except BaseException:
+            if dist.world > 1:
+                dist.broadcast(("error", "process 0 failed to prepare the output", None))
+            raise
+    if dist.world > 1:
+        prep = dist.broadcast(prep)  # process 0's decision (resume set or error) reaches everyone
     if prep[0] == "error":
         raise InputError(prep[1], hint=prep[2])
     done, discarded = prep[1], prep[2]

@@ -73,3 +73,29 @@ def fp8_step(x: torch.Tensor) -> torch.Tensor:
     """Distance between adjacent e4m3 values around |x| (subnormal step 2^-9)."""
     ax = x.abs().clamp(min=2.0**-6)
     return torch.exp2(torch.floor(torch.log2(ax)) - 3)
+
+
+# --- SEMANTICS §10, written from the text (not from mocli.parallel) -----------------------------------
+
+def head_rows(role: str, n: int, tp: int, r: int, kv_heads: int, head_dim: int) -> slice:
+    """Rows of q ("q") or k/v ("kv") on tp rank r; kv heads replicated when there are fewer than tp."""
+    if role == "kv" and kv_heads < tp:
+        head = r * kv_heads // tp
+        return slice(head * head_dim, (head + 1) * head_dim)
+    per = n // tp
+    return slice(r * per, (r + 1) * per)
+
+
+def part(n: int, parts: int, r: int) -> slice:
+    per = n // parts
+    return slice(r * per, (r + 1) * per)
+
+
+def swizzle_experts(s: torch.Tensor) -> torch.Tensor:
+    return torch.stack([swizzle_by_offsets(x) for x in s])
+
+
+def pad_bytes(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    out = torch.zeros(rows, cols, dtype=torch.uint8)
+    out[: t.shape[0], : t.shape[1]] = t.view(torch.uint8)
+    return out
