@@ -124,7 +124,7 @@ def test_nvfp4_moe_tensor_parallel_on_i(cli, tmp_path, target):
     out = tmp_path / "o"
     convert(cli, src, out, target, "--tp", "2")
     s = load_file(str(src / "model.safetensors"))
-    p, e_count, i, h = "model.layers.0.mlp.experts", 4, 256, 128
+    p, e_count, i = "model.layers.0.mlp.experts", 4, 256
     trt = target == TRTLLM
     a13 = max(float(s[f"{p}.{e}.{x}.input_scale"]) for e in range(e_count) for x in ("gate_proj", "up_proj"))
     for r in range(2):
