@@ -614,9 +614,10 @@ def _execute(job: Job, partial: Path, done: set[str]) -> JobResult:
     if dist.rank == 0:
         job.progress.phase("publishing")
         job.finish(partial, digests)
-        for path in partial.glob(f"{JOURNAL_NAME}*"):
-            path.unlink()
         publish(partial, job.out, job.overwrite)
+        # Journals go only once OUT is in place: a refused publish leaves a partial a re-run resumes.
+        for path in job.out.glob(f"{JOURNAL_NAME}*"):
+            path.unlink()
     dist.barrier()
     total_bytes = sum(f.size for _, _, f in files)
     return JobResult(len(plan.units) - len(todo_all), len(plan.units), digests, total_bytes)
