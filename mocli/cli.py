@@ -252,27 +252,35 @@ def verify_cmd(
     kernels: Annotated[Kernels, typer.Option("--kernels", case_sensitive=False,
                                              help="auto: FlashInfer where its kernels run here, else torch.")]
     = Kernels.AUTO,
+    rank: Annotated[int | None, typer.Option("--rank", min=0, help="Check one rank of a --tp/--ep output "
+                                             "(cross-rank checks need all ranks).")] = None,
     layers: Annotated[str | None, typer.Option("--layers", help="Only modules whose name matches this wildcard.")]
     = None,
     tokens: Annotated[int, typer.Option("--tokens", min=1, help="Activation rows per module.")] = 64,
     seed: Annotated[int, typer.Option("--seed", help="Seed for activations and routing.")] = 0,
     junit_xml: Annotated[Path | None, typer.Option("--junit-xml", help="Also write a JUnit XML report.")] = None,
+    report_html: Annotated[Path | None, typer.Option("--report", help="Also write a self-contained HTML heat map "
+                                                     "(error / threshold per module and rank).")] = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Run real GEMMs on converted tensors and compare with a reference from the source; exit 1 on failure."""
-    from mocli.render import render_verify
-    from mocli.verify import VerifyOptions, verify
-    from mocli.verify.junit import write_junit
+    """Check every byte of a converted directory and run real GEMMs against the source; exit 1 on failure."""
 
     def body(out: Output) -> int:
+        from mocli.render import render_verify
+        from mocli.verify import VerifyOptions, verify
+        from mocli.verify.html import write_html
+        from mocli.verify.junit import write_junit
+
         opts = VerifyOptions(source=source, device=device.value, kernels=kernels.value, layers=layers,
-                             tokens=tokens, seed=seed)
+                             tokens=tokens, seed=seed, rank=rank)
         with out.module_progress("verifying") as progress:
             report = verify(output, opts, progress)
         if junit_xml is not None:
             write_junit(report, junit_xml)
+        if report_html is not None:
+            write_html(report, report_html)
         out.emit(report, render_verify)
         return 0 if report["ok"] else EXIT_FINDINGS
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +220,10 @@ class ConvertedCheckpoint:
                                            hint="the output is damaged; convert again")
                 kwargs[role] = tensors[tname] if tensors is not None else self.tensor(tname, device)
         kwargs |= {k: v for k, v in m["meta"].items() if k in names}
+        missing = [f.name for f in fields(cls) if f.name not in kwargs and f.default is MISSING]
+        if missing:
+            raise CorruptFileError(f"{self.path}: module '{name}' lacks {', '.join(missing)} in the manifest",
+                                   hint="the output is damaged or from another mocli version; convert again")
         return cls(**kwargs)
 
     def close(self) -> None:

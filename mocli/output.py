@@ -50,7 +50,8 @@ class Output:
 
     @property
     def show_progress(self) -> bool:
-        return not (self.json or self.quiet)
+        # Bars only where someone watches: a log file or a pipe gets the result and no redraws.
+        return not (self.json or self.quiet) and self.stderr.is_terminal
 
     def emit(self, data: dict[str, Any], render: Callable[[dict[str, Any], Output], None]) -> None:
         """The command's result: JSON on stdout, or the human rendering."""
@@ -113,20 +114,42 @@ class Output:
 
     @contextmanager
     def module_progress(self, label: str) -> Iterator[Any]:
-        """A mocli.verify.Progress driving a rich bar over modules on stderr."""
+        """A mocli.verify.Progress driving a rich bar over modules on stderr, with phases before it."""
         from mocli.verify import Progress as Sink
 
         if not self.show_progress:
             yield Sink()
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
-        bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                       console=self.stderr, transient=True)
-        state: dict[str, Any] = {}
-        with bar:
-            yield Sink(start=lambda total: state.update(task=bar.add_task(label, total=total)),
-                       advance=lambda: bar.advance(state["task"]) if "task" in state else None)
+        bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TimeRemainingColumn(), console=self.stderr, transient=True)
+        state: dict[str, Any] = {"task": None}
+
+        def phase(text: str) -> None:
+            if state["task"] is None:
+                bar.start()
+                state["task"] = bar.add_task(f"{label}: {text}", total=None)
+            else:
+                bar.update(state["task"], description=f"{label}: {text}")
+
+        def start(total: int) -> None:
+            phase("modules")
+            bar.update(state["task"], total=total, completed=0)
+
+        try:
+            yield Sink(start=start, advance=lambda: bar.advance(state["task"]) if state["task"] is not None else None,
+                       phase=phase)
+        finally:
+            if state["task"] is not None:
+                bar.stop()
 
     def error(self, message: str, hint: str | None = None) -> None:
         line = f"[bold red]error:[/] {escape(message)}"

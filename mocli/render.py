@@ -123,14 +123,31 @@ def render_convert(summary: dict[str, Any], out: Output) -> None:
 
 
 def render_verify(report: dict[str, Any], out: Output) -> None:
-    t = Table(title=f"verify {escape(report['output'])} ({report['target']}, {report['device']}, "
-                    f"{report['tokens']} tokens, seed {report['seed']})", title_justify="left")
-    for col in ("module", "kernel", "rel. error", "threshold", "result"):
+    multi = len(report["ranks"]) > 1 or report["parallel"].get("ranks", 1) > 1
+    par = report["parallel"]
+    t = Table(title=f"verify {escape(report['output'])} ({report['target']}"
+                    + (f", tp {par['tp']} ep {par['ep']}" if multi else "")
+                    + f", {report['device']}, {report['tokens']} tokens, seed {report['seed']})", title_justify="left")
+    cols = ["module"] + (["rank"] if multi else []) + ["kernel", "rel. error", "threshold", "result"]
+    for col in cols:
         t.add_column(col, overflow="fold")
     for m in report["modules"]:
         result = "[green]pass[/]" if m["passed"] else f"[bold red]FAIL[/] {escape(m['message'])}"
         err = "-" if m["error"] is None else f"{m['error']:.3g}"
-        t.add_row(escape(m["module"]), escape(m["kernel"]), err, f"{m['threshold']:g}", result)
+        row = [escape(m["module"])] + ([str(m["rank"])] if multi else []) + [escape(m["kernel"]), err,
+                                                                            f"{m['threshold']:g}", result]
+        t.add_row(*row)
     out.stdout.print(t)
+    for c in report["cross_rank"]:
+        mark = "[green]pass[/]" if c["passed"] else f"[bold red]FAIL[/] {escape(c['message'])}"
+        out.stdout.print(f"cross-rank {escape(c['module'])}: {escape(c['check'])}: {mark}")
+    for p in report["files"]["problems"]:
+        out.stdout.print(f"[bold red]FAIL[/] file {escape(p['file'])}: {escape(p['problem'])}")
+    for p in report["passthrough"]["problems"]:
+        out.stdout.print(f"[bold red]FAIL[/] pass-through {escape(p['tensor'])}: {escape(p['problem'])}")
+    for n in report["coverage"]["unchecked"]:
+        out.stdout.print(f"[bold red]FAIL[/] {escape(n)}: in the output but checked by nothing")
     verdict = "[bold green]OK[/]" if report["ok"] else "[bold red]FAILED[/]"
-    out.stdout.print(f"{verdict}: {report['passed']} passed, {report['failed']} failed in {report['seconds']:.2f} s")
+    out.stdout.print(f"{verdict}: {report['passed']} module check(s) passed, {report['failed']} failed; "
+                     f"{report['files']['checked']} files hashed, {report['passthrough']['checked']} pass-through "
+                     f"tensors and {report['coverage']['tensors']} tensors in all covered, in {report['seconds']:.2f} s")

@@ -1,5 +1,6 @@
-"""Verification of converted checkpoints: kernels vs. a float32 reference from the source."""
+"""Verification of converted checkpoints: bytes, scales and kernels against the source."""
 
-from mocli.verify.runner import THRESHOLDS, Progress, VerifyOptions, verify
+from mocli.verify.modules import THRESHOLDS
+from mocli.verify.runner import Progress, VerifyOptions, verify
 
 __all__ = ["THRESHOLDS", "Progress", "VerifyOptions", "verify"]

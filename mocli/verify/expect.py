@@ -1,0 +1,94 @@
+"""What a converted module must hold, derived from the source by verify's own code.
+
+Independent of ``mocli.plan`` and ``mocli.ops``: the requantization and rescaling tables are built
+here from the SEMANTICS §3/§6 formulas, the §10 slice rule is restated here, and the consistency
+rules for every derived scale are written out per role. Verify compares the converted bytes (after
+the target's inverse transforms) and scales with these exactly.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+FP8 = torch.float8_e4m3fn
+
+
+# --- byte tables (SEMANTICS §3, §6), evaluated on all 256 codes --------------------------------------
+
+@lru_cache(maxsize=4096)
+def _pair_table(kind: str, a: float, b: float) -> np.ndarray:
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    sa, sb = torch.tensor(a, dtype=torch.float32), torch.tensor(b, dtype=torch.float32)
+    if kind == "requant":  # fp8(clamp(float(q) * s * (1/S), ±448)), 1/S rounded once
+        vals = codes * sa * torch.reciprocal(sb)
+    else:  # fp8(float(bs) * s2 / S2)
+        vals = codes * sa / sb
+    byte = vals.clamp(-448, 448).to(FP8).view(torch.uint8).numpy().astype(np.uint16)
+    lo = np.tile(byte, 256)
+    hi = np.repeat(byte, 256)
+    return lo | (hi << 8)
+
+
+def apply_table(kind: str, q: torch.Tensor, s: torch.Tensor, big: torch.Tensor) -> torch.Tensor:
+    """Bytes of ``q`` requantized (kind "requant") or rescaled ("rescale") from s to big; uint8 CPU."""
+    raw = q.contiguous().view(torch.uint8).cpu()
+    if float(s) == float(big):
+        return raw
+    table = _pair_table(kind, float(s), float(big))
+    flat = raw.reshape(-1).numpy()
+    out = np.empty_like(flat)
+    even = flat.size & ~1
+    np.take(table, flat[:even].view(np.uint16), out=out[:even].view(np.uint16))
+    if even != flat.size:
+        out[-1] = table[flat[-1]] & 0xFF
+    return torch.from_numpy(out).reshape(raw.shape)
+
+
+# --- SEMANTICS §10 restated: which source rows/columns a tp rank holds ---------------------------------
+
+def rule_rows(shard: str, n: int, tp: int, t: int, kv_heads: int | None, head_dim: int | None) -> tuple[int, int]:
+    last = shard.rpartition(".")[2]
+    if last in ("k_proj", "v_proj") and kv_heads and kv_heads < tp:
+        head = t * kv_heads // tp  # kv heads replicated: tp / kv ranks share one
+        return head * head_dim, (head + 1) * head_dim
+    return t * n // tp, (t + 1) * n // tp
+
+
+def rule_slices(info: dict, shards: list, tp: int, heads: tuple[int, int] | None) -> list[list[int]] | None:
+    """Expected [a, b, c0, c1] per shard for the rank in ``info`` (None: one rank, whole tensors)."""
+    meta = info["meta"]
+    if "split" not in meta:
+        return None
+    t, split = meta["tp_rank"], meta["split"]
+    kv, hd = heads if heads else (None, None)
+    out = []
+    for m in shards:
+        n, k = m.out_in
+        if split == "column":
+            a, b = rule_rows(m.name, n, tp, t, kv, hd)
+            out.append([a, b, 0, k])
+        elif split == "row":
+            out.append([0, n, t * k // tp, (t + 1) * k // tp])
+        else:
+            out.append([0, n, 0, k])
+    return out
+
+
+def heads_of(config: dict) -> tuple[int, int] | None:
+    """(kv heads, head dim) from config.json, or None."""
+    for cfg in (config, config.get("text_config"), config.get("language_config"), config.get("llm_config")):
+        if isinstance(cfg, dict) and isinstance(cfg.get("num_attention_heads"), int):
+            heads = cfg["num_attention_heads"]
+            kv = cfg.get("num_key_value_heads", heads)
+            hd = cfg.get("head_dim") or (cfg.get("hidden_size", 0) // heads if heads else None)
+            return (kv, hd) if isinstance(kv, int) and isinstance(hd, int) else None
+    return None
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a.view(-1).view(torch.uint8),
+                                              b.view(torch.uint8) if b.element_size() == 1 else b.view(-1).view(torch.uint8))
