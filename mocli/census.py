@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from mocli.io.bulk import paused_gc
 from mocli.io.safetensors_file import TensorEntry
 from mocli.quant_config import Algo
 from mocli.tables import (
@@ -24,6 +25,7 @@ from mocli.tables import (
 )
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT_MARKS = {f".{n.container.rpartition('.')[2]}." for n in EXPERT_NAMINGS}
 _EXPERT = {
     n.style: re.compile(rf"^(?P<layer>.*\.{re.escape(n.container)})\.(?P<e>\d+)\.(?P<proj>[^.]+)$")
     for n in EXPERT_NAMINGS
@@ -153,21 +155,24 @@ class Census:
         return [{"kind": str(k), **dict(c)} for k, c in sorted(rows.items(), key=lambda kv: list(Kind).index(kv[0]))]
 
 
-def _split(name: str) -> tuple[str, str]:
-    module, _, suffix = name.rpartition(".")
-    return (module, suffix) if module else ("", name)
-
-
 def build_census(tensors: dict[str, TensorEntry]) -> Census:
+    with paused_gc():
+        return _build(tensors)
+
+
+def _build(tensors: dict[str, TensorEntry]) -> Census:
     by_module: dict[str, dict[str, TensorEntry]] = {}
     kv_scales: list[TensorEntry] = []
     layers: set[int] = set()
+    kv_modules: set[str] = set()
     for name, entry in tensors.items():
-        module, suffix = _split(name)
+        module, _, suffix = name.rpartition(".")
         if suffix in KV_SUFFIXES:
             kv_scales.append(entry)
+            kv_modules.add(module)
         by_module.setdefault(module, {})[suffix] = entry
-        m = _LAYER.search(name)
+    for module in by_module:  # once per module, not per tensor
+        m = _LAYER.search(module + ".")
         if m:
             layers.add(int(m.group(1)))
 
@@ -175,7 +180,7 @@ def build_census(tensors: dict[str, TensorEntry]) -> Census:
     moe: dict[str, MoELayer] = {}
     fused: dict[str, FusedGroup] = {}
     for name, ts in by_module.items():
-        mod = Module(name, {s: e for s, e in ts.items() if s not in KV_SUFFIXES})
+        mod = Module(name, {s: e for s, e in ts.items() if s not in KV_SUFFIXES} if name in kv_modules else ts)
         if not mod.tensors:  # a module holding only KV-cache scales is not a module of its own
             continue
         mod.scheme = detect_scheme(mod.tensors)
@@ -230,7 +235,11 @@ def build_census(tensors: dict[str, TensorEntry]) -> Census:
 
 
 def _match_expert(name: str) -> tuple[ExpertNaming, str, int, str] | None:
+    if not any(mark in name for mark in _EXPERT_MARKS):  # cheap test before the regexes
+        return None
     for naming in EXPERT_NAMINGS:
+        if naming.container not in name:
+            continue
         m = _EXPERT[naming.style].match(name)
         if m is None:
             continue

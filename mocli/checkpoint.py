@@ -11,6 +11,7 @@ from typing import Any
 
 from mocli.errors import CorruptFileError, InputError
 from mocli.findings import Findings
+from mocli.io.bulk import paused_gc
 from mocli.io.jsonfile import read_json
 from mocli.io.safetensors_file import SafetensorsHeader, TensorEntry, TensorReader, read_header
 from mocli.io.source import Source, resolve_source
@@ -59,6 +60,11 @@ class Checkpoint:
 
 def open_checkpoint(spec: str | Path) -> Checkpoint:
     """Resolve ``spec`` and read every header; raise InputError/CorruptFileError when unusable."""
+    with paused_gc():
+        return _open(spec)
+
+
+def _open(spec: str | Path) -> Checkpoint:
     source = resolve_source(str(spec))
     root = source.path
     if (root / LAYOUT_MANIFEST).exists():
@@ -98,7 +104,7 @@ def open_checkpoint(spec: str | Path) -> Checkpoint:
 
 
 def _read_sharded(root: Path, index_path: Path) -> tuple[list[SafetensorsHeader], dict[str, TensorEntry]]:
-    index = read_json(index_path)
+    index = read_json(index_path, walk=False)  # fixed structure: weight_map is checked right here
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CorruptFileError(f"{index_path}: no \"weight_map\" object of tensor -> file name",
@@ -117,24 +123,37 @@ def _read_sharded(root: Path, index_path: Path) -> tuple[list[SafetensorsHeader]
             raise InputError(f"{index_path}: shard {fname!r} {why}",
                              hint="the download is incomplete; fetch the missing shard again")
         headers[fname] = read_header(fpath)
+    # Fast path: per shard, the names the index maps to it equal the names in its header (set
+    # comparisons in C); only a disagreement walks name by name to say which tensor is wrong.
+    mapped: dict[str, list[str]] = {}
+    for name, fname in weight_map.items():
+        mapped.setdefault(fname, []).append(name)
     tensors: dict[str, TensorEntry] = {}
+    for header in headers.values():
+        tensors.update(header.tensors)
+    if len(tensors) == len(weight_map) == sum(len(h.tensors) for h in headers.values()) and all(
+            header.tensors.keys() == set(mapped.get(fname, ())) for fname, header in headers.items()):
+        return list(headers.values()), tensors
+    _explain_index_mismatch(root, index_path, headers, weight_map)
+    raise AssertionError("unreachable: the index and the shards disagree")
+
+
+def _explain_index_mismatch(root: Path, index_path: Path, headers: dict[str, SafetensorsHeader],
+                            weight_map: dict[str, str]) -> None:
     owner: dict[str, str] = {}
     for fname, header in headers.items():
-        for name, entry in header.tensors.items():
+        for name in header.tensors:
             if name in owner:
                 raise InputError(f"{root}: tensor '{name}' is stored in both {owner[name]} and {fname}",
                                  hint="the shards overlap; re-export the checkpoint")
             owner[name] = fname
-            tensors[name] = entry
     for name, fname in weight_map.items():
         if owner.get(name) != fname:
             where = f"is in {owner[name]}" if name in owner else "is in no shard"
             raise InputError(f"{index_path}: tensor '{name}' is mapped to {fname} but {where}",
                              hint="the index and the shards disagree")
     unmapped = set(owner) - set(weight_map)
-    if unmapped:
-        name = min(unmapped)
-        raise InputError(f"{index_path}: tensor '{name}' in {owner[name]} is missing from the weight_map"
-                         + (f" (and {len(unmapped) - 1} more)" if len(unmapped) > 1 else ""),
-                         hint="the index and the shards disagree")
-    return list(headers.values()), tensors
+    name = min(unmapped)
+    raise InputError(f"{index_path}: tensor '{name}' in {owner[name]} is missing from the weight_map"
+                     + (f" (and {len(unmapped) - 1} more)" if len(unmapped) > 1 else ""),
+                     hint="the index and the shards disagree")

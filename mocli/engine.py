@@ -33,18 +33,10 @@ from mocli.findings import Findings
 from mocli.io.safetensors_file import TensorReader
 from mocli.io.shard_writer import ShardFile, ShardLayout, ShardWriter, create_shards, shards_intact
 from mocli.plan.core import BadData, BufferPool, Key, Piece, Plan, SourceRange, Unit, UnitContext
+from mocli.progress import Progress
 
 JOURNAL_NAME = ".mocli-journal"
 HASH_CHUNK = 1 << 20  # fits in L2: reading back to hash stays cheap
-
-
-@dataclass
-class Progress:
-    """Callbacks the CLI implements; the core never prints."""
-
-    start: Callable[[int, int], None] = lambda total_bytes, total_units: None
-    advance: Callable[..., None] = lambda nbytes, units=1: None
-    phase: Callable[[str], None] = lambda label: None
 
 
 # --- processes (torchrun) ---------------------------------------------------------------------------

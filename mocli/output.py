@@ -67,7 +67,7 @@ class Output:
         JSON/quiet mode and in every torchrun process but the first."""
         import os
 
-        from mocli.engine import Progress as Sink
+        from mocli.progress import Progress as Sink
 
         if not self.show_progress or int(os.environ.get("RANK", "0")) != 0:
             yield Sink()

@@ -16,8 +16,11 @@ MAX_DEPTH = 64
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def parse_json_bytes(raw: bytes, path: Path, what: str = "file") -> Any:
-    """json.loads with the failures of hostile input turned into CorruptFileError naming ``path``."""
+def parse_json_bytes(raw: bytes, path: Path, what: str = "file", walk: bool = True) -> Any:
+    """json.loads with the failures of hostile input turned into CorruptFileError naming ``path``.
+
+    ``walk=False`` (safetensors headers, whose fixed structure the caller checks entry by entry)
+    skips the depth walk; strings are still checked whenever the text holds a surrogate escape."""
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -26,7 +29,9 @@ def parse_json_bytes(raw: bytes, path: Path, what: str = "file") -> Any:
     except RecursionError:
         raise CorruptFileError(f"{path}: {what} nests JSON too deeply to read",
                                hint="the file is corrupt or hostile; re-export or download it again") from None
-    _check_tree(data, path, what, check_text=bool(_SURROGATE_ESCAPE.search(raw)))
+    suspicious = b"\\u" in raw and bool(_SURROGATE_ESCAPE.search(raw))  # plain search first: escapes are rare
+    if walk or suspicious:
+        _check_tree(data, path, what, check_text=suspicious)
     return data
 
 
@@ -63,12 +68,12 @@ def _check_text(s: str, path: Path, what: str) -> None:
                                hint="names must be valid UTF-8; re-export the file") from None
 
 
-def read_json(path: Path) -> Any:
-    """Read and parse a JSON file; OSError becomes a one-line error too."""
+def read_json(path: Path, walk: bool = True) -> Any:
+    """Read and parse a JSON file; OSError becomes a one-line error too (``walk``: see parse_json_bytes)."""
     from mocli.io.safetensors_file import read_error
 
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise read_error(path, e) from None
-    return parse_json_bytes(raw, path)
+    return parse_json_bytes(raw, path, walk=walk)

@@ -72,8 +72,8 @@ def requantize_fp8(q: torch.Tensor, scale: torch.Tensor, new_scale: torch.Tensor
     q: F8_E4M3 [..]; scale, new_scale: float32 0-dim (CPU); ``out``: optional CPU buffer of q's
     shape. Returns F8_E4M3 on q's device. NaN codes stay NaN (as 0x7F).
     """
-    if bool(scale == new_scale):
-        return q  # mocli policy: the max-scale shard is copied byte-for-byte
+    if bool(scale == new_scale):  # mocli policy: the max-scale shard is copied byte-for-byte
+        return q if out is None else out.view(torch.uint8).copy_(q.view(torch.uint8)).view(FP8)
     if q.device.type != "cpu":
         return _requant_formula(q, scale, new_scale)
     return _apply_table(_table("requant", _bits(scale), _bits(new_scale)), q, out)
@@ -87,7 +87,7 @@ def rescale_block_scales(block_scale: torch.Tensor, scale_2: torch.Tensor, new_s
     """
     bs = block_scale if block_scale.dtype == FP8 else block_scale.view(FP8)
     if bool(scale_2 == new_scale_2):
-        return bs
+        return bs if out is None else out.view(torch.uint8).copy_(bs.view(torch.uint8)).view(FP8)
     if bs.device.type != "cpu":
         return _rescale_formula(bs, scale_2, new_scale_2)
     return _apply_table(_table("rescale", _bits(scale_2), _bits(new_scale_2)), bs, out)

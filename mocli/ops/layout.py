@@ -44,8 +44,9 @@ def swizzle_block_scales(scales: torch.Tensor, out: torch.Tensor | None = None) 
         padded[:m, :kb] = raw
         raw = padded
     res = out if out is not None else torch.empty((mp, kp), dtype=scales.dtype, device=scales.device)
-    res.view(torch.uint8).view(mp // 128, kp // 4, 32, 4, 4).copy_(
-        raw.view(mp // 128, 4, 32, kp // 4, 4).permute(0, 3, 2, 1, 4))
+    # Four consecutive k stay together (the k % 4 term), so move 4-byte words: 10x faster than bytes.
+    res.view(torch.uint8).view(torch.int32).view(mp // 128, kp // 4, 32, 4).copy_(
+        raw.contiguous().view(torch.int32).view(mp // 128, 4, 32, kp // 4).permute(0, 3, 2, 1))
     return res
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mocli.io.safetensors_file import DTYPE_SIZES, TensorEntry, TensorReader, torch_dtypes
+from mocli.io.safetensors_file import DTYPE_SIZES, TensorEntry, TensorReader, tensor_bytes_view, torch_dtypes
 
 F32 = torch.float32
 Key = tuple[str, str]  # (group: "" or "rank-N", tensor name)
@@ -132,6 +132,13 @@ class UnitContext:
         if entry.nbytes:
             self.reader.read_into(entry, t.view(torch.uint8).reshape(-1))
         return t
+
+    def read_rows(self, entry: TensorEntry, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows [a, b) of a 2-D (or stacked) tensor into ``out`` (a contiguous CPU view of that size)."""
+        row = entry.nbytes // entry.shape[0]
+        if b > a:
+            self.reader.read_range(entry, a * row, tensor_bytes_view(out))
+        return out
 
     def load(self, entry: TensorEntry) -> torch.Tensor:
         """The entry's tensor on the compute device."""

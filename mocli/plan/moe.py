@@ -158,12 +158,6 @@ class _Fp8Moe(_Moe):
         outputs = [self.key(r, role) for r in holders for role in (Role.W13_WEIGHT, Role.W2_WEIGHT)]
 
         def run(ctx: UnitContext) -> list[Piece]:
-            raw = {}
-            for m, suffix_scale in ((u, s3), (g, s1)):
-                q = ctx.load(m.tensors[WEIGHT])
-                _check(q, m, WEIGHT)
-                raw[id(m)] = requantize_fp8(q, suffix_scale, s, out=ctx.out(q))
-            up, gate = raw[id(u)], raw[id(g)]
             w2 = ctx.load(d.tensors[WEIGHT])
             _check(w2, d, WEIGHT)
             pieces = []
@@ -171,12 +165,12 @@ class _Fp8Moe(_Moe):
                 e_local = e - self.experts[r][0]
                 i0, i1 = self.inter[r]
                 i = i1 - i0
-                # [w3; w1]: FlashInfer computes act(second half) * first half (SEMANTICS §4)
-                w13 = torch.cat([up[i0:i1], gate[i0:i1]])
-                w13 = permute_rows(w13, layout.w13_rows(2 * i), ctx.out(w13))
+                # [w3; w1]: FlashInfer computes act(second half) * first half (SEMANTICS §4).
+                w13 = _stacked_halves(ctx, [(u, s3), (g, s1)], (i0, i1), h, s)
+                w13_out = permute_rows(w13, layout.w13_rows(2 * i), ctx.out(w13))
                 w2_r = w2[:, i0:i1] if i != self.i else w2
                 w2_r = permute_rows(w2_r, layout.w2_rows(h), ctx.out(w2_r) if w2_r.is_contiguous() else None)
-                pieces += [Piece(self.key(r, Role.W13_WEIGHT), e_local * 2 * i * h, w13),
+                pieces += [Piece(self.key(r, Role.W13_WEIGHT), e_local * 2 * i * h, w13_out),
                            Piece(self.key(r, Role.W2_WEIGHT), e_local * h * i, w2_r)]
             return pieces
 
@@ -265,7 +259,7 @@ class _Nvfp4Moe(_Moe):
                     w13: list = [SourceRange(u.tensors[WEIGHT], 0, u.tensors[WEIGHT].nbytes).rows(i0, i1),
                                  SourceRange(g.tensors[WEIGHT], 0, g.tensors[WEIGHT].nbytes).rows(i0, i1)]
                 else:
-                    cat = torch.cat([w(u)[i0:i1], w(g)[i0:i1]])
+                    cat = _stacked_halves(ctx, [(u, None), (g, None)], (i0, i1), h, None)
                     w13 = [permute_rows(cat, w13_idx, ctx.out(cat))]
                 if w2_idx is None and i == self.i:
                     w2: list = [SourceRange(d.tensors[WEIGHT], 0, d.tensors[WEIGHT].nbytes)]
@@ -286,6 +280,31 @@ class _Nvfp4Moe(_Moe):
 
         inputs = [m.tensors[x] for m in (g, u, d) for x in (WEIGHT, WEIGHT_SCALE)]
         self.pc.plan.units.append(Unit(f"expert:{self.p}.{e}", inputs, outputs, run))
+
+
+def _stacked_halves(ctx: UnitContext, halves: list[tuple[Module, torch.Tensor | None]], rows: tuple[int, int],
+                    h: int, new_scale: torch.Tensor | None) -> torch.Tensor:
+    """[up rows; gate rows] of one expert on the compute device, read straight into one pooled buffer
+    (no concatenation copy); FP8 halves checked for NaN and requantized to ``new_scale``."""
+    i0, i1 = rows
+    i = i1 - i0
+    dtype = torch.float8_e4m3fn if new_scale is not None else torch.uint8
+    width = h if new_scale is not None else h // 2
+    raw = ctx.buffer((2 * i, width), dtype)
+    for k, (m, _) in enumerate(halves):
+        ctx.read_rows(m.tensors[WEIGHT], i0, i1, raw[k * i:(k + 1) * i])
+        if new_scale is not None:
+            _check(raw[k * i:(k + 1) * i], m, WEIGHT)
+    if new_scale is None:
+        return raw if ctx.device.type == "cpu" else raw.to(ctx.device, non_blocking=True)
+    src = raw if ctx.device.type == "cpu" else raw.to(ctx.device, non_blocking=True)
+    out = ctx.out(src) if ctx.device.type == "cpu" else torch.empty_like(src)
+    for k, (_, scale) in enumerate(halves):
+        half = slice(k * i, (k + 1) * i)
+        res = requantize_fp8(src[half], scale, new_scale, out=out[half] if ctx.device.type == "cpu" else None)
+        if ctx.device.type != "cpu":
+            out[half] = res
+    return out
 
 
 def plan_moe(pc: PlanContext, layer: MoELayer) -> None:

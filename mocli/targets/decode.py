@@ -17,11 +17,12 @@ class LayoutError(Exception):
 
 
 @lru_cache(maxsize=64)
-def _offsets(rows: int, cols: int, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    m = torch.arange(rows).repeat_interleave(cols)
-    k = torch.arange(cols).repeat(rows)
-    off = (m // 128) * (kp // 4) * 512 + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
-    mask = torch.ones(roundup128(rows) * kp, dtype=torch.bool)
+def _word_offsets(rows: int, words: int, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SEMANTICS §5's offset formula at k % 4 == 0, in 4-byte words (the 4 k of a word stay together)."""
+    m = torch.arange(rows).repeat_interleave(words)
+    kw = torch.arange(words).repeat(rows)
+    off = ((m // 128) * (kp // 4) * 512 + kw * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4) // 4
+    mask = torch.ones(roundup128(rows) * kp // 4, dtype=torch.bool)
     mask[off] = False
     return off, mask
 
@@ -33,12 +34,16 @@ def roundup128(x: int) -> int:
 def unswizzle(swizzled: torch.Tensor, rows: int, cols: int, what: str) -> torch.Tensor:
     """[Mp, Kp] 128x4-interleaved (1-byte dtype) -> uint8 [rows, cols]; padding must be zero."""
     _, kp = swizzled.shape
-    flat = swizzled.contiguous().view(torch.uint8).reshape(-1)
-    off, mask = _offsets(rows, cols, kp)
+    words = (cols + 3) // 4
+    flat = swizzled.contiguous().view(torch.uint8).view(torch.int32).reshape(-1)
+    off, mask = _word_offsets(rows, words, kp)
     off, mask = off.to(flat.device), mask.to(flat.device)
     if bool(flat[mask].any()):
         raise LayoutError(f"{what}: swizzle padding is not zero")
-    return flat[off].reshape(rows, cols)
+    out = flat[off].view(torch.uint8).reshape(rows, words * 4)
+    if bool(out[:, cols:].any()):
+        raise LayoutError(f"{what}: swizzle padding is not zero")
+    return out[:, :cols]
 
 
 def unpad(t: torch.Tensor, rows: int, cols: int, what: str) -> torch.Tensor:

@@ -1,0 +1,16 @@
+"""Progress callbacks the commands' core functions call; the CLI implements them. No imports of
+note here, so header-only commands stay light."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class Progress:
+    """Bytes and units of streaming work, with named phases before it starts."""
+
+    start: Callable[[int, int], None] = lambda total_bytes, total_units: None
+    advance: Callable[..., None] = lambda nbytes, units=1: None
+    phase: Callable[[str], None] = lambda label: None

@@ -1,0 +1,208 @@
+"""mocli's speed and memory goals, measured on whole processes against the I/O floor.
+
+    python tests/bench/bench.py [--rounds 2] [--scratch DIR] [--only convert,inspect,...] [--device cpu|cuda]
+
+Every line prints both contenders' whole-process seconds (interpreter and torch start-up included),
+the ratio and the goal. The floor is the shared ``floor.py`` (read every tensor with plain
+safetensors and write it back out), run interleaved with mocli in the same rounds; both contenders
+start from the same state (their previous output removed before the timer starts). Synthetic
+checkpoints come from the shared ``make_big.py``. A ratio is reported as the median over rounds,
+with every round's value, and whether it meets the goal - including when it does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = Path(os.environ.get("MOCLI_SHARED", ROOT.parent / "shared")) / "bench"
+GIB = 1 << 30
+
+
+@dataclass
+class Run:
+    wall: float
+    cpu: float
+    rss: int  # bytes, the process's peak
+
+
+def timed(cmd: list[str], env: dict | None = None) -> Run:
+    """Whole-process wall, CPU and peak RSS of one command (GNU time's accounting of the child)."""
+    out = tempfile.NamedTemporaryFile(suffix=".time", delete=False)
+    out.close()
+    t0 = time.perf_counter()
+    p = subprocess.run(["/usr/bin/time", "-o", out.name, "-f", "%U %S %M", *cmd], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"benchmark command failed ({p.returncode}): {' '.join(cmd)}\n{p.stderr[-2000:]}")
+    user, sys_, rss_kb = Path(out.name).read_text().split()[-3:]
+    os.unlink(out.name)
+    return Run(wall, float(user) + float(sys_), int(rss_kb) * 1024)
+
+
+def fresh(path: Path) -> None:
+    """Remove a previous output outside the timed region (both contenders get the same treatment)."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.sync()
+
+
+def warm(src: Path) -> None:
+    for f in src.rglob("*.safetensors"):
+        with open(f, "rb") as fh:
+            while fh.read(64 << 20):
+                pass
+
+
+def size_gib(src: Path) -> float:
+    return sum(f.stat().st_size for f in src.rglob("*.safetensors")) / GIB
+
+
+def line(what: str, a: list[Run], b: list[Run] | None, goal: float, a_name: str = "mocli",
+         b_name: str = "floor") -> dict:
+    ratios = [x.wall / y.wall for x, y in zip(a, b, strict=True)] if b else [x.wall / goal for x in a]
+    med = statistics.median(ratios)
+    ok = med <= (1.0 if b is None else goal)
+    parts = [f"{what}: {a_name} {statistics.median(x.wall for x in a):.2f} s (cpu {statistics.median(x.cpu for x in a):.1f} s)"]
+    if b:
+        parts.append(f"{b_name} {statistics.median(x.wall for x in b):.2f} s (cpu {statistics.median(x.cpu for x in b):.1f} s)")
+        parts.append(f"ratio {med:.2f} [{', '.join(f'{r:.2f}' for r in ratios)}]; goal <= {goal:g}")
+    else:
+        parts.append(f"ratio to {goal:g} s {med:.2f} [{', '.join(f'{r:.2f}' for r in ratios)}]; goal <= 1")
+    print(" | ".join(parts) + (" | meets" if ok else " | MISSES"), flush=True)
+    return {"what": what, "ratio": med, "rounds": ratios, "goal": goal, "meets": ok,
+            "mocli_s": [x.wall for x in a], "other_s": [x.wall for x in b] if b else None}
+
+
+def make(kind: str, out: Path, *args: str) -> Path:
+    if not (out / "model.safetensors.index.json").exists():
+        print(f"[making {kind} checkpoint at {out} ...]", flush=True)
+        subprocess.run([sys.executable, str(SHARED / "make_big.py"), kind, str(out), *args], check=True,
+                       capture_output=True)
+    return out
+
+
+def mocli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mocli", "-q", *args]
+
+
+def bench_convert(scratch: Path, rounds: int, device: str, results: list) -> None:
+    floor = [sys.executable, str(SHARED / "floor.py")]
+    cases = [("NVFP4", make("moe-nvfp4", scratch / "nvfp4"), 1.0), ("FP8", make("moe-fp8", scratch / "fp8", "--layers", "4"), 1.15)]
+    for algo, src, goal in cases:
+        warm(src)
+        for target in ("flashinfer-cutlass", "flashinfer-trtllm"):
+            a, b = [], []
+            for _ in range(rounds):
+                fresh(scratch / "floor-out")
+                b.append(timed([*floor, str(src), str(scratch / "floor-out")]))
+                fresh(scratch / "out")
+                a.append(timed(mocli("convert", str(src), "-o", str(scratch / "out"), "--target", target,
+                                     "--device", device)))
+            results.append(line(f"convert {algo} MoE {size_gib(src):.2f} GiB {target} --device {device} / I/O floor",
+                                a, b, goal))
+        if algo == "NVFP4":
+            # verify on the CPU must not be slower than the conversion it checks
+            v = [timed(mocli("verify", str(scratch / "out"), "--device", device)) for _ in range(rounds)]
+            c = a
+            results.append(line(f"verify {size_gib(src):.2f} GiB NVFP4 output --device {device} / its convert", v, c,
+                                1.0, "verify", "convert"))
+    fresh(scratch / "out")
+    fresh(scratch / "floor-out")
+
+
+def bench_headers(scratch: Path, rounds: int, results: list) -> None:
+    src = make("headers", scratch / "headers", "--layers", "61", "--experts", "128")
+    warm(src)
+    n = json.loads(subprocess.run(mocli("--json", "inspect", str(src)), capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout)["num_tensors"]
+    results.append(line(f"inspect, {n} tensors", [timed(mocli("inspect", str(src))) for _ in range(rounds)], None, 1.0))
+    results.append(line(f"validate, {n} tensors", [timed(mocli("validate", str(src))) for _ in range(rounds)], None, 1.5))
+    # header-only commands must not import torch
+    probe = (f"import sys, runpy; sys.argv = ['mocli', '-q', 'validate', {str(src)!r}]\n"
+             "try:\n    runpy.run_module('mocli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print('torch' in sys.modules)")
+    imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.strip().splitlines()[-1]
+    print(f"validate imports torch: {imported} | goal False | {'meets' if imported == 'False' else 'MISSES'}")
+    results.append({"what": "validate imports torch", "meets": imported == "False"})
+
+
+def bench_rss(scratch: Path, results: list) -> None:
+    """Peak RSS converting one >= 2 GB MoE layer against 1 GiB + 2 x the largest input tensor."""
+    src = make("moe-fp8", scratch / "rss", "--layers", "1", "--experts", "128", "--hidden", "4096", "--inter", "2048")
+    warm(src)
+    largest = 4096 * 2048  # one FP8 expert projection
+    fresh(scratch / "out")
+    r = timed(mocli("convert", str(src), "-o", str(scratch / "out"), "--target", "flashinfer-cutlass", "--device", "cpu"))
+    budget = GIB + 2 * largest
+    ok = r.rss <= budget
+    print(f"peak RSS converting one {size_gib(src):.2f} GiB MoE layer: {r.rss / GIB:.2f} GiB | budget 1 GiB + 2 x "
+          f"{largest / 2**20:.0f} MiB = {budget / GIB:.2f} GiB | ratio {r.rss / budget:.2f}; goal <= 1 | "
+          f"{'meets' if ok else 'MISSES'}")
+    results.append({"what": "peak RSS", "ratio": r.rss / budget, "meets": ok})
+    fresh(scratch / "out")
+
+
+def bench_quantize(scratch: Path, rounds: int, device: str, results: list) -> None:
+    from tests.bench.make_bf16 import make_bf16
+
+    src = scratch / "bf16"
+    if not (src / "model.safetensors.index.json").exists():
+        print(f"[making BF16 MoE checkpoint at {src} ...]", flush=True)
+        make_bf16(src)
+    warm(src)
+    floor = [sys.executable, str(SHARED / "floor.py")]
+    a, b = [], []
+    for _ in range(rounds):
+        fresh(scratch / "floor-out")
+        b.append(timed([*floor, str(src), str(scratch / "floor-out")]))
+        fresh(scratch / "out")
+        a.append(timed(mocli("quantize", str(src), "-o", str(scratch / "out"), "--device", device)))
+    results.append(line(f"quantize BF16 MoE {size_gib(src):.2f} GiB --device {device} / I/O floor", a, b, 1.3))
+    largest = max(a, key=lambda r: r.rss)
+    unit = 2 * 1536 * 4096 * 2  # one expert's w1 + w3 in BF16: the largest unit
+    print(f"quantize peak RSS {largest.rss / GIB:.2f} GiB | budget 1 GiB + 2 x unit {unit / 2**20:.0f} MiB = "
+          f"{(GIB + 2 * unit) / GIB:.2f} GiB | {'meets' if largest.rss <= GIB + 2 * unit else 'MISSES'}")
+    fresh(scratch / "out")
+    fresh(scratch / "floor-out")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--scratch", type=Path, default=ROOT / "bench-out")
+    ap.add_argument("--only", default="headers,convert,rss,quantize")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    a = ap.parse_args()
+    if not (SHARED / "floor.py").exists():
+        raise SystemExit(f"{SHARED}/floor.py not found: set MOCLI_SHARED to the shared folder that holds bench/")
+    a.scratch.mkdir(parents=True, exist_ok=True)
+    print(f"mocli bench: {os.cpu_count()} cores, device {a.device}, {a.rounds} rounds, scratch {a.scratch}", flush=True)
+    results: list = []
+    only = set(a.only.split(","))
+    if "headers" in only:
+        bench_headers(a.scratch, max(a.rounds, 3), results)
+    if "convert" in only:
+        bench_convert(a.scratch, a.rounds, a.device, results)
+    if "rss" in only:
+        bench_rss(a.scratch, results)
+    if "quantize" in only:
+        bench_quantize(a.scratch, a.rounds, a.device, results)
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
