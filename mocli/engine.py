@@ -30,8 +30,15 @@ import torch
 
 from mocli.errors import FindingsError, InputError, Interrupted, MocliError, os_error
 from mocli.findings import Findings
-from mocli.io.safetensors_file import TensorReader
-from mocli.io.shard_writer import ShardFile, ShardLayout, ShardWriter, create_shards, shards_intact
+from mocli.io.safetensors_file import TensorReader, tensor_bytes_view
+from mocli.io.shard_writer import (
+    ShardFile,
+    ShardLayout,
+    ShardWriter,
+    create_shards,
+    finish_shards,
+    shards_intact,
+)
 from mocli.plan.core import BadData, BufferPool, Key, Piece, Plan, SourceRange, Unit, UnitContext
 from mocli.progress import Progress
 
@@ -213,9 +220,11 @@ def _journal_name(proc: int) -> str:
     return JOURNAL_NAME if proc == 0 else f"{JOURNAL_NAME}.{proc}"
 
 
-def read_journals(partial: Path, fingerprint: str) -> set[str] | None:
-    """Units finished by any process of an earlier run with this fingerprint (None: not resumable)."""
+def read_journals(partial: Path, fingerprint: str) -> tuple[set[str], dict[str, int]] | None:
+    """Units finished by any process of an earlier run with this fingerprint, and per output file
+    (relative path) the bytes those units had written (None: not resumable)."""
     done: set[str] = set()
+    ends: dict[str, int] = {}
     found = False
     for path in sorted(partial.glob(f"{JOURNAL_NAME}*")):
         try:
@@ -226,98 +235,114 @@ def read_journals(partial: Path, fingerprint: str) -> set[str] | None:
         if not isinstance(head, dict) or head.get("fingerprint") != fingerprint:
             return None
         found = True
-        done.update(lines[1:])
-    return done if found else None
+        for line in lines[1:]:
+            unit, _, marks = line.partition("\t")
+            done.add(unit)
+            for mark in filter(None, marks.split("\t")):
+                rel, _, end = mark.rpartition("=")
+                ends[rel] = max(ends.get(rel, 0), int(end))
+    return (done, ends) if found else None
 
 
 # --- output digests, taken in file order as bytes complete ----------------------------------------------
 
-class InOrderHasher:
-    """SHA-256 of every output shard, fed in file order as soon as a prefix of the file is complete.
+class OrderedHasher:
+    """SHA-256 of every output file, fed as the writer appends: bytes still in memory are hashed
+    from there (no read-back), ranges copied file to file or landing ahead of the hash position are
+    read back once the bytes before them are in. Releases each unit's pooled buffers when done."""
 
-    A tensor is complete when every unit that writes it is done; the hash thread reads the newly
-    complete bytes back (still in the page cache) while later units compute, so no final pass is left.
-    """
-
-    def __init__(self, files: list[tuple[str, Path, ShardFile]], plan: Plan) -> None:
-        self.pending: dict[Key, int] = {}
-        for u in plan.units:
-            for k in u.outputs:
-                self.pending[k] = self.pending.get(k, 0) + 1
-        self.files = files
-        self.order: list[list[Key]] = []
-        self.pos = [0] * len(files)  # bytes of each file handed to the hash thread
-        self.next_tensor = [0] * len(files)
+    def __init__(self, files: list[tuple[str, Path, ShardFile]], pool: BufferPool, resumed: dict[int, int]) -> None:
+        self.files, self.pool = files, pool
         self.sha = [hashlib.sha256() for _ in files]
-        self.key_file: dict[Key, int] = {}
-        for i, (group, _, f) in enumerate(files):
-            keys = [(group, t.name) for t in f.tensors]
-            self.order.append(keys)
-            for k in keys:
-                self.key_file[k] = i
-        self.q: queue.Queue = queue.Queue()
+        self.pos = [0] * len(files)
+        self.ahead: list[dict[int, int]] = [{} for _ in files]  # start -> end, written but not hashed yet
+        self.q: queue.Queue = queue.Queue(maxsize=2)
         self.error: BaseException | None = None
+        self.fds: dict[int, int] = {}
+        self.buf = bytearray(HASH_CHUNK)
+        for i, (_, _, f) in enumerate(files):
+            if i in resumed:  # a resumed file: its finished prefix is on disk
+                self.ahead[i][0] = resumed[i]
+            else:
+                self.sha[i].update(f.header)
+                self.pos[i] = len(f.header)
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
 
-    def done(self, keys: list[Key]) -> None:
-        """Called (from one thread) after a unit's bytes are written."""
-        touched = set()
-        for k in keys:
-            self.pending[k] -= 1
-            touched.add(self.key_file[k])
-        for i in touched:
-            self._advance(i)
-
-    def start(self) -> None:
-        for i in range(len(self.files)):
-            self._advance(i)
-
-    def _advance(self, i: int) -> None:
-        _, _, f = self.files[i]
-        keys = self.order[i]
-        j = self.next_tensor[i]
-        while j < len(keys) and self.pending.get(keys[j], 0) == 0:
-            j += 1
-        end = f.size if j == len(keys) else f.offsets[keys[j][1]][0]
-        if end > self.pos[i]:
-            self.q.put((i, self.pos[i], end))
-            self.pos[i] = end
-        self.next_tensor[i] = j
-
-    def _loop(self) -> None:
-        buf = bytearray(HASH_CHUNK)
-        fds: dict[int, int] = {}
-        try:
-            while (item := self.q.get()) is not None:
-                i, a, b = item
-                if i not in fds:
-                    fds[i] = os.open(self.files[i][1], os.O_RDONLY)
-                while a < b:
-                    n = os.preadv(fds[i], [memoryview(buf)[: min(HASH_CHUNK, b - a)]], a)
-                    if n <= 0:
-                        raise OSError(f"short read hashing {self.files[i][1]}")
-                    self.sha[i].update(memoryview(buf)[:n])
-                    a += n
-        except BaseException as e:  # reported by digests()
-            self.error = e
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-
-    def digests(self) -> dict[int, str]:
-        self.q.put(None)
-        self.thread.join()
+    def feed(self, items: list[tuple[int, int, int, torch.Tensor | None]], borrowed: list) -> None:
+        """(file index, offset, nbytes, the written CPU tensor or None) of one unit's writes, in order."""
         if self.error is not None:
             raise self.error
-        incomplete = [self.files[i][1].name for i, (_, _, f) in enumerate(self.files) if self.pos[i] != f.size]
-        if incomplete:
-            raise RuntimeError(f"output shards not completely written: {incomplete[:3]}")
-        return {i: s.hexdigest() for i, s in enumerate(self.sha)}
+        self.q.put((items, borrowed))
 
-    def abandon(self) -> None:
+    def _read_back(self, i: int, a: int, b: int) -> None:
+        if i not in self.fds:
+            self.fds[i] = os.open(self.files[i][1], os.O_RDONLY)
+        mv = memoryview(self.buf)
+        while a < b:
+            n = os.preadv(self.fds[i], [mv[: min(HASH_CHUNK, b - a)]], a)
+            if n <= 0:
+                raise OSError(f"short read hashing {self.files[i][1]}")
+            self.sha[i].update(mv[:n])
+            a += n
+
+    def _drain(self, i: int) -> None:
+        ahead = self.ahead[i]
+        while self.pos[i] in ahead:
+            end = ahead.pop(self.pos[i])
+            self._read_back(i, self.pos[i], end)
+            self.pos[i] = end
+
+    def _loop(self) -> None:
+        while (item := self.q.get()) is not None:
+            items, borrowed = item
+            try:
+                if self.error is None:
+                    for i, off, n, data in items:
+                        self._drain(i)
+                        if off == self.pos[i] and data is not None:
+                            self.sha[i].update(tensor_bytes_view(data))
+                            self.pos[i] = off + n
+                        else:
+                            self.ahead[i][off] = max(off + n, self.ahead[i].get(off, 0))
+                        self._drain(i)
+            except BaseException as e:  # reported by digests()
+                self.error = e
+            finally:
+                del items
+                self.pool.give(borrowed)
+
+    def _stop(self) -> None:
         self.q.put(None)
         self.thread.join()
+
+    def _close_files(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def close(self) -> None:
+        """Stop without digests (the run failed)."""
+        self._stop()
+        self._close_files()
+
+    def digests(self) -> dict[int, str]:
+        self._stop()
+        try:
+            if self.error is not None:
+                raise self.error
+            for i, (_, _, f) in enumerate(self.files):
+                self._read_back_rest(i, f.size)
+        finally:
+            self._close_files()
+        return {i: s.hexdigest() for i, s in enumerate(self.sha)}
+
+    def _read_back_rest(self, i: int, size: int) -> None:
+        """Whatever is left (zero-length tails, resumed prefixes never followed by writes)."""
+        self._drain(i)
+        if self.pos[i] < size:
+            self._read_back(i, self.pos[i], size)
+            self.pos[i] = size
 
 
 def hash_file(path: Path) -> str:
@@ -335,12 +360,13 @@ class _Writer:
     """Writes finished units on a background thread (pwrite and copy_file_range drop the GIL).
 
     At most ``depth`` units wait, which bounds memory; a unit is journalled only after its bytes
-    are written, so a resumed run never skips a unit whose data is missing.
+    are written, with how far it got in each file, so a resume can check those bytes are there.
     """
 
-    def __init__(self, writer: ShardWriter, journal, pool: BufferPool, hasher: InOrderHasher | None,
-                 written: dict[Key, int], depth: int = 2) -> None:
+    def __init__(self, writer: ShardWriter, journal, pool: BufferPool, hasher: OrderedHasher | None,
+                 written: dict[Key, int], files: dict[int, str], depth: int = 2) -> None:
         self.writer, self.journal, self.pool, self.hasher, self.written = writer, journal, pool, hasher, written
+        self.files = files
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
         self.sources = TensorReader()
@@ -349,25 +375,35 @@ class _Writer:
     def _loop(self) -> None:
         while (item := self.queue.get()) is not None:
             unit, pieces, borrowed = item
-            if self.error is None:
-                try:
-                    for p in pieces:
-                        if isinstance(p.data, SourceRange):
-                            r = p.data
-                            n = self.writer.copy(p.key, p.offset, self.sources.fd(r.entry.file),
-                                                 r.entry.start + r.start, r.nbytes)
-                        else:
-                            n = self.writer.write(p.key, p.offset, p.data)
-                        self.written[p.key] = self.written.get(p.key, 0) + n
-                    self.journal.write(unit.id + "\n")
-                    self.journal.flush()
-                    if self.hasher is not None:
-                        self.hasher.done(unit.outputs)
-                except BaseException as e:  # re-raised on the main thread
-                    self.error = e
-            del pieces
-            self.pool.give(borrowed)
-        self.sources.close()
+            if self.error is not None:
+                self.pool.give(borrowed)
+                continue
+            try:
+                hashed: list[tuple[int, int, int, memoryview | None]] = []
+                ends: dict[int, int] = {}
+                for p in pieces:
+                    _, start, _ = self.writer.where[p.key]
+                    if isinstance(p.data, SourceRange):
+                        r = p.data
+                        n = self.writer.copy(p.key, p.offset, self.sources.fd(r.entry.file),
+                                             r.entry.start + r.start, r.nbytes)
+                        view = None
+                    else:
+                        n, view = self.writer.write(p.key, p.offset, p.data)  # view: the bytes, kept alive
+                    idx = self.writer.file_index[p.key]
+                    hashed.append((idx, start + p.offset, n, view))
+                    ends[idx] = max(ends.get(idx, 0), start + p.offset + n)
+                    self.written[p.key] = self.written.get(p.key, 0) + n
+                marks = "".join(f"\t{self.files[i]}={end}" for i, end in sorted(ends.items()))
+                self.journal.write(f"{unit.id}{marks}\n")
+                self.journal.flush()
+                if self.hasher is not None:
+                    self.hasher.feed(hashed, borrowed)
+                else:
+                    self.pool.give(borrowed)
+            except BaseException as e:  # re-raised on the main thread
+                self.error = e
+                self.pool.give(borrowed)
 
     def put(self, unit: Unit, pieces: list[Piece], borrowed: list[torch.Tensor]) -> None:
         if self.error is not None:
@@ -423,28 +459,33 @@ def _relpath(group: str, f: ShardFile) -> str:
     return f"{group}/{f.name}" if group else f.name
 
 
-def _prepare(job: Job) -> tuple[set[str], int]:
-    """Process 0: resume from an intact partial with this fingerprint, or start a fresh one."""
+def _prepare(job: Job) -> tuple[set[str], dict[str, int], int]:
+    """Process 0: resume from an intact partial with this fingerprint, or start a fresh one.
+    Returns the finished units, the bytes they wrote per file, and the bytes of a discarded partial."""
     partial = partial_dir(job.out)
-    done: set[str] | None = None
+    state = None
     discarded = 0
     if partial.exists() or partial.is_symlink():
         if not partial.is_dir() or partial.is_symlink() or not any(partial.glob(f"{JOURNAL_NAME}*")):
             raise InputError(f"{partial}: exists but is not a mocli partial output",
                              hint="move or delete it; mocli does not remove what it did not create")
-        done = read_journals(partial, job.fingerprint)
-        intact = done is not None and all(shards_intact(partial / g, lay) for g, lay in job.layouts.items())
+        state = read_journals(partial, job.fingerprint)
+        # The journal only counts if the bytes it vouches for are still there.
+        intact = state is not None and all(
+            shards_intact(partial / g if g else partial, lay,
+                          {f.name: state[1].get(_relpath(g, f), 0) for f in lay.files})
+            for g, lay in job.layouts.items())
         if not intact:
             discarded = disk_usage(partial)
             shutil.rmtree(partial)  # a partial of ours from other arguments, or damaged: start over
-            done = None
-    if done is None:
+            state = None
+    if state is None:
         partial.mkdir()
         for g, lay in job.layouts.items():
             create_shards(partial / g if g else partial, lay)
         (partial / JOURNAL_NAME).write_text(json.dumps({"fingerprint": job.fingerprint}) + "\n")
-        done = set()
-    return done, discarded
+        state = (set(), {})
+    return state[0], state[1], discarded
 
 
 def _share(units: list[Unit], world: int, proc: int) -> list[Unit]:
@@ -491,9 +532,9 @@ def run(job: Job) -> JobResult:
         prep = dist.broadcast(prep)  # process 0's decision (resume set or error) reaches everyone
     if prep[0] == "error":
         raise InputError(prep[1], hint=prep[2])
-    done, discarded = prep[1], prep[2]
+    done, ends, discarded = prep[1], prep[2], prep[3]
     try:
-        result = _execute(job, partial, done)
+        result = _execute(job, partial, done, ends)
         result.discarded_partial = discarded
     except BaseException as e:
         if lock is not None:
@@ -533,7 +574,7 @@ def _failure(e: BaseException, partial: Path, dist: Dist) -> BaseException:
     return e
 
 
-def _execute(job: Job, partial: Path, done: set[str]) -> JobResult:
+def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> JobResult:
     dist, plan = job.dist, job.plan
     files = _files(job, partial)
     keys: dict[Key, int] = {}
@@ -542,21 +583,18 @@ def _execute(job: Job, partial: Path, done: set[str]) -> JobResult:
             keys[(g, t.name)] = i
     todo_all = [u for u in plan.units if u.id not in done]
     mine = _share(todo_all, dist.world, dist.rank)
-    incremental = dist.world == 1
-    hasher = InOrderHasher(files, plan) if incremental else None
-    if hasher is not None:
-        for u in plan.units:
-            if u.id in done:
-                for k in u.outputs:
-                    hasher.pending[k] -= 1
-        hasher.start()
+    pool = BufferPool(pin=job.device.type == "cuda")
+    # One process writes every file front to back, so the digests are taken as bytes go out; with
+    # several processes the files are hashed once all are written.
+    rel = {i: _relpath(g, f) for i, (g, _, f) in enumerate(files)}
+    hasher = (OrderedHasher(files, pool, {i: ends[r] for i, r in rel.items() if r in ends})
+              if dist.world == 1 else None)
     writer = ShardWriter([(p, f) for _, p, f in files], keys)
     total = sum(u.input_bytes for u in (mine if dist.world > 1 else plan.units))
     job.progress.start(total, len(mine) if dist.world > 1 else len(plan.units))
     if dist.world == 1 and done:
         job.progress.advance(sum(u.input_bytes for u in plan.units if u.id in done), len(plan.units) - len(mine))
     written: dict[Key, int] = {}
-    pool = BufferPool(pin=job.device.type == "cuda")
     error: BaseException | None = None
     threads = torch.get_num_threads()
     if job.device.type == "cpu":
@@ -565,7 +603,7 @@ def _execute(job: Job, partial: Path, done: set[str]) -> JobResult:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) - 2))
     try:
         with TensorReader() as reader, open(partial / _journal_name(dist.rank), "a") as journal, \
-                _Writer(writer, journal, pool, hasher, written) as sink:
+                _Writer(writer, journal, pool, hasher, written, rel) as sink:
             if dist.rank and journal.tell() == 0:
                 journal.write(json.dumps({"fingerprint": job.fingerprint}) + "\n")
                 journal.flush()
@@ -588,15 +626,18 @@ def _execute(job: Job, partial: Path, done: set[str]) -> JobResult:
             error = RuntimeError(f"another process failed: {failed[0]}")
     if error is not None:
         if hasher is not None:
-            hasher.abandon()
+            hasher.close()
         raise error
     # Nothing left behind: every planned byte of a fresh run was written exactly once.
     if not done and dist.world == 1:
         short = [k[1] for k, t in plan.tensors.items() if written.get(k, 0) != t.nbytes]
         if short:
             raise RuntimeError(f"planned tensors not fully written: {short[:3]}")
+    if dist.rank == 0:
+        for g, lay in job.layouts.items():
+            finish_shards(partial / g if g else partial, lay)
     if hasher is not None:
-        digests = {_relpath(g, f): d for (g, _, f), d in zip(files, hasher.digests().values(), strict=True)}
+        digests = {rel[i]: d for i, d in hasher.digests().items()}
     else:
         dist.barrier()
         mine_files = {_relpath(g, f): hash_file(p) for i, (g, p, f) in enumerate(files) if i % dist.world == dist.rank}

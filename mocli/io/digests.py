@@ -39,7 +39,9 @@ def sha256_file(path: Path) -> str:
 class SourceDigests:
     """file name -> SHA-256 for ``files``; ``result()`` waits for the background threads."""
 
-    def __init__(self, files: list[Path], threads: int = 2) -> None:
+    def __init__(self, files: list[Path], threads: int | None = None) -> None:
+        # Beside the conversion, not instead of it: one thread per four cores (one on a 2-core box).
+        threads = threads or max(1, (os.cpu_count() or 1) // 4)
         self.digests: dict[str, str] = {}
         self.errors: list[OSError] = []
         todo = []

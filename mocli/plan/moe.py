@@ -15,7 +15,7 @@ from mocli.ops.fp8 import has_nan_fp8, requantize_fp8, rescale_block_scales
 from mocli.ops.layout import permute_rows, swizzle_block_scales, swizzled_shape
 from mocli.parallel import expert_range, intermediate_range
 from mocli.plan.context import PlanContext
-from mocli.plan.core import BadData, ConvertedModule, OutTensor, Piece, SourceRange, Unit, UnitContext
+from mocli.plan.core import BadData, ConvertedModule, OutTensor, Piece, Unit, UnitContext
 from mocli.plan.dense import QUANT_SUFFIXES
 from mocli.quant_config import Algo
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
@@ -146,36 +146,52 @@ class _Fp8Moe(_Moe):
             Role.G2_ALPHAS: (g2, "w2_weight_scale * w2_input_scale", []),
         }
         vectors |= {role: (v, how, []) for role, (v, how) in layout.moe_extra_scales(self.kind, g1, g2, a2_inv).items()}
+        # Units in file order (all experts' w13, then their w2, then the vectors): every output file
+        # is appended front to back, which costs the kernel far less than filling a pre-sized file.
+        for e, (g, u, _) in enumerate(self.mods):
+            self._w13_unit(e, g, u, s1[e], s3[e], w13_scale[e])
+        for e, (_, _, d) in enumerate(self.mods):
+            self._w2_unit(e, d)
         self.plan_vectors(vectors)
-        for e, (g, u, d) in enumerate(self.mods):
-            self._expert_unit(e, g, u, d, s1[e], s3[e], w13_scale[e])
         for r in self.ranks:
             self.module(r, {})
 
-    def _expert_unit(self, e: int, g: Module, u: Module, d: Module, s1, s3, s) -> None:
+    def _w13_unit(self, e: int, g: Module, u: Module, s1, s3, s) -> None:
         layout, h = self.pc.layout, self.h
         holders = self.holders(e)
-        outputs = [self.key(r, role) for r in holders for role in (Role.W13_WEIGHT, Role.W2_WEIGHT)]
+
+        def run(ctx: UnitContext) -> list[Piece]:
+            pieces = []
+            for r in holders:
+                i0, i1 = self.inter[r]
+                i = i1 - i0
+                # [w3; w1]: FlashInfer computes act(second half) * first half (SEMANTICS §4).
+                w13 = _stacked_halves(ctx, [(u, s3), (g, s1)], (i0, i1), h, s)
+                w13 = permute_rows(w13, layout.w13_rows(2 * i), ctx.out(w13))
+                pieces.append(Piece(self.key(r, Role.W13_WEIGHT), (e - self.experts[r][0]) * 2 * i * h, w13))
+            return pieces
+
+        self.pc.plan.units.append(Unit(f"w13:{self.p}.{e}", [g.tensors[WEIGHT], u.tensors[WEIGHT]],
+                                       [self.key(r, Role.W13_WEIGHT) for r in holders], run))
+
+    def _w2_unit(self, e: int, d: Module) -> None:
+        layout, h = self.pc.layout, self.h
+        holders = self.holders(e)
 
         def run(ctx: UnitContext) -> list[Piece]:
             w2 = ctx.load(d.tensors[WEIGHT])
             _check(w2, d, WEIGHT)
             pieces = []
             for r in holders:
-                e_local = e - self.experts[r][0]
                 i0, i1 = self.inter[r]
                 i = i1 - i0
-                # [w3; w1]: FlashInfer computes act(second half) * first half (SEMANTICS §4).
-                w13 = _stacked_halves(ctx, [(u, s3), (g, s1)], (i0, i1), h, s)
-                w13_out = permute_rows(w13, layout.w13_rows(2 * i), ctx.out(w13))
                 w2_r = w2[:, i0:i1] if i != self.i else w2
                 w2_r = permute_rows(w2_r, layout.w2_rows(h), ctx.out(w2_r) if w2_r.is_contiguous() else None)
-                pieces += [Piece(self.key(r, Role.W13_WEIGHT), e_local * 2 * i * h, w13_out),
-                           Piece(self.key(r, Role.W2_WEIGHT), e_local * h * i, w2_r)]
+                pieces.append(Piece(self.key(r, Role.W2_WEIGHT), (e - self.experts[r][0]) * h * i, w2_r.contiguous()))
             return pieces
 
-        self.pc.plan.units.append(Unit(f"expert:{self.p}.{e}", [g.tensors[WEIGHT], u.tensors[WEIGHT], d.tensors[WEIGHT]],
-                                       outputs, run))
+        self.pc.plan.units.append(Unit(f"w2:{self.p}.{e}", [d.tensors[WEIGHT]],
+                                       [self.key(r, Role.W2_WEIGHT) for r in holders], run))
 
 
 class _Nvfp4Moe(_Moe):
@@ -219,67 +235,112 @@ class _Nvfp4Moe(_Moe):
             Role.A2_GSCALE: (a2_gscale, "1 / w2_input_scale", []),
         }
         vectors |= {role: (v, how, []) for role, (v, how) in layout.moe_extra_scales(self.kind, g1, g2, a2_gscale).items()}
+        # Units in file order, one output tensor at a time (see _Fp8Moe.plan).
+        for e, (g, u, _) in enumerate(self.mods):
+            self._w13_unit(e, g, u)
+        for e, (g, u, _) in enumerate(self.mods):
+            self._w13_scale_unit(e, g, u, s2_1[e], s2_3[e], w13_s2[e])
+        for e, (_, _, d) in enumerate(self.mods):
+            self._w2_unit(e, d)
+        for e, (_, _, d) in enumerate(self.mods):
+            self._w2_scale_unit(e, d)
         self.plan_vectors(vectors)
-        for e, (g, u, d) in enumerate(self.mods):
-            self._expert_unit(e, g, u, d, s2_1[e], s2_3[e], w13_s2[e])
         for r in self.ranks:
             self.module(r, {})
 
-    def _expert_unit(self, e: int, g: Module, u: Module, d: Module, s2_1, s2_3, big) -> None:
+    def _w13_unit(self, e: int, g: Module, u: Module) -> None:
         layout, h = self.pc.layout, self.h
         holders = self.holders(e)
-        roles = (Role.W13_WEIGHT, Role.W13_WEIGHT_SCALE, Role.W2_WEIGHT, Role.W2_WEIGHT_SCALE)
-        outputs = [self.key(r, role) for r in holders for role in roles]
 
         def run(ctx: UnitContext) -> list[Piece]:
-            ub, gb, db = ctx.load(u.tensors[WEIGHT_SCALE]), ctx.load(g.tensors[WEIGHT_SCALE]), ctx.load(d.tensors[WEIGHT_SCALE])
-            for t, m in ((ub, u), (gb, g), (db, d)):
+            pieces = []
+            for r in holders:
+                i0, i1 = self.inter[r]
+                i = i1 - i0
+                off = (e - self.experts[r][0]) * i * h  # 2I rows of H/2 bytes per expert
+                idx = layout.w13_rows(2 * i)
+                if idx is None:  # [w3; w1] rows are source bytes: copied in the kernel, never read here
+                    pieces += [Piece(self.key(r, Role.W13_WEIGHT), off, ctx.src(u.tensors[WEIGHT]).rows(i0, i1)),
+                               Piece(self.key(r, Role.W13_WEIGHT), off + i * h // 2,
+                                     ctx.src(g.tensors[WEIGHT]).rows(i0, i1))]
+                else:
+                    cat = _stacked_halves(ctx, [(u, None), (g, None)], (i0, i1), h, None)
+                    pieces.append(Piece(self.key(r, Role.W13_WEIGHT), off, permute_rows(cat, idx, ctx.out(cat))))
+            return pieces
+
+        self.pc.plan.units.append(Unit(f"w13:{self.p}.{e}", [g.tensors[WEIGHT], u.tensors[WEIGHT]],
+                                       [self.key(r, Role.W13_WEIGHT) for r in holders], run))
+
+    def _w13_scale_unit(self, e: int, g: Module, u: Module, s2_1, s2_3, big) -> None:
+        layout, h = self.pc.layout, self.h
+        holders = self.holders(e)
+
+        def run(ctx: UnitContext) -> list[Piece]:
+            ub, gb = ctx.load(u.tensors[WEIGHT_SCALE]), ctx.load(g.tensors[WEIGHT_SCALE])
+            for t, m in ((ub, u), (gb, g)):
                 _check(t, m, WEIGHT_SCALE)
             ub = rescale_block_scales(ub, s2_3, big, out=ctx.out(ub))
             gb = rescale_block_scales(gb, s2_1, big, out=ctx.out(gb))
-            db = db.view(torch.float8_e4m3fn)
-            loaded: dict[str, torch.Tensor] = {}
-
-            def w(m: Module) -> torch.Tensor:
-                if m.name not in loaded:
-                    loaded[m.name] = ctx.load(m.tensors[WEIGHT])
-                return loaded[m.name]
-
             pieces = []
             for r in holders:
-                e_local = e - self.experts[r][0]
                 i0, i1 = self.inter[r]
                 i = i1 - i0
-                w13_idx, w2_idx = layout.w13_rows(2 * i), layout.w2_rows(h)
-                w13_bytes, w2_bytes = 2 * i * h // 2, h * i // 2
                 s13 = swizzled_shape(2 * i, h // 16)
-                s2s = swizzled_shape(h, i // 16)
-                # [w3; w1] (SEMANTICS §4). With no row order to apply, the weight rows are source bytes.
-                if w13_idx is None:
-                    w13: list = [SourceRange(u.tensors[WEIGHT], 0, u.tensors[WEIGHT].nbytes).rows(i0, i1),
-                                 SourceRange(g.tensors[WEIGHT], 0, g.tensors[WEIGHT].nbytes).rows(i0, i1)]
-                else:
-                    cat = _stacked_halves(ctx, [(u, None), (g, None)], (i0, i1), h, None)
-                    w13 = [permute_rows(cat, w13_idx, ctx.out(cat))]
-                if w2_idx is None and i == self.i:
-                    w2: list = [SourceRange(d.tensors[WEIGHT], 0, d.tensors[WEIGHT].nbytes)]
-                else:
-                    part = w(d)[:, i0 // 2:i1 // 2]
-                    w2 = [permute_rows(part, w2_idx) if w2_idx is not None else part.contiguous()]
-                bs13 = permute_rows(torch.cat([ub[i0:i1], gb[i0:i1]]), w13_idx)
-                bs2 = permute_rows(db[:, i0 // 16:i1 // 16], w2_idx) if w2_idx is not None else db[:, i0 // 16:i1 // 16]
-                off = e_local * w13_bytes
-                for part in w13:
-                    pieces.append(Piece(self.key(r, Role.W13_WEIGHT), off, part))
-                    off += part.nbytes if isinstance(part, SourceRange) else part.numel()
-                pieces += [Piece(self.key(r, Role.W2_WEIGHT), e_local * w2_bytes, w2[0]),
-                           Piece(self.key(r, Role.W13_WEIGHT_SCALE), e_local * s13[0] * s13[1], swizzle_block_scales(bs13)),
-                           Piece(self.key(r, Role.W2_WEIGHT_SCALE), e_local * s2s[0] * s2s[1],
-                                 swizzle_block_scales(bs2.contiguous()))]
+                bs13 = permute_rows(torch.cat([ub[i0:i1], gb[i0:i1]]), layout.w13_rows(2 * i))
+                pieces.append(Piece(self.key(r, Role.W13_WEIGHT_SCALE), (e - self.experts[r][0]) * s13[0] * s13[1],
+                                    swizzle_block_scales(bs13)))
             return pieces
 
-        inputs = [m.tensors[x] for m in (g, u, d) for x in (WEIGHT, WEIGHT_SCALE)]
-        self.pc.plan.units.append(Unit(f"expert:{self.p}.{e}", inputs, outputs, run))
+        self.pc.plan.units.append(Unit(f"w13s:{self.p}.{e}", [g.tensors[WEIGHT_SCALE], u.tensors[WEIGHT_SCALE]],
+                                       [self.key(r, Role.W13_WEIGHT_SCALE) for r in holders], run))
+
+    def _w2_unit(self, e: int, d: Module) -> None:
+        layout, h = self.pc.layout, self.h
+        holders = self.holders(e)
+
+        def run(ctx: UnitContext) -> list[Piece]:
+            pieces = []
+            loaded: list[torch.Tensor] = []
+            for r in holders:
+                i0, i1 = self.inter[r]
+                i = i1 - i0
+                idx = layout.w2_rows(h)
+                off = (e - self.experts[r][0]) * h * i // 2
+                if idx is None and i == self.i:
+                    pieces.append(Piece(self.key(r, Role.W2_WEIGHT), off, ctx.src(d.tensors[WEIGHT])))
+                    continue
+                if not loaded:
+                    loaded.append(ctx.load(d.tensors[WEIGHT]))
+                part = loaded[0][:, i0 // 2:i1 // 2]
+                part = permute_rows(part, idx) if idx is not None else part.contiguous()
+                pieces.append(Piece(self.key(r, Role.W2_WEIGHT), off, part))
+            return pieces
+
+        self.pc.plan.units.append(Unit(f"w2:{self.p}.{e}", [d.tensors[WEIGHT]],
+                                       [self.key(r, Role.W2_WEIGHT) for r in holders], run))
+
+    def _w2_scale_unit(self, e: int, d: Module) -> None:
+        layout, h = self.pc.layout, self.h
+        holders = self.holders(e)
+
+        def run(ctx: UnitContext) -> list[Piece]:
+            db = ctx.load(d.tensors[WEIGHT_SCALE])
+            _check(db, d, WEIGHT_SCALE)
+            db = db.view(torch.float8_e4m3fn)
+            pieces = []
+            for r in holders:
+                i0, i1 = self.inter[r]
+                i = i1 - i0
+                s2s = swizzled_shape(h, i // 16)
+                idx = layout.w2_rows(h)
+                bs2 = db[:, i0 // 16:i1 // 16]
+                bs2 = permute_rows(bs2, idx) if idx is not None else bs2.contiguous()
+                pieces.append(Piece(self.key(r, Role.W2_WEIGHT_SCALE), (e - self.experts[r][0]) * s2s[0] * s2s[1],
+                                    swizzle_block_scales(bs2)))
+            return pieces
+
+        self.pc.plan.units.append(Unit(f"w2s:{self.p}.{e}", [d.tensors[WEIGHT_SCALE]],
+                                       [self.key(r, Role.W2_WEIGHT_SCALE) for r in holders], run))
 
 
 def _stacked_halves(ctx: UnitContext, halves: list[tuple[Module, torch.Tensor | None]], rows: tuple[int, int],
