@@ -204,7 +204,7 @@ class ConvertedCheckpoint:
         """Any of this rank's output tensors by name (the shared pass-through ones included)."""
         if name not in self._entries:
             raise KeyError(name)
-        return self._reader.read(self._entries[name]).to(device)
+        return self._reader.view(self._entries[name]).to(device)  # copy-free on the CPU
 
     def load_module(self, name: str, device: str | torch.device = "cpu",
                     tensors: dict[str, torch.Tensor] | None = None) -> ConvertedModule:

@@ -287,3 +287,33 @@ def test_torchrun_resumes_a_single_process_partial(cli, tmp_path, monkeypatch):
     assert json.loads(p.stdout)["resumed_units"] > 0
     assert _digest(tmp_path / "o") == _digest(tmp_path / "clean")
     shutil.rmtree(tmp_path / "o")
+
+
+@pytest.mark.parametrize("algo", ["FP8", "NVFP4"])
+def test_qkv_biases_are_sliced_with_their_rows_and_verified(cli, tmp_path, algo):
+    src = make_checkpoint(tmp_path / "src", algo=algo, qkv_bias=True, heads=4, kv_heads=2, head_dim=32)
+    s = load_file(str(src / "model.safetensors"))
+    for extra in ([], ["--tp", "2"]):
+        out = tmp_path / f"o{len(extra)}"
+        convert(cli, src, out, CUTLASS, *extra)
+        r = cli("--json", "verify", out)
+        assert r.exit_code == 0, [m["message"] for m in r.json["modules"] if not m["passed"]]
+        p = "model.layers.0.self_attn."
+        for rank in (range(2) if extra else [None]):
+            got = rank_tensors(out, rank) if rank is not None else load_file(str(next(out.glob("model-*.safetensors"))))
+            t = 0 if rank is None else rank
+            tp = 2 if extra else 1
+            want = torch.cat([s[p + "q_proj.bias"][ref.head_rows("q", 128, tp, t, 2, 32)],
+                              s[p + "k_proj.bias"][ref.head_rows("kv", 64, tp, t, 2, 32)],
+                              s[p + "v_proj.bias"][ref.head_rows("kv", 64, tp, t, 2, 32)]])
+            assert same(got[p + "qkv_proj.bias"], want)
+    # a bias off by a little is caught by verify
+    f = next((tmp_path / "o2" / "rank-1").glob("model-*.safetensors"))
+    t = load_file(str(f))
+    t["model.layers.1.self_attn.qkv_proj.bias"] = t["model.layers.1.self_attn.qkv_proj.bias"] + 0.5
+    from safetensors.torch import save_file
+
+    save_file(t, str(f), metadata={"format": "pt"})
+    r = cli("--json", "verify", tmp_path / "o2")
+    bad = [(m["module"], m["rank"]) for m in r.json["modules"] if not m["passed"]]
+    assert r.exit_code == 1 and bad == [("model.layers.1.self_attn.qkv_proj", 1)]

@@ -190,6 +190,7 @@ class TensorReader:
 
     def __init__(self) -> None:
         self._files: dict[Path, int] = {}
+        self._maps: dict[Path, object] = {}
 
     def fd(self, path: Path) -> int:
         fd = self._files.get(path)
@@ -238,7 +239,31 @@ class TensorReader:
             return torch.empty(entry.shape, dtype=dtypes[entry.dtype])
         return out.view(dtypes[entry.dtype]).reshape(entry.shape)
 
+    def view(self, entry: TensorEntry) -> torch.Tensor:
+        """The entry's tensor as a copy-on-write view of the file's page cache (no read, no fresh
+        memory): for code that only looks at bytes, like verify. Valid until close()."""
+        import mmap
+
+        import torch
+
+        dtypes = torch_dtypes()
+        if entry.dtype not in dtypes:
+            raise CorruptFileError(f"{entry.file}: tensor '{entry.name}' has dtype {entry.dtype} "
+                                   "that torch cannot represent", hint="mocli cannot process this tensor")
+        if entry.nbytes == 0:
+            return torch.empty(entry.shape, dtype=dtypes[entry.dtype])
+        mm = self._maps.get(entry.file)
+        if mm is None:
+            mm = self._maps[entry.file] = mmap.mmap(self.fd(entry.file), 0, access=mmap.ACCESS_COPY)
+        if entry.start + entry.nbytes > len(mm):
+            raise CorruptFileError(f"{entry.file}: unexpected end of file reading '{entry.name}'",
+                                   hint="the file was truncated after it was opened; download it again")
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
+        return raw.view(dtypes[entry.dtype]).reshape(entry.shape) if entry.start % dtypes[entry.dtype].itemsize == 0 \
+            else raw.clone().view(dtypes[entry.dtype]).reshape(entry.shape)
+
     def close(self) -> None:
+        self._maps.clear()  # the mappings close when the last tensor viewing them goes
         for fd in self._files.values():
             os.close(fd)
         self._files.clear()

@@ -83,46 +83,58 @@ def _source_spec(out: Path, manifest: dict, opts: VerifyOptions) -> str:
     return spec
 
 
-def _hash_all(out: Path, manifest: dict, groups: list[str], src: Checkpoint, opts: VerifyOptions,
-              progress: Progress) -> list[dict[str, str]]:
-    """Output files against the manifest and source shards against provenance, on every core.
-    Returns file problems (the output's); raises InputError when the source changed."""
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        return [{"file": str(out / "mocli-layout.json"), "problem": "records no file digests (converted by an older "
-                 "mocli); convert again"}]
-    wanted = {rel: info for rel, info in files.items() if (rel.split("/", 1)[0] if "/" in rel else "") in groups}
-    recorded = (manifest.get("provenance") or {}).get("source_shards") or {}
-    have = {h.path.name: h.path for h in src.files}
-    if opts.check_source_hash and set(recorded) != set(have):
-        raise InputError(f"{src.source.describe()}: source shards {sorted(have)} differ from those recorded at "
-                         f"conversion {sorted(recorded)}", hint="verify against the checkpoint that was converted")
-    jobs = [("out", rel, out / rel) for rel in wanted]
-    if opts.check_source_hash:
-        jobs += [("src", name, have[name]) for name in recorded]
-    progress.phase(f"hashing {len(jobs)} files")
+class _Hashes:
+    """Output files against the manifest and source shards against provenance, hashed on every core
+    in the background while the module checks run (hashlib drops the GIL)."""
 
-    def one(job):
-        kind, name, path = job
+    def __init__(self, out: Path, manifest: dict, groups: list[str], src: Checkpoint, opts: VerifyOptions) -> None:
+        self.out, self.src = out, src
+        files = manifest.get("files")
+        self.problems: list[dict[str, str]] = []
+        self.wanted: dict[str, dict] = {}
+        self.recorded = (manifest.get("provenance") or {}).get("source_shards") or {}
+        if not isinstance(files, dict):
+            self.problems.append({"file": str(out / "mocli-layout.json"),
+                                  "problem": "records no file digests (converted by an older mocli); convert again"})
+        else:
+            self.wanted = {rel: info for rel, info in files.items() if (rel.split("/", 1)[0] if "/" in rel else "") in groups}
+        have = {h.path.name: h.path for h in src.files}
+        if opts.check_source_hash and set(self.recorded) != set(have):
+            raise InputError(f"{src.source.describe()}: source shards {sorted(have)} differ from those recorded at "
+                             f"conversion {sorted(self.recorded)}", hint="verify against the checkpoint that was converted")
+        jobs = [("out", rel, out / rel) for rel in self.wanted]
+        if opts.check_source_hash:
+            jobs += [("src", name, have[name]) for name in self.recorded]
+        jobs.sort(key=lambda j: -(j[2].stat().st_size if j[2].exists() else 0))
+        self.count = len(jobs)
+        self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
+        self.futures = [(job, self.pool.submit(self._one, job[2])) for job in jobs]
+
+    @staticmethod
+    def _one(path: Path) -> tuple[str | None, str | None]:
         try:
-            return kind, name, sha256_file(path), None
+            return sha256_file(path), None
         except OSError as e:
-            return kind, name, None, e.strerror or str(e)
+            return None, e.strerror or str(e)
 
-    problems = []
-    jobs.sort(key=lambda j: -(j[2].stat().st_size if j[2].exists() else 0))
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:  # hashlib drops the GIL
-        for kind, name, digest, err in pool.map(one, jobs):
-            if kind == "out":
-                if err is not None:
-                    problems.append({"file": name, "problem": f"cannot read: {err}"})
-                elif digest != wanted[name].get("sha256"):
-                    problems.append({"file": name, "problem": "SHA-256 differs from the manifest: the file changed "
-                                     "after conversion"})
-            elif err is not None or digest != recorded[name]:
-                raise InputError(f"{src.source.describe()}: {name} no longer matches the SHA-256 recorded at conversion",
-                                 hint="the source changed since conversion; convert again or pass the original --source")
-    return problems
+    def result(self) -> list[dict[str, str]]:
+        """File problems of the output; raises InputError when the source changed since conversion."""
+        try:
+            for (kind, name, _), fut in self.futures:
+                digest, err = fut.result()
+                if kind == "out":
+                    if err is not None:
+                        self.problems.append({"file": name, "problem": f"cannot read: {err}"})
+                    elif digest != self.wanted[name].get("sha256"):
+                        self.problems.append({"file": name, "problem": "SHA-256 differs from the manifest: the file "
+                                              "changed after conversion"})
+                elif err is not None or digest != self.recorded[name]:
+                    raise InputError(f"{self.src.source.describe()}: {name} no longer matches the SHA-256 recorded at "
+                                     "conversion", hint="the source changed since conversion; convert again or pass "
+                                     "the original --source")
+        finally:
+            self.pool.shutdown(cancel_futures=True)
+        return self.problems
 
 
 def _passthrough(out: Path, manifest: dict, src: Checkpoint) -> tuple[int, list[dict[str, str]]]:
@@ -160,7 +172,7 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
     ranks = [opts.rank] if opts.rank is not None else list(range(n_ranks))
     groups = [""] + ([manifest["ranks"][r]["dir"] for r in ranks] if manifest.get("ranks") else [])
     src = open_checkpoint(_source_spec(out, manifest, opts))
-    file_problems = _hash_all(out, manifest, groups, src, opts, progress)
+    hashes = _Hashes(out, manifest, groups, src, opts)
     census = build_census(src.tensors)
     rt = _runtime(opts, manifest["target"])
     heads = heads_of(src.config)
@@ -190,7 +202,10 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
         progress.phase("pass-through tensors")
         n_pass, pass_problems = _passthrough(out, manifest, src)
         coverage = _coverage(cks, manifest, names, opts)
+        progress.phase(f"hashing {hashes.count} files")
+        file_problems = hashes.result()
     finally:
+        hashes.pool.shutdown(cancel_futures=True)
         for ck in cks.values():
             ck.close()
     failed = [r for r in results if not r.passed]
