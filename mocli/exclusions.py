@@ -123,3 +123,65 @@ def _vlm_alias(entry: str, prefixes: list[str]) -> str | None:
             if hit or partial:
                 return alias
     return None
+
+
+@dataclass
+class ExclusionRewrite:
+    entries: list[str]
+    changes: list[tuple[str, str, str]]  # (finding code, entry or prefix, what was done)
+    impossible: list[str]  # prefixes whose storage no exclusion list can express
+
+
+def reconcile_exclusions(entries: list[str], census: Census) -> ExclusionRewrite:
+    """The exclusion list every engine reads the same way and that matches what is stored
+    (SEMANTICS §11.3): the stored tensors are the truth.
+
+    Original entries stay (in order) when they match something, match only modules stored
+    unquantized, half-exclude no fused group and mean the same after the engine's ``p*`` rewrite;
+    every module stored unquantized that is then still not excluded gets its explicit name(s)."""
+    prefixes = engine_prefixes(census)
+    by_engine: dict[str, list] = {}
+    for m in census.modules.values():
+        if m.kind is not Kind.OTHER:
+            by_engine.setdefault(m.engine_name, []).append(m)
+    unquantized = {p for p in prefixes if all(m.scheme is None for m in by_engine[p])}
+    changes: list[tuple[str, str, str]] = []
+    keep: list[str] = []
+    for r in pattern_reports(list(dict.fromkeys(entries)), census):
+        if not r.matches and not r.partial:
+            code = "EXC006" if r.vlm_alias else "EXC001"
+            changes.append((code, r.pattern, "dropped: it matches no module the engine asks about"))
+        elif r.partial:
+            changes.append(("EXC002", r.pattern, f"dropped: it excludes only part of {_short(r.partial)}"))
+        elif r.after_rewrite_lost:
+            changes.append(("EXC005", r.pattern, "replaced by explicit names: the engine's p* rewrite changes "
+                            "what it matches"))
+        elif quantized := [p for p in r.matches if p not in unquantized]:
+            changes.append(("EXC003", r.pattern, f"dropped: it excludes {_short(quantized)}, stored quantized"))
+        else:
+            keep.append(r.pattern)
+    if len(keep) + len(changes) < len(entries):
+        changes.append(("CFG004", "exclude_modules", "repeated entries removed"))
+    covered = set(_matches(keep, prefixes)[0]) if keep else set()
+    added = []
+    for p in sorted(unquantized - covered, key=_natural_key):
+        head, _, last = p.rpartition(".")
+        names = [f"{head}.{s}" if head else s for s in FUSED_GROUPS[last]] if last in FUSED_GROUPS else [p]
+        added += names
+        changes.append(("EXC004", p, "added: stored unquantized"))
+    final = keep + [n for n in dict.fromkeys(added) if n not in keep]
+    # An explicit name can still over-reach through the engine's substring rule; such storage cannot
+    # be described by any list, and the caller refuses to repair it.
+    hit, partial = _matches(final, prefixes)
+    impossible = sorted((set(hit) ^ unquantized) | set(partial), key=_natural_key)
+    return ExclusionRewrite(final, changes, impossible)
+
+
+def _short(items: list[str], n: int = 2) -> str:
+    return ", ".join(items[:n]) + (f" (+{len(items) - n})" if len(items) > n else "")
+
+
+def _natural_key(name: str) -> list:
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]

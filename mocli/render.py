@@ -122,6 +122,41 @@ def render_convert(summary: dict[str, Any], out: Output) -> None:
         out.warn(f"{w['code']} {w['location']}: {w['message']}")
 
 
+def render_repair(summary: dict[str, Any], out: Output) -> None:
+    c = out.stdout
+    if summary["repairs"]:
+        t = Table(title="repairs" + (" (dry run: nothing written)" if summary.get("output") is None else ""),
+                  title_justify="left")
+        for col in ("finding", "location", "repair", "old", "new"):
+            t.add_column(col, overflow="fold")
+        for r in summary["repairs"]:
+            t.add_row(r["code"], escape(str(r["location"])), escape(r["action"]),
+                      "" if r["old"] is None else escape(_brief(r["old"])), "" if r["new"] is None else escape(_brief(r["new"])))
+        c.print(t)
+    if summary["refused"]:
+        t = Table(title="not repairable", title_justify="left")
+        for col in ("code", "location", "message", "hint"):
+            t.add_column(col, overflow="fold")
+        for f in summary["refused"]:
+            t.add_row(f["code"], escape(f["location"]), escape(f["message"]), escape(f["hint"]))
+        c.print(t)
+        return
+    if summary["nothing_to_do"]:
+        c.print("[bold green]nothing to do[/]: validate finds nothing to repair")
+    if summary.get("output"):
+        what = (f"[bold green]repaired[/] {len(summary['repairs'])} finding(s);" if summary["repairs"]
+                else "[bold green]copied[/]")
+        c.print(f"{what} {summary['tensors']} tensors ({human_bytes(summary['bytes'])}) in {summary['seconds']:.2f} s "
+                f"-> {escape(summary['output'])}")
+        if summary["resumed_units"]:
+            c.print(f"resumed: {summary['resumed_units']} of {summary['units']} units were already done")
+
+
+def _brief(v: Any) -> str:
+    s = f"{v:.6g}" if isinstance(v, float) else str(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
 def render_verify(report: dict[str, Any], out: Output) -> None:
     multi = len(report["ranks"]) > 1 or report["parallel"].get("ranks", 1) > 1
     par = report["parallel"]

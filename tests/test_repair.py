@@ -1,0 +1,221 @@
+"""repair (SEMANTICS §11): every repairable finding fixed in the ModelOpt format, checked against an
+independent dequantization; unrepairable ones refused with nothing written; convert agrees."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fixtures.generate import (
+    BROKEN,
+    _both_exclude,
+    make_broken,
+    make_checkpoint,
+)
+from tests import reference as ref
+from tests.conftest import REAL
+
+
+def tensors(d) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out |= load_file(str(f))
+    return out
+
+
+def u8(t):
+    return t.contiguous().reshape(-1).view(torch.uint8) if t.element_size() == 1 else t.contiguous().view(-1).view(torch.uint8)
+
+
+def same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(u8(a), u8(b))
+
+
+def repaired(cli, src, out, *extra):
+    r = cli("--json", "repair", src, "-o", out, *extra)
+    assert r.exit_code == 0, r.stderr
+    return r.json
+
+
+# Repairable variants, each with the codes it shows before and must not show after.
+def _excluded_but_quantized(d):  # EXC003 alone: listing a quantized module
+    _both_exclude(lambda ex: ex.append("model.layers.0.self_attn.o_proj"))(d)
+
+
+def _partial_exclusion_consistent_storage(d):  # EXC002 with every shard stored quantized
+    _both_exclude(lambda ex: ex.append("model.layers.0.self_attn.q_proj"))(d)
+
+
+VARIANTS = {
+    "SCL005": (dict(arch="qwen3_moe", algo="NVFP4", unify_scale_2=False), None),
+    "SCL003": (BROKEN["SCL003"][0], BROKEN["SCL003"][1]),
+    "EXC001": (BROKEN["EXC001"][0], BROKEN["EXC001"][1]),
+    "EXC002": (dict(), _partial_exclusion_consistent_storage),
+    "EXC003": (dict(), _excluded_but_quantized),
+    "EXC004": (BROKEN["EXC004"][0], BROKEN["EXC004"][1]),
+    "EXC005": (BROKEN["EXC005"][0], BROKEN["EXC005"][1]),
+    "EXC006": (BROKEN["EXC006"][0], BROKEN["EXC006"][1]),
+    "CFG001": (BROKEN["CFG001"][0], BROKEN["CFG001"][1]),
+    "CFG002": (BROKEN["CFG002"][0], BROKEN["CFG002"][1]),
+    "CFG003": (BROKEN["CFG003"][0], BROKEN["CFG003"][1]),
+    "CFG004": (BROKEN["CFG004"][0], BROKEN["CFG004"][1]),
+    "CFG006": (BROKEN["CFG006"][0], BROKEN["CFG006"][1]),
+    "TNS004": (BROKEN["TNS004"][0], BROKEN["TNS004"][1]),
+    "TNS005": (BROKEN["TNS005"][0], BROKEN["TNS005"][1]),
+}
+
+
+@pytest.mark.parametrize("code", sorted(VARIANTS))
+def test_repairable_finding_validates_clean_after_repair(cli, tmp_path, code):
+    kw, mutate = VARIANTS[code]
+    src = make_checkpoint(tmp_path / "src", **kw)
+    if mutate is not None:
+        mutate(src)
+    before = cli("--json", "validate", src).json
+    assert code in {f["code"] for f in before["findings"]}, before["findings"]
+    src_hash = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in src.iterdir()}
+    summary = repaired(cli, src, tmp_path / "out")
+    assert summary["repairs"] and not summary["refused"]
+    after = cli("--json", "validate", tmp_path / "out").json
+    assert after["ok"] and not {f["code"] for f in after["findings"]} & {code}, after["findings"]
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in src.iterdir()} == src_hash  # input untouched
+    # every tensor that no repair touched is the source's bytes; the others are listed in the plan
+    touched = {r["location"] for r in summary["repairs"]}
+    s, o = tensors(src), tensors(tmp_path / "out")
+    for name, t in o.items():
+        if name in s and not any(name.startswith(loc + ".") or name == loc for loc in touched):
+            assert same(t, s[name]), name
+    # both config files agree and carry the provenance
+    hq = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text()) if (tmp_path / "out" / "hf_quant_config.json").exists() else None
+    cj = json.loads((tmp_path / "out" / "config.json").read_text())
+    if hq is not None and "quantization_config" in cj:
+        assert sorted(hq["quantization"]["exclude_modules"]) == sorted(cj["quantization_config"]["ignore"])
+        assert hq["mocli_repair"]["repairs"] == summary["repairs"] == cj["quantization_config"]["mocli_repair"]["repairs"]
+    # and convert takes the output
+    r = cli("convert", tmp_path / "out", "-o", tmp_path / "conv", "--target", "flashinfer-cutlass")
+    assert r.exit_code in (0, 1), r.stderr
+    if r.exit_code == 1:  # only a target constraint may refuse, never a repaired finding
+        assert code not in r.stderr
+
+
+def test_scale_2_repair_dequantizes_within_one_fp8_rounding(cli, tmp_path):
+    src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4", unify_scale_2=False)
+    repaired(cli, src, tmp_path / "out")
+    s, o = tensors(src), tensors(tmp_path / "out")
+    groups = [[f"model.layers.{i}.self_attn.{x}_proj" for x in "qkv"] for i in range(2)]
+    groups += [[f"model.layers.{i}.mlp.experts.{e}.{x}" for x in ("gate_proj", "up_proj")] for i in range(2) for e in range(4)]
+    rescaled = 0
+    for mods in groups:
+        big = max(float(s[m + ".weight_scale_2"]) for m in mods)
+        for m in mods:
+            assert float(o[m + ".weight_scale_2"]) == big
+            assert same(o[m + ".weight"], s[m + ".weight"])  # weights are never touched
+            want = ref.dequant_nvfp4(s[m + ".weight"], s[m + ".weight_scale"], float(s[m + ".weight_scale_2"]))
+            got = ref.dequant_nvfp4(o[m + ".weight"], o[m + ".weight_scale"], big)
+            if float(s[m + ".weight_scale_2"]) == big:
+                assert same(o[m + ".weight_scale"], s[m + ".weight_scale"])
+            else:
+                rescaled += 1
+                # one e4m3 rounding of the rescaled block scale: at most half a step, 2^-4 relative
+                assert torch.allclose(got, want, rtol=2.0**-4, atol=0), m
+    assert rescaled > 0
+
+
+def test_missing_expert_input_scale_gets_the_layers_max(cli, tmp_path):
+    path, _ = make_broken("SCL003", tmp_path / "src")  # expert 2's w2 has no input_scale
+    repaired(cli, path, tmp_path / "out")
+    s, o = tensors(path), tensors(tmp_path / "out")
+    p = "model.layers.1.block_sparse_moe.experts"
+    others = [float(s[f"{p}.{e}.w2.input_scale"]) for e in range(4) if e != 2]
+    assert float(o[f"{p}.2.w2.input_scale"]) == max(others) and o[f"{p}.2.w2.input_scale"].dtype == torch.float32
+    assert set(o) == set(s) | {f"{p}.2.w2.input_scale"}
+
+
+@pytest.mark.parametrize("code", ["SCL001", "SCL002", "DAT001", "TNS001", "TNS006"])
+def test_unrepairable_findings_refuse_and_write_nothing(cli, tmp_path, code):
+    path, _ = make_broken(code, tmp_path / "src")
+    r = cli("--json", "repair", path, "-o", tmp_path / "out")
+    assert r.exit_code == 1 and code in r.stderr and "nothing was written" in r.stderr
+    assert [f["code"] for f in r.json["refused"]][:1] == [code] or code in [f["code"] for f in r.json["refused"]]
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.mocli-*"))
+
+
+def test_mixed_storage_of_a_fused_group_is_refused(cli, tmp_path):
+    path, _ = make_broken("EXC002", tmp_path / "src")  # q_proj stored BF16, k/v quantized: needs new weights
+    r = cli("repair", path, "-o", tmp_path / "out")
+    assert r.exit_code == 1 and "EXC002" in r.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["llama-fp8_kv", "qwen3_moe-nvfp4_kv"])
+def test_real_exports_have_nothing_to_do(cli, tmp_path, name):
+    summary = repaired(cli, REAL / name, tmp_path / "out")
+    assert summary["nothing_to_do"] and summary["repairs"] == []
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (REAL / name / "model.safetensors").read_bytes()
+    st = (tmp_path / "out" / "model.safetensors").stat()
+    assert st.st_nlink == 1 and st.st_ino != (REAL / name / "model.safetensors").stat().st_ino  # a copy, not a link
+
+
+@pytest.mark.parametrize("target", ["flashinfer-cutlass", "flashinfer-trtllm"])
+def test_repair_then_convert_equals_convert_with_its_own_repairs(cli, tmp_path, target):
+    src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4", unify_scale_2=False)
+    repaired(cli, src, tmp_path / "fixed")
+    for s, o in ((src, "a"), (tmp_path / "fixed", "b")):
+        assert cli("-q", "convert", s, "-o", tmp_path / o, "--target", target).exit_code == 0
+    a, b = tensors(tmp_path / "a"), tensors(tmp_path / "b")
+    assert set(a) == set(b) and all(same(a[k], b[k]) for k in a)
+
+
+def test_dry_run_writes_nothing_and_plans_in_json(cli, tmp_path):
+    path, _ = make_broken("SCL005", tmp_path / "src")
+    r = cli("--json", "repair", path, "--dry-run")
+    assert r.exit_code == 0 and r.json["output"] is None
+    assert {x["code"] for x in r.json["repairs"]} == {"SCL005"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    r = cli("repair", path, "--dry-run")
+    assert "dry run" in r.stdout and "SCL005" in r.stdout
+
+
+def test_sharded_hub_checkpoint_and_resume(cli, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from mocli.io.shard_writer import ShardWriter
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4", unify_scale_2=False, shards=3)
+    repo = cache / "models--org--m"
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / rev).mkdir(parents=True)
+    for f in src.iterdir():
+        blob = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copy(f, repo / "blobs" / blob)
+        os.symlink(f"../../blobs/{blob}", repo / "snapshots" / rev / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    env = {"HF_HUB_OFFLINE": "1"}
+    real, n = ShardWriter.copy, {"n": 0}
+
+    def copy(self, *a, **k):  # most repaired-checkpoint bytes are verbatim copies
+        n["n"] += 1
+        if n["n"] > 60:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(ShardWriter, "copy", copy)
+    r = cli("repair", "org/m", "-o", tmp_path / "out", env=env)
+    assert r.exit_code == 130 and "resume" in r.stderr
+    monkeypatch.setattr(ShardWriter, "copy", real)
+    r = cli("--json", "repair", "org/m", "-o", tmp_path / "out", env=env)
+    assert r.exit_code == 0 and r.json["resumed_units"] > 0
+    assert repaired(cli, src, tmp_path / "clean")
+    a, b = tensors(tmp_path / "out"), tensors(tmp_path / "clean")
+    assert set(a) == set(b) and all(same(a[k], b[k]) for k in a)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {p.name for p in src.glob("*.safetensors")}
