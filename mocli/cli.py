@@ -274,6 +274,55 @@ def repair_cmd(
     _run(ctx, json_, body, quiet, verbose)
 
 
+@app.command("quantize")
+def quantize_cmd(
+    ctx: typer.Context,
+    model: ModelArg,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output directory (created; must be empty).",
+                                         show_default=False)],
+    scheme: Annotated[str, typer.Option("--scheme", help="fp8: per-tensor FP8 weights, dynamic per-token "
+                                        "activations (SEMANTICS §12).")] = "fp8",
+    exclude: Annotated[list[str] | None, typer.Option("--exclude", help="Keep modules matching this wildcard "
+                                                      "unquantized (repeatable).", show_default=False)] = None,
+    device: Annotated[Device, typer.Option("--device", help="Where to compute: auto picks CUDA when present.",
+                                           case_sensitive=False)] = Device.AUTO,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUTPUT.")] = False,
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Shard size limit, e.g. 5GB, 500MB.")]
+    = "5GB",
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Quantize an unquantized checkpoint to FP8 once, offline, exactly as engines do online with
+    --quantization fp8 (streaming, resumable); serve the output with no --quantization flag."""
+
+    def body(out: Output) -> None:
+        from mocli.checkpoint import open_checkpoint
+        from mocli.io.digests import SourceDigests
+
+        shard_bytes = parse_size(max_shard_size)
+        with out.progress_bar("quantizing") as progress:
+            progress.phase("reading headers")
+            ckpt = open_checkpoint(model)
+            digests = SourceDigests([h.path for h in ckpt.files])
+            progress.phase("loading torch")
+            from mocli.engine import dist_from_env
+            from mocli.quantize import quantize
+            from mocli.render import render_quantize
+
+            dist = dist_from_env()
+            try:
+                summary = quantize(ckpt, output, scheme=scheme, exclude=exclude or [], device=device.value,
+                                   overwrite=overwrite, max_shard_bytes=shard_bytes, progress=progress,
+                                   digests=digests, dist=dist)
+            finally:
+                dist.close()
+        if dist.rank == 0:
+            out.emit(summary, render_quantize)
+
+    _run(ctx, json_, body, quiet, verbose)
+
+
 class Kernels(StrEnum):
     AUTO = "auto"
     TORCH = "torch"

@@ -37,6 +37,14 @@ class ConversionRefused(FindingsError):
         self.findings = findings
 
 
+def require_modelopt(ckpt: Checkpoint, verb: str) -> None:
+    """convert and repair read ModelOpt exports; vLLM's fp8 format (mocli quantize's output) is served as is."""
+    if ckpt.quant is not None and ckpt.quant.method != "modelopt":
+        raise InputError(f"{ckpt.path}: quant_method {ckpt.quant.method} (dynamic activations) is not a ModelOpt "
+                         f"export; {verb} reads ModelOpt checkpoints",
+                         hint="serve it as it is (the config says fp8), or check it with mocli verify")
+
+
 def resolve_device(device: str):
     import torch
 
@@ -121,6 +129,7 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
     if tp < 1 or ep < 1:
         raise InputError(f"--tp {tp} --ep {ep}: sizes must be at least 1", hint="e.g. --tp 8, or --tp 2 --ep 2")
     parallel = ParallelLayout(tp, ep)
+    require_modelopt(ckpt, "convert")
     engine.check_output(out, overwrite, ckpt.path)
     progress.phase("planning")
     census = build_census(ckpt.tensors)

@@ -20,8 +20,10 @@ class PartialFusedExclusion(Exception):
         self.prefix, self.excluded, self.kept = prefix, excluded, kept
 
 
-def is_excluded(prefix: str, entries: list[str]) -> bool:
-    """Engine semantics for one engine-side module prefix. Raises PartialFusedExclusion."""
+def is_excluded(prefix: str, entries: list[str], rules: str = "modelopt") -> bool:
+    """Engine semantics for one engine-side module prefix. Raises PartialFusedExclusion.
+
+    ``rules``: "modelopt" (all three steps below) or "fp8" (vLLM Fp8Config: step 1 only)."""
     if not entries:
         return False
     # 1. exact, fused-aware; MoE layers by substring of an "experts" entry.
@@ -38,8 +40,8 @@ def is_excluded(prefix: str, entries: list[str]) -> bool:
         exact = any(prefix in e for e in entries if "experts" in e)
     else:
         exact = prefix in entries
-    if exact:
-        return True
+    if exact or rules == "fp8":
+        return exact
     # 2. legacy substring rule (also without a leading "language_model.").
     stripped = prefix.removeprefix("language_model.")
     for e in entries:
@@ -86,28 +88,28 @@ def engine_prefixes(census: Census) -> list[str]:
     return list(seen)
 
 
-def _matches(entries: list[str], prefixes: list[str]) -> tuple[list[str], list[str]]:
+def _matches(entries: list[str], prefixes: list[str], rules: str = "modelopt") -> tuple[list[str], list[str]]:
     hit, partial = [], []
     for p in prefixes:
         try:
-            if is_excluded(p, entries):
+            if is_excluded(p, entries, rules):
                 hit.append(p)
         except PartialFusedExclusion:
             partial.append(p)
     return hit, partial
 
 
-def pattern_reports(entries: list[str], census: Census) -> list[PatternReport]:
+def pattern_reports(entries: list[str], census: Census, rules: str = "modelopt") -> list[PatternReport]:
     prefixes = engine_prefixes(census)
     checkpoint_names = [m.name for m in census.modules.values() if m.kind is not Kind.OTHER]
     reports = []
     for entry in entries:
         r = PatternReport(entry)
-        r.matches, r.partial = _matches([entry], prefixes)
+        r.matches, r.partial = _matches([entry], prefixes, rules)
         if not r.matches and not r.partial:
             r.checkpoint_matches = [n for n in checkpoint_names if fnmatchcase(n, entry) or n == entry]
             r.vlm_alias = _vlm_alias(entry, prefixes)
-        rewritten = engine_rewrite(entry)
+        rewritten = engine_rewrite(entry) if rules == "modelopt" else [entry]
         if rewritten != [entry]:
             after, _ = _matches(rewritten, prefixes)
             r.after_rewrite_lost = [p for p in r.matches if p not in after]

@@ -25,6 +25,9 @@ def inspect_checkpoint(ckpt: Checkpoint, census: Census | None = None) -> dict[s
         "model_type": ckpt.config.get("model_type"),
         "producer": (quant.producer if quant else None),
         "quant_algo": str(quant.algo) if quant and quant.algo else None,
+        "quant_method": quant.method if quant else None,
+        "activation_scheme": ("dynamic" if quant.dynamic_activations else "static") if quant and quant.method == "fp8"
+        else None,
         "stored_schemes": schemes,
         "kv_cache_quant_algo": quant.kv_cache_algo if quant else None,
         "group_size": quant.group_size if quant else None,

@@ -54,6 +54,10 @@ class QuantConfig:
     exclude_modules: list[str] = field(default_factory=list)
     quantized_layers: dict[str, LayerQuant] = field(default_factory=dict)
     producer: dict[str, Any] | None = None
+    # "modelopt", or "fp8": vLLM/SGLang's serialized FP8 format (what mocli quantize writes), whose
+    # ignored_layers are matched by the exact, fused-aware rule only (vllm quant_utils.is_layer_skipped)
+    method: str = "modelopt"
+    dynamic_activations: bool = False  # fp8 with activation_scheme "dynamic": no input scales
 
     def algo_for(self, module: str) -> Algo | None:
         """The configured algorithm of one checkpoint module (None: unquantized under MIXED_PRECISION)."""
@@ -72,6 +76,8 @@ class QuantConfig:
             "quantized_layers": {k: {"quant_algo": str(v.algo), "group_size": v.group_size}
                                  for k, v in self.quantized_layers.items()},
             "producer": self.producer,
+            "quant_method": self.method,
+            "activation_scheme": ("dynamic" if self.dynamic_activations else "static") if self.method == "fp8" else None,
         }
 
 
@@ -202,6 +208,8 @@ def parse_config_json(raw: Any, findings: Findings) -> QuantConfig | None:
         findings.add("CFG002", where, "must be an object")
         return None
     method = q.get("quant_method")
+    if method == "fp8":
+        return _parse_fp8(q, where, findings)
     if not isinstance(method, str) or method not in MODELOPT_METHODS:
         findings.add("CFG005", where, f"quant_method is {method!r}, not a ModelOpt checkpoint",
                      hint="mocli handles checkpoints exported by NVIDIA ModelOpt")
@@ -221,6 +229,26 @@ def parse_config_json(raw: Any, findings: Findings) -> QuantConfig | None:
         cfg.group_size = _config_groups_group_size(q.get("config_groups"), where, findings)
     if cfg.algo is Algo.MIXED_PRECISION and "quantized_layers" in q:
         cfg.quantized_layers = _parse_layers(q["quantized_layers"], where, findings)
+    return cfg
+
+
+def _parse_fp8(q: dict, where: str, findings: Findings) -> QuantConfig:
+    """vLLM's serialized FP8 format: per-tensor FP8 weights, static or dynamic activations
+    (vllm Fp8Config.from_config reads quant_method, activation_scheme, ignored_layers)."""
+    cfg = QuantConfig(origin=CONFIG_JSON, algo=Algo.FP8, method="fp8")
+    scheme = q.get("activation_scheme")
+    if scheme is None:
+        findings.add("CFG001", where, "fp8 quantization_config has no activation_scheme",
+                     hint='the engine refuses it; add "activation_scheme": "dynamic" (or "static")')
+    elif scheme not in ("dynamic", "static"):
+        findings.add("CFG002", where, f"activation_scheme {_show(scheme)} is neither dynamic nor static")
+    cfg.dynamic_activations = scheme == "dynamic"
+    if q.get("weight_block_size") is not None:
+        findings.add("CFG003", where, "block-wise FP8 (weight_block_size) is not a format mocli reads",
+                     hint="mocli reads per-tensor FP8 (what mocli quantize writes)")
+    cfg.exclude_modules = _parse_exclude(q.get("ignored_layers"), where, "ignored_layers", findings)
+    prov = q.get("mocli")
+    cfg.producer = {"name": "mocli quantize", "version": prov.get("version")} if isinstance(prov, dict) else None
     return cfg
 
 

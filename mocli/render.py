@@ -29,6 +29,8 @@ def render_inspect(info: dict[str, Any], out: Output) -> None:
         ("architecture", f"{info['architecture'] or '?'} ({info['model_type'] or '?'}), {info['num_layers']} layers"),
         ("producer", f"{producer.get('name', '?')} {producer.get('version', '')}".strip()),
         ("quant_algo", f"{info['quant_algo'] or 'none'}"
+         + (f" (quant_method {info['quant_method']}, {info['activation_scheme']} activations)"
+            if info.get("quant_method") == "fp8" else "")
          + (f" (stored: {', '.join(info['stored_schemes'])})" if info["stored_schemes"] else "")),
         ("kv cache", f"{info['kv_cache_quant_algo'] or 'none'} ({info['kv_cache_scales']} scale tensors)"),
         ("group_size", str(info["group_size"]) if info["group_size"] else "-"),
@@ -155,6 +157,21 @@ def render_repair(summary: dict[str, Any], out: Output) -> None:
 def _brief(v: Any) -> str:
     s = f"{v:.6g}" if isinstance(v, float) else str(v)
     return s if len(s) <= 60 else s[:57] + "..."
+
+
+def render_quantize(summary: dict[str, Any], out: Output) -> None:
+    c = out.stdout
+    c.print(f"[bold green]quantized[/] {summary['quantized_modules']} linear(s) in {summary['groups']} scale group(s) "
+            f"to {summary['scheme']} on {summary['device']}: {summary['tensors']} tensors "
+            f"({human_bytes(summary['bytes'])}, {summary['shards']} shard(s)) in {summary['seconds']:.2f} s "
+            f"-> {escape(summary['output'])}")
+    if summary["resumed_units"]:
+        c.print(f"resumed: {summary['resumed_units']} of {summary['units']} units were already done")
+    kept = summary["ignored_layers"]
+    c.print(f"kept unquantized ({len(kept)}): " + escape(", ".join(kept[:6]) + (f" (+{len(kept) - 6})" if len(kept) > 6 else "")))
+    for note in summary["notes"]:
+        out.warn(note)
+    c.print("serve it as it is: the config says quant_method fp8, so no --quantization flag is needed")
 
 
 def render_verify(report: dict[str, Any], out: Output) -> None:

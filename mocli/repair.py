@@ -17,7 +17,14 @@ from typing import Any
 
 from mocli.census import Census, Module, build_census
 from mocli.checkpoint import INDEX_NAME, Checkpoint
-from mocli.convert import ConversionRefused, copy_configs, fingerprint, provenance_block, write_json
+from mocli.convert import (
+    ConversionRefused,
+    copy_configs,
+    fingerprint,
+    provenance_block,
+    require_modelopt,
+    write_json,
+)
 from mocli.errors import InputError
 from mocli.exclusions import reconcile_exclusions
 from mocli.findings import Finding, Findings
@@ -76,6 +83,7 @@ def plan_repair(ckpt: Checkpoint, progress=None) -> RepairPlan:
 
     if ckpt.quant is None:
         raise ConversionRefused(_only(ckpt.config_findings) or _no_config(ckpt), verb="repair")
+    require_modelopt(ckpt, "repair")
     census = build_census(ckpt.tensors)
     scales = read_scales(ckpt, census)
     report = validate(ckpt, None, census, scales, deep=True, progress=progress)

@@ -85,7 +85,7 @@ def _declared_quantized(quant: QuantConfig, census: Census, findings: Findings) 
         if not m.is_linear or m.engine_name in out:
             continue
         try:
-            excluded = is_excluded(m.engine_name, quant.exclude_modules)
+            excluded = is_excluded(m.engine_name, quant.exclude_modules, quant.method)
         except PartialFusedExclusion as e:
             findings.add("EXC002", e.prefix,
                          f"exclude_modules lists {', '.join(e.excluded)} but not {', '.join(e.kept)}",
@@ -105,7 +105,7 @@ def _check_mixed_layers(quant: QuantConfig, census: Census, findings: Findings) 
 
 def _check_exclusions(quant: QuantConfig, census: Census, declared: dict[str, bool | None],
                       findings: Findings) -> None:
-    for r in pattern_reports(quant.exclude_modules, census):
+    for r in pattern_reports(quant.exclude_modules, census, quant.method):
         loc = f"exclude_modules: {r.pattern}"
         if r.vlm_alias:
             findings.add("EXC006", loc, f"matches nothing, but {r.vlm_alias!r} would",
@@ -148,11 +148,12 @@ def _check_exclusions(quant: QuantConfig, census: Census, declared: dict[str, bo
 
 # --- tensors --------------------------------------------------------------------------------------
 
-def _expected(scheme: Algo, w_shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...] | None]]:
-    """suffix -> (dtype, shape) a module stored in ``scheme`` must have (SEMANTICS §1 table)."""
+def _expected(scheme: Algo, w_shape: tuple[int, ...], dynamic: bool = False) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+    """suffix -> (dtype, shape) a module stored in ``scheme`` must have (SEMANTICS §1 table, §12)."""
     n, k = w_shape
     if scheme is Algo.FP8:
-        return {WEIGHT_SCALE: ("F32", ()), INPUT_SCALE: ("F32", ())}
+        # fp8 with dynamic activations (SEMANTICS §12) quantizes activations per token at run time
+        return {WEIGHT_SCALE: ("F32", ())} if dynamic else {WEIGHT_SCALE: ("F32", ()), INPUT_SCALE: ("F32", ())}
     if scheme is Algo.FP8_PER_CHANNEL_PER_TOKEN:
         return {WEIGHT_SCALE: ("F32", (n,))}
     if scheme is Algo.FP8_PB_WO:
@@ -194,7 +195,7 @@ def _check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool 
             findings.add("TNS003", f"{m.name}.weight", f"shape {list(w.shape)} is not a multiple of 128x128",
                          hint="FP8_PB_WO needs N % 128 == K % 128 == 0")
             continue
-        for suffix, (dtype, shape) in _expected(scheme, w.shape).items():
+        for suffix, (dtype, shape) in _expected(scheme, w.shape, quant.dynamic_activations).items():
             t = m.tensors.get(suffix)
             if t is None:
                 if suffix == INPUT_SCALE and m.kind is Kind.EXPERT:

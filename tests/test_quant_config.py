@@ -80,8 +80,17 @@ def test_disagreement_names_both_values():
 
 def test_non_modelopt_quant_method(tmp_path):
     f = Findings()
-    assert parse_config_json({"quantization_config": {"quant_method": "fp8"}}, f) is None
+    assert parse_config_json({"quantization_config": {"quant_method": "gptq"}}, f) is None
     assert _codes(f) == ["CFG005"]
+
+
+def test_fp8_quant_method_is_vllms_serialized_format():
+    f = Findings()
+    q = parse_config_json({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                   "ignored_layers": ["lm_head"]}}, f)
+    assert not f and q.method == "fp8" and q.dynamic_activations and q.exclude_modules == ["lm_head"]
+    q = parse_config_json({"quantization_config": {"quant_method": "fp8", "activation_scheme": "tensor"}}, f)
+    assert _codes(f) == ["CFG002"] and not q.dynamic_activations
 
 
 def test_checkpoint_effective_config_prefers_hf_quant_config():

@@ -26,7 +26,7 @@ from mocli.errors import InputError
 from mocli.io.digests import sha256_file
 from mocli.kinds import KINDS, ModuleKind
 from mocli.loader import open_converted, read_manifest
-from mocli.targets import layout_of
+from mocli.targets import Target, layout_of
 from mocli.verify.expect import heads_of
 from mocli.verify.modules import CrossResult, ModuleResult, Runtime, Source, check_dense, check_moe
 
@@ -58,7 +58,8 @@ def _runtime(opts: VerifyOptions, target: str) -> Runtime:
         raise InputError("--device cuda: no CUDA device is available", hint="use --device cpu")
     else:
         dev = torch.device(opts.device)
-    rt = Runtime(dev, opts.kernels, target, layout_of(target))
+    # quantize's output has no kernel layout (the engine loads it as it is): no target registry entry
+    rt = Runtime(dev, opts.kernels, target, layout_of(target) if target in {t.value for t in Target} else None)
     if rt.cuda:
         rt.cc = torch.cuda.get_device_capability(dev)
     if opts.kernels != "torch" and rt.cuda:  # FlashInfer kernels are CUDA-only: skip the (slow) import
@@ -84,20 +85,18 @@ def _source_spec(out: Path, manifest: dict, opts: VerifyOptions) -> str:
 
 
 class _Hashes:
-    """Output files against the manifest and source shards against provenance, hashed on every core
-    in the background while the module checks run (hashlib drops the GIL)."""
+    """Output files against their recorded SHA-256 and source shards against provenance, hashed on
+    every core in the background while the module checks run (hashlib drops the GIL)."""
 
-    def __init__(self, out: Path, manifest: dict, groups: list[str], src: Checkpoint, opts: VerifyOptions) -> None:
+    def __init__(self, out: Path, wanted: dict[str, str] | None, recorded: dict[str, str], src: Checkpoint,
+                 opts: VerifyOptions, record_name: str = "mocli-layout.json") -> None:
         self.out, self.src = out, src
-        files = manifest.get("files")
         self.problems: list[dict[str, str]] = []
-        self.wanted: dict[str, dict] = {}
-        self.recorded = (manifest.get("provenance") or {}).get("source_shards") or {}
-        if not isinstance(files, dict):
-            self.problems.append({"file": str(out / "mocli-layout.json"),
-                                  "problem": "records no file digests (converted by an older mocli); convert again"})
-        else:
-            self.wanted = {rel: info for rel, info in files.items() if (rel.split("/", 1)[0] if "/" in rel else "") in groups}
+        self.wanted = wanted or {}
+        self.recorded = recorded
+        if wanted is None:
+            self.problems.append({"file": str(out / record_name),
+                                  "problem": "records no file digests (written by an older mocli); run it again"})
         have = {h.path.name: h.path for h in src.files}
         if opts.check_source_hash and set(self.recorded) != set(have):
             raise InputError(f"{src.source.describe()}: source shards {sorted(have)} differ from those recorded at "
@@ -125,7 +124,7 @@ class _Hashes:
                 if kind == "out":
                     if err is not None:
                         self.problems.append({"file": name, "problem": f"cannot read: {err}"})
-                    elif digest != self.wanted[name].get("sha256"):
+                    elif digest != self.wanted[name]:
                         self.problems.append({"file": name, "problem": "SHA-256 differs from the manifest: the file "
                                               "changed after conversion"})
                 elif err is not None or digest != self.recorded[name]:
@@ -137,26 +136,43 @@ class _Hashes:
         return self.problems
 
 
+def _quantized_output(out: Path) -> bool:
+    """A directory mocli quantize wrote: config.json says quant_method fp8 with mocli provenance."""
+    from mocli.io.jsonfile import read_json
+
+    cfg = out / "config.json"
+    if not cfg.is_file():
+        return False
+    data = read_json(cfg)
+    q = data.get("quantization_config") if isinstance(data, dict) else None
+    return isinstance(q, dict) and q.get("quant_method") == "fp8" and isinstance(q.get("mocli"), dict)
+
+
 def _passthrough(out: Path, manifest: dict, src: Checkpoint) -> tuple[int, list[dict[str, str]]]:
     """Top-level pass-through tensors are the source's bytes, compared in chunks."""
     ck = open_converted(out, rank=0 if manifest.get("ranks") else None)
     names = [n for n, t in manifest["tensors"].items() if t.get("role") == "passthrough"]
-    problems, chunk = [], 16 << 20
     try:
-        for name in names:
-            e_out, e_src = ck.entry(name), src.tensors.get(name)
-            if e_src is None or (e_out.dtype, e_out.shape) != (e_src.dtype, e_src.shape):
-                problems.append({"tensor": name, "problem": "has no source tensor of that name, dtype and shape"})
-                continue
-            fo, fs = ck._reader.fd(e_out.file), ck._reader.fd(e_src.file)
-            for a in range(0, e_out.nbytes, chunk):
-                n = min(chunk, e_out.nbytes - a)
-                if os.pread(fo, n, e_out.start + a) != os.pread(fs, n, e_src.start + a):
-                    problems.append({"tensor": name, "problem": f"differs from the source (bytes {a}..{a + n})"})
-                    break
+        return len(names), compare_bytes({n: ck.entry(n) for n in names}, src, ck._reader)
     finally:
         ck.close()
-    return len(names), problems
+
+
+def compare_bytes(entries: dict, src: Checkpoint, reader) -> list[dict[str, str]]:
+    """Each output entry equals the source tensor of the same name, byte for byte (chunked reads)."""
+    problems, chunk = [], 16 << 20
+    for name, e_out in entries.items():
+        e_src = src.tensors.get(name)
+        if e_src is None or (e_out.dtype, e_out.shape) != (e_src.dtype, e_src.shape):
+            problems.append({"tensor": name, "problem": "has no source tensor of that name, dtype and shape"})
+            continue
+        fo, fs = reader.fd(e_out.file), reader.fd(e_src.file)
+        for a in range(0, e_out.nbytes, chunk):
+            n = min(chunk, e_out.nbytes - a)
+            if os.pread(fo, n, e_out.start + a) != os.pread(fs, n, e_src.start + a):
+                problems.append({"tensor": name, "problem": f"differs from the source (bytes {a}..{a + n})"})
+                break
+    return problems
 
 
 def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = None) -> dict[str, Any]:
@@ -164,6 +180,10 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
     out = Path(out)
     progress = progress or Progress()
     progress.phase("reading the manifest")
+    if not (out / "mocli-layout.json").exists() and _quantized_output(out):
+        from mocli.verify.quantized import verify_quantized
+
+        return verify_quantized(out, opts, progress)
     manifest = read_manifest(out)
     parallel = manifest.get("parallel") or {"tp": 1, "ep": 1, "ranks": 1}
     n_ranks = len(manifest.get("ranks") or [None])
@@ -172,7 +192,10 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
     ranks = [opts.rank] if opts.rank is not None else list(range(n_ranks))
     groups = [""] + ([manifest["ranks"][r]["dir"] for r in ranks] if manifest.get("ranks") else [])
     src = open_checkpoint(_source_spec(out, manifest, opts))
-    hashes = _Hashes(out, manifest, groups, src, opts)
+    files = manifest.get("files")
+    wanted = None if not isinstance(files, dict) else {
+        rel: info.get("sha256") for rel, info in files.items() if (rel.split("/", 1)[0] if "/" in rel else "") in groups}
+    hashes = _Hashes(out, wanted, (manifest.get("provenance") or {}).get("source_shards") or {}, src, opts)
     census = build_census(src.tensors)
     rt = _runtime(opts, manifest["target"])
     heads = heads_of(src.config)
