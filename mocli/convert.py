@@ -46,13 +46,16 @@ def require_modelopt(ckpt: Checkpoint, verb: str) -> None:
 
 
 def resolve_device(device: str):
+    """--device as a torch device; under torchrun each process takes its own GPU (LOCAL_RANK)."""
+    import os
+
     import torch
 
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda: no CUDA device is available", hint="use --device cpu or auto")
-    return torch.device(device)
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
 
 
 def fingerprint(command: str, ckpt: Checkpoint, layouts: dict[str, ShardLayout], extra: dict[str, Any]) -> str:

@@ -67,27 +67,34 @@ class Dist:
 
 
 class TorchDist(Dist):
-    """torch.distributed (gloo for these small objects, on CPU and GPU machines alike)."""
+    """torch.distributed as torchrun starts it: gloo for the small objects the engine exchanges, and
+    NCCL beside it on GPU machines (each process on its own GPU, cuda:LOCAL_RANK)."""
 
     def __init__(self) -> None:
         import torch.distributed as td
 
         self.td = td
         if not td.is_initialized():
-            td.init_process_group(backend="gloo")
+            backend = "gloo"
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+                backend = "cpu:gloo,cuda:nccl"
+            td.init_process_group(backend=backend)
         self.world, self.rank = td.get_world_size(), td.get_rank()
+        # objects travel over gloo whatever the default backend is
+        self.group = td.new_group(backend="gloo") if torch.cuda.is_available() else None
 
     def barrier(self) -> None:
-        self.td.barrier()
+        self.td.barrier(group=self.group)
 
     def gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
-        self.td.all_gather_object(out, obj)
+        self.td.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast(self, obj: Any) -> Any:
         box = [obj]
-        self.td.broadcast_object_list(box, src=0)
+        self.td.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
     def close(self) -> None:

@@ -59,3 +59,68 @@ def test_scaled_grouped_mm_detects_swapped_halves_on_cuda(cli, tmp_path):
     assert r.exit_code == 1
     bad = [m for m in r.json["modules"] if not m["passed"]]
     assert [m["module"] for m in bad] == ["model.layers.0.block_sparse_moe.experts"]
+
+
+# --- per rank (SEMANTICS §10) on the GPU ------------------------------------------------------------------
+
+def _digest_tree(d):
+    import hashlib
+
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+PER_RANK = [("qwen3_moe", "NVFP4", ["--tp", "2"]), ("qwen3_moe", "NVFP4", ["--tp", "2", "--ep", "2"]),
+            ("mixtral", "FP8", ["--tp", "2"]), ("mixtral", "FP8", ["--ep", "2"]), ("llama", "FP8", ["--tp", "2"])]
+
+
+@pytest.mark.parametrize("target", ["flashinfer-cutlass", "flashinfer-trtllm"])
+@pytest.mark.parametrize("arch,algo,par", PER_RANK, ids=[f"{a}-{b}-{'-'.join(p)}" for a, b, p in PER_RANK])
+def test_per_rank_cuda_equals_cpu_and_verifies_with_fp8_kernels(cli, tmp_path, arch, algo, par, target):
+    src = make_checkpoint(tmp_path / "src", arch=arch, algo=algo, heads=4, kv_heads=2, head_dim=32,
+                          moe_intermediate=256, unify_scale_2=False)
+    for dev in ("cpu", "cuda"):
+        r = cli("--json", "convert", src, "-o", tmp_path / dev, "--target", target, "--device", dev, *par)
+        assert r.exit_code == 0, r.stderr
+    assert _digest_tree(tmp_path / "cpu") == _digest_tree(tmp_path / "cuda")
+    r = cli("--json", "verify", tmp_path / "cuda", "--device", "cuda", "--kernels", "torch", "--tokens", "256")
+    assert r.exit_code == 0, [m["message"] for m in r.json["modules"] if not m["passed"]]
+    for m in r.json["modules"]:
+        if m["kind"] == "fp8_moe":
+            assert m["kernel"] == "torch._scaled_grouped_mm"
+        if m["kind"] == "fp8_linear":
+            assert m["kernel"] == "torch._scaled_mm"
+    assert all(c["passed"] for c in r.json["cross_rank"])
+
+
+def test_bulk_cuda_load_equals_cpu(cli, tmp_path):
+    from mocli.loader import load_converted
+
+    src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4")
+    assert cli("-q", "convert", src, "-o", tmp_path / "o", "--target", "flashinfer-cutlass").exit_code == 0
+    a, b = load_converted(tmp_path / "o"), load_converted(tmp_path / "o", device="cuda")
+    for name, mod in a.modules.items():
+        for f, v in vars(mod).items():
+            if isinstance(v, torch.Tensor):
+                w = getattr(b.modules[name], f)
+                assert w.device.type == "cuda" and torch.equal(v.view(torch.uint8) if v.element_size() == 1 else v,
+                                                               (w.view(torch.uint8) if w.element_size() == 1 else w).cpu())
+
+
+def test_torchrun_two_gpus_nccl_matches_one_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from tests.conftest import ROOT, run_cli
+
+    src = make_checkpoint(tmp_path / "src", arch="mixtral", algo="FP8", experts=8, shards=2)
+    assert run_cli("-q", "convert", src, "-o", tmp_path / "one", "--target", "flashinfer-trtllm", "--tp", "2",
+                   "--device", "cpu").exit_code == 0
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NCCL_NVLS_ENABLE": "0"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mocli", "-q",
+                        "convert", str(src), "-o", str(tmp_path / "two"), "--target", "flashinfer-trtllm", "--tp", "2",
+                        "--device", "cuda"], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert _digest_tree(tmp_path / "one") == _digest_tree(tmp_path / "two")
