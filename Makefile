@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_MODEL ?= fixtures/real/qwen3_moe-nvfp4_kv
 DEMO_OUT ?= demo-out
 
-.PHONY: install install-flashinfer demo test test-gpu lint bench clean
+.PHONY: install install-flashinfer demo test test-gpu lint bench bench-gpu clean
 
 install:
 	$(PYTHON) -m pip install -qq "$(TORCH_SPEC)"
@@ -31,9 +31,14 @@ test-gpu:
 lint:
 	$(PYTHON) -m ruff check mocli tests fixtures
 
+# Speed and memory goals as ratios against ../shared/bench/floor.py, whole processes, interleaved
+# (several GB of scratch under bench-out/; MOCLI_SHARED points elsewhere if shared/ is not beside us).
 bench: install
-	$(PYTHON) tests/bench/bench_inspect.py
-	$(PYTHON) tests/bench/bench_convert.py
+	$(PYTHON) tests/bench/bench.py
+
+# The same on a GPU machine: convert/quantize/verify with --device cuda, cuda vs cpu, and the loader.
+bench-gpu:
+	$(PYTHON) tests/bench/bench.py --device cuda --only convert,quantize
 
 clean:
 	rm -rf $(DEMO_OUT) bench-out .pytest_cache build *.egg-info

@@ -150,6 +150,8 @@ def inspect_cmd(ctx: typer.Context, model: ModelArg, json_: JsonOpt = False, qui
     _run(ctx, json_, body, quiet, verbose)
 
 
+SHARD_HELP = ("Shard size limit (decimal units, e.g. 5GB, 500MB). Each shard is hashed in one pass: smaller "
+              "shards hash and load in parallel.")
 TpOpt = Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size (SEMANTICS §10).")]
 EpOpt = Annotated[int, typer.Option("--ep", min=1, help="Expert-parallel size for MoE layers (ep = tp x dp; 1: MoE "
                                     "tensor-parallel over --tp).")]
@@ -198,8 +200,7 @@ def convert_cmd(
     device: Annotated[Device, typer.Option("--device", help="Where to compute: auto picks CUDA when present.",
                                            case_sensitive=False)] = Device.AUTO,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUTPUT.")] = False,
-    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Shard size limit, e.g. 5GB, 500MB.")]
-    = "5GB",
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help=SHARD_HELP)] = "2GB",
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
@@ -287,8 +288,7 @@ def quantize_cmd(
     device: Annotated[Device, typer.Option("--device", help="Where to compute: auto picks CUDA when present.",
                                            case_sensitive=False)] = Device.AUTO,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUTPUT.")] = False,
-    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Shard size limit, e.g. 5GB, 500MB.")]
-    = "5GB",
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help=SHARD_HELP)] = "2GB",
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,

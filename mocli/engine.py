@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import queue
 import shutil
@@ -256,42 +257,78 @@ def read_journals(partial: Path, fingerprint: str) -> tuple[set[str], dict[str, 
 class OrderedHasher:
     """SHA-256 of every output file, fed as the writer appends: bytes still in memory are hashed
     from there (no read-back), ranges copied file to file or landing ahead of the hash position are
-    read back once the bytes before them are in. Releases each unit's pooled buffers when done."""
+    read back (through a memory map: no copy) once the bytes before them are in. Files are spread
+    over ``threads`` hashing threads (hashlib drops the GIL), one per four cores; each unit's pooled
+    buffers go back to the pool when every thread is done with them."""
 
-    def __init__(self, files: list[tuple[str, Path, ShardFile]], pool: BufferPool, resumed: dict[int, int]) -> None:
+    def __init__(self, files: list[tuple[str, Path, ShardFile]], pool: BufferPool, resumed: dict[int, int],
+                 threads: int | None = None) -> None:
         self.files, self.pool = files, pool
         self.sha = [hashlib.sha256() for _ in files]
         self.pos = [0] * len(files)
         self.ahead: list[dict[int, int]] = [{} for _ in files]  # start -> end, written but not hashed yet
-        self.q: queue.Queue = queue.Queue(maxsize=2)
         self.error: BaseException | None = None
         self.fds: dict[int, int] = {}
-        self.buf = bytearray(HASH_CHUNK)
+        self.fd_lock = threading.Lock()
+        self.pending: dict[int, list] = {}  # feed id -> [threads still holding it, borrowed buffers]
+        self.pending_lock = threading.Lock()
+        self.fed = 0
         for i, (_, _, f) in enumerate(files):
             if i in resumed:  # a resumed file: its finished prefix is on disk
                 self.ahead[i][0] = resumed[i]
             else:
                 self.sha[i].update(f.header)
                 self.pos[i] = len(f.header)
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
+        n = max(1, min(len(files), threads or (os.cpu_count() or 1) // 4))
+        self.queues: list[queue.Queue] = [queue.Queue(maxsize=2) for _ in range(n)]
+        self.threads = [threading.Thread(target=self._loop, args=(q,), daemon=True) for q in self.queues]
+        for t in self.threads:
+            t.start()
 
     def feed(self, items: list[tuple[int, int, int, torch.Tensor | None]], borrowed: list) -> None:
         """(file index, offset, nbytes, the written CPU tensor or None) of one unit's writes, in order."""
         if self.error is not None:
             raise self.error
-        self.q.put((items, borrowed))
+        n = len(self.queues)
+        parts: dict[int, list] = {}
+        for item in items:
+            parts.setdefault(item[0] % n, []).append(item)
+        if not parts:
+            self.pool.give(borrowed)
+            return
+        with self.pending_lock:  # several writer lanes feed at once
+            self.fed += 1
+            fid = self.fed
+            self.pending[fid] = [len(parts), borrowed]
+        for q, part in parts.items():
+            self.queues[q].put((fid, part))
+
+    def _release(self, fid: int) -> None:
+        with self.pending_lock:
+            entry = self.pending[fid]
+            entry[0] -= 1
+            if entry[0]:
+                return
+            del self.pending[fid]
+        self.pool.give(entry[1])
+
+    def _fd(self, i: int) -> int:
+        with self.fd_lock:
+            if i not in self.fds:
+                self.fds[i] = os.open(self.files[i][1], os.O_RDONLY)
+            return self.fds[i]
 
     def _read_back(self, i: int, a: int, b: int) -> None:
-        if i not in self.fds:
-            self.fds[i] = os.open(self.files[i][1], os.O_RDONLY)
-        mv = memoryview(self.buf)
-        while a < b:
-            n = os.preadv(self.fds[i], [mv[: min(HASH_CHUNK, b - a)]], a)
-            if n <= 0:
-                raise OSError(f"short read hashing {self.files[i][1]}")
-            self.sha[i].update(mv[:n])
-            a += n
+        if b <= a:
+            return
+        start = a - a % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(self._fd(i), b - start, access=mmap.ACCESS_READ, offset=start) as mm:
+            view = memoryview(mm)
+            try:
+                for x in range(a - start, b - start, HASH_CHUNK):
+                    self.sha[i].update(view[x: min(x + HASH_CHUNK, b - start)])
+            finally:
+                view.release()
 
     def _drain(self, i: int) -> None:
         ahead = self.ahead[i]
@@ -300,9 +337,9 @@ class OrderedHasher:
             self._read_back(i, self.pos[i], end)
             self.pos[i] = end
 
-    def _loop(self) -> None:
-        while (item := self.q.get()) is not None:
-            items, borrowed = item
+    def _loop(self, q: queue.Queue) -> None:
+        while (item := q.get()) is not None:
+            fid, items = item
             try:
                 if self.error is None:
                     for i, off, n, data in items:
@@ -317,11 +354,16 @@ class OrderedHasher:
                 self.error = e
             finally:
                 del items
-                self.pool.give(borrowed)
+                try:
+                    self._release(fid)
+                except BaseException as e:  # never leave a feeder waiting on a dead thread
+                    self.error = self.error or e
 
     def _stop(self) -> None:
-        self.q.put(None)
-        self.thread.join()
+        for q in self.queues:
+            q.put(None)
+        for t in self.threads:
+            t.join()
 
     def _close_files(self) -> None:
         for fd in self.fds.values():
@@ -364,66 +406,108 @@ def hash_file(path: Path) -> str:
 # --- the writer thread -------------------------------------------------------------------------------
 
 class _Writer:
-    """Writes finished units on a background thread (pwrite and copy_file_range drop the GIL).
+    """Writes finished units on background threads (pwrite and copy_file_range drop the GIL).
 
-    At most ``depth`` units wait, which bounds memory; a unit is journalled only after its bytes
-    are written, with how far it got in each file, so a resume can check those bytes are there.
+    Output files are spread over ``lanes`` threads (one per four cores, at most one per file), so
+    each file is still written front to back by one thread. At most ``depth`` units wait per lane,
+    which bounds memory. A unit is journalled once all its bytes are written, with how far it got
+    in each file, so a resume can check those bytes are there.
     """
 
     def __init__(self, writer: ShardWriter, journal, pool: BufferPool, hasher: OrderedHasher | None,
-                 written: dict[Key, int], files: dict[int, str], depth: int = 2) -> None:
+                 written: dict[Key, int], files: dict[int, str], depth: int = 2, lanes: int | None = None) -> None:
         self.writer, self.journal, self.pool, self.hasher, self.written = writer, journal, pool, hasher, written
         self.files = files
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
-        self.sources = TensorReader()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
+        n = max(1, min(len(files), lanes or (os.cpu_count() or 1) // 4))
+        self.queues: list[queue.Queue] = [queue.Queue(maxsize=depth) for _ in range(n)]
+        self.readers = [TensorReader() for _ in range(n)]  # source fds for copy_file_range, one set per lane
+        self.threads = [threading.Thread(target=self._loop, args=(q, r), daemon=True)
+                        for q, r in zip(self.queues, self.readers, strict=True)]
+        self.lock = threading.Lock()  # the journal and the units in flight
+        self.pending: dict[int, list] = {}  # seq -> [lanes still writing, hashed, ends, unit, borrowed]
+        self.seq = 0
 
-    def _loop(self) -> None:
-        while (item := self.queue.get()) is not None:
-            unit, pieces, borrowed = item
-            if self.error is not None:
-                self.pool.give(borrowed)
-                continue
+    def _loop(self, q: queue.Queue, sources: TensorReader) -> None:
+        while (item := q.get()) is not None:
+            seq, pieces = item
+            hashed: list[tuple[int, int, int, torch.Tensor | None]] = []
+            ends: dict[int, int] = {}
             try:
-                hashed: list[tuple[int, int, int, memoryview | None]] = []
-                ends: dict[int, int] = {}
-                for p in pieces:
-                    _, start, _ = self.writer.where[p.key]
-                    if isinstance(p.data, SourceRange):
-                        r = p.data
-                        n = self.writer.copy(p.key, p.offset, self.sources.fd(r.entry.file),
-                                             r.entry.start + r.start, r.nbytes)
-                        view = None
-                    else:
-                        n, view = self.writer.write(p.key, p.offset, p.data)  # view: the bytes, kept alive
-                    idx = self.writer.file_index[p.key]
-                    hashed.append((idx, start + p.offset, n, view))
-                    ends[idx] = max(ends.get(idx, 0), start + p.offset + n)
-                    self.written[p.key] = self.written.get(p.key, 0) + n
-                marks = "".join(f"\t{self.files[i]}={end}" for i, end in sorted(ends.items()))
-                self.journal.write(f"{unit.id}{marks}\n")
-                self.journal.flush()
-                if self.hasher is not None:
-                    self.hasher.feed(hashed, borrowed)
-                else:
-                    self.pool.give(borrowed)
+                if self.error is None:
+                    for p in pieces:
+                        _, start, _ = self.writer.where[p.key]
+                        if isinstance(p.data, SourceRange):
+                            r = p.data
+                            n = self.writer.copy(p.key, p.offset, sources.fd(r.entry.file),
+                                                 r.entry.start + r.start, r.nbytes)
+                            view = None
+                        else:
+                            n, view = self.writer.write(p.key, p.offset, p.data)  # view: the bytes, kept alive
+                        idx = self.writer.file_index[p.key]
+                        hashed.append((idx, start + p.offset, n, view))
+                        ends[idx] = max(ends.get(idx, 0), start + p.offset + n)
+                        self.written[p.key] = self.written.get(p.key, 0) + n
             except BaseException as e:  # re-raised on the main thread
                 self.error = e
-                self.pool.give(borrowed)
+            try:
+                self._lane_done(seq, hashed, ends)
+            except BaseException as e:  # never leave the main thread waiting on a dead lane
+                self.error = self.error or e
+
+    def _lane_done(self, seq: int, hashed: list, ends: dict[int, int]) -> None:
+        with self.lock:
+            entry = self.pending[seq]
+            entry[0] -= 1
+            entry[1].extend(hashed)
+            for i, end in ends.items():
+                entry[2][i] = max(entry[2].get(i, 0), end)
+            if entry[0]:
+                return
+            del self.pending[seq]
+            _, hashed, ends, unit, borrowed = entry
+            if self.error is None:
+                try:
+                    marks = "".join(f"\t{self.files[i]}={end}" for i, end in sorted(ends.items()))
+                    self.journal.write(f"{unit.id}{marks}\n")
+                    self.journal.flush()
+                except BaseException as e:
+                    self.error = e
+        if self.error is None and self.hasher is not None:
+            try:
+                self.hasher.feed(hashed, borrowed)
+                return
+            except BaseException as e:
+                self.error = e
+        self.pool.give(borrowed)
 
     def put(self, unit: Unit, pieces: list[Piece], borrowed: list[torch.Tensor]) -> None:
         if self.error is not None:
             raise self.error
-        self.queue.put((unit, pieces, borrowed))
+        n = len(self.queues)
+        parts: dict[int, list[Piece]] = {}
+        for p in pieces:
+            parts.setdefault(self.writer.file_index[p.key] % n, []).append(p)
+        self.seq += 1
+        with self.lock:
+            self.pending[self.seq] = [max(1, len(parts)), [], {}, unit, borrowed]
+        if not parts:  # nothing to write: journalled as done at once
+            self._lane_done(self.seq, [], {})
+        for lane, ps in parts.items():
+            self.queues[lane].put((self.seq, ps))
 
     def __enter__(self) -> _Writer:
-        self.thread.start()
+        for t in self.threads:
+            t.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.queue.put(None)
-        self.thread.join()
+        for q in self.queues:
+            q.put(None)
+        for t in self.threads:
+            t.join()
+        for r in self.readers:
+            r.close()
         if self.error is not None and exc[0] is None:
             raise self.error
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +181,9 @@ class ConvertedCheckpoint:
     _reader: TensorReader
     _entries: dict[str, TensorEntry]
     _module_info: dict[str, dict[str, Any]]
+    # every tensor of the rank outside the modules (embeddings, norms, routers...), by source name;
+    # filled when load_converted loads everything
+    passthrough: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def target(self) -> str:
@@ -272,15 +275,20 @@ def open_converted(path: str | Path, rank: int | None = None) -> ConvertedCheckp
 def load_converted(path: str | Path, device: str | torch.device = "cpu", modules: list[str] | None = None,
                    rank: int | None = None) -> ConvertedCheckpoint:
     """Read the manifest and the tensors of every (or the named; [] for none) module of ``rank``
-    onto ``device``. Loading everything reads each shard file once, straight into place."""
+    onto ``device``. Loading everything (``modules=None``) also fills ``ck.passthrough`` with the
+    rank's other tensors, so a serving process has the whole rank, and reads each shard file once,
+    straight into place."""
     ck = open_converted(path, rank)
     wanted = list(ck._module_info) if modules is None else modules
-    if not wanted:
+    if not wanted and modules is not None:
         return ck
-    names = {t for n in wanted for t in ck.module_info(n)["tensors"].values()}
+    in_modules = {t for n in wanted for t in ck.module_info(n)["tensors"].values()}
+    names = set(ck._entries) if modules is None else in_modules
     tensors = load_tensors([ck._entries[n] for n in sorted(names) if n in ck._entries], device)
     for name in wanted:
         ck.modules[name] = ck.load_module(name, device, tensors)
+    if modules is None:
+        ck.passthrough = {n: t for n, t in tensors.items() if n not in in_modules}
     return ck
 
 

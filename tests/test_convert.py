@@ -285,3 +285,25 @@ def test_converted_output_is_not_taken_as_a_source(cli, tmp_path):
     for cmd in (["inspect"], ["validate"], ["convert", "-o", str(tmp_path / "again"), "--target", "flashinfer-cutlass"]):
         r = cli(cmd[0], tmp_path / "o", *cmd[1:])
         assert r.exit_code == 2 and "mocli-converted" in r.stderr
+
+
+def test_loader_hands_over_the_pass_through_tensors_with_the_source_bytes(cli, tmp_path):
+    """load_converted(everything) gives a serving process the whole rank: the modules plus every other
+    tensor, bytes as in the source (read here with the safetensors library, not mocli)."""
+    from safetensors.torch import load_file
+
+    convert(cli, REAL_QWEN, tmp_path / "o", "flashinfer-cutlass")
+    ck = load_converted(tmp_path / "o")
+    src = {}
+    for f in sorted(REAL_QWEN.glob("*.safetensors")):
+        src |= load_file(f)
+    in_modules = {t for m in ck.manifest["modules"] for t in m["tensors"].values()}
+    prefixes = tuple(s + "." for m in ck.manifest["modules"] for s in [m["name"], *m["sources"]])
+    roles = {"weight", "weight_scale", "weight_scale_2", "input_scale", "bias"}  # what a module consumes
+    expected = {n for n in src if not (n.startswith(prefixes) and n.rsplit(".", 1)[1] in roles)}
+    assert "model.layers.0.self_attn.k_proj.k_scale" in expected  # KV-cache scales pass through
+    assert set(ck.passthrough) == expected and expected and not set(ck.passthrough) & in_modules
+    for n, t in ck.passthrough.items():
+        assert t.dtype == src[n].dtype and t.shape == src[n].shape
+        assert torch.equal(t.reshape(-1).view(torch.uint8), src[n].reshape(-1).view(torch.uint8))
+    assert load_converted(tmp_path / "o", modules=["model.layers.0.mlp.experts"]).passthrough == {}

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fixtures.generate import make_checkpoint
+from mocli import engine
 from mocli.io.shard_writer import ShardWriter
 from tests.conftest import ROOT
 
@@ -80,6 +81,7 @@ def test_partial_with_a_damaged_shard_starts_over(cli, tmp_path, moe_src, monkey
 
 KILLER = """
 import os, signal, sys
+from mocli import engine
 from mocli.io.shard_writer import ShardWriter
 real, n = ShardWriter.write, [0]
 def write(self, *a, **k):
@@ -124,3 +126,42 @@ def test_cpu_and_cuda_outputs_are_identical(cli, tmp_path, target, arch, algo):
         assert r.json["device"].startswith(dev)
     a, b = _digest(tmp_path / "cpu"), _digest(tmp_path / "cuda")
     assert a == b
+
+
+@pytest.mark.parametrize("par", [[], ["--tp", "2"]])
+def test_parallel_writer_lanes_give_the_same_bytes_and_resume(cli, tmp_path, moe_src, monkeypatch, par):
+    """On a many-core machine files are written and hashed by several threads (one lane per file);
+    the bytes, the recorded SHA-256s and an interrupted-then-resumed run must not change."""
+    import json
+
+    args = ["--target", "flashinfer-cutlass", "--max-shard-size", "150KB", *par]
+    assert cli("convert", moe_src, "-o", tmp_path / "one", *args).exit_code == 0  # 2 cores: one lane
+    files = [p for p in (tmp_path / "one").rglob("*.safetensors")]
+    assert len(files) >= 4
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)  # four writer lanes, four hashing threads
+    lanes = []
+    real_init = engine._Writer.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        lanes.append(len(self.threads))
+
+    monkeypatch.setattr(engine._Writer, "__init__", init)
+    assert cli("convert", moe_src, "-o", tmp_path / "many", *args).exit_code == 0
+    assert lanes == [4]
+    tree = lambda d: {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+                      for p in sorted(d.rglob("*")) if p.is_file()}
+    assert tree(tmp_path / "many") == tree(tmp_path / "one")
+    manifest = json.loads((tmp_path / "many" / "mocli-layout.json").read_text())
+    assert {k: v["sha256"] for k, v in manifest["files"].items()} == \
+        {k: v for k, v in tree(tmp_path / "many").items() if k.endswith(".safetensors")}
+    _interrupt_after(monkeypatch, 40)  # of 68 (tp 1) or 172 (tp 2) writes
+    assert cli("convert", moe_src, "-o", tmp_path / "resumed", *args).exit_code == 130
+    monkeypatch.setattr(ShardWriter, "write", _REAL_WRITE)
+    r = cli("--json", "convert", moe_src, "-o", tmp_path / "resumed", *args)
+    assert r.exit_code == 0, r.stderr
+    assert 0 < r.json["resumed_units"] < r.json["units"]
+    assert tree(tmp_path / "resumed") == tree(tmp_path / "one")
+
+
+_REAL_WRITE = ShardWriter.write

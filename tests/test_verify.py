@@ -435,3 +435,23 @@ def test_wrong_rank_slice_is_caught(cli, tmp_path):
     assert bad == [("model.layers.0.self_attn.o_proj", 1)]
     cross = {c["module"]: c for c in r.json["cross_rank"]}
     assert not cross["model.layers.0.self_attn.o_proj"]["passed"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("n,k,rowwise", [(509, 40, False), (509, 48, True), (32, 64, False)])
+def test_scaled_mm_takes_any_n_and_k(device, n, k, rowwise):
+    """Sampled rows give N like 509; cuBLASLt wants multiples of 16. The padded GEMM must equal a
+    dequantized float64 product (bf16 output rounding allowed), cut back to N columns."""
+    from mocli.verify.modules import scaled_mm
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(n + k)
+    xq = (torch.randn(24, k, generator=g) * 30).to(torch.float8_e4m3fn)
+    wq = (torch.randn(n, k, generator=g) * 30).to(torch.float8_e4m3fn)
+    sa = torch.rand(24, 1, generator=g) + 0.5 if rowwise else torch.tensor(0.25)
+    sb = torch.rand(n, generator=g) + 0.5 if rowwise else torch.tensor(0.125)
+    ref = (xq.double() * sa.double()) @ (wq.double() * sb.double().reshape(-1, 1)).T
+    out = scaled_mm(xq.to(device), wq.to(device), sa.to(device), sb.to(device)).cpu().double()
+    assert out.shape == (24, n)
+    assert torch.allclose(out, ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())

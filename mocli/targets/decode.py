@@ -17,8 +17,12 @@ class LayoutError(Exception):
 
 
 @lru_cache(maxsize=64)
-def _word_offsets(rows: int, words: int, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """SEMANTICS §5's offset formula at k % 4 == 0, in 4-byte words (the 4 k of a word stay together)."""
+def _word_offsets(rows: int, words: int, kp: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """SEMANTICS §5's offset formula at k % 4 == 0, in 4-byte words (the 4 k of a word stay together);
+    built once per shape and device."""
+    if device != "cpu":
+        off, mask = _word_offsets(rows, words, kp)
+        return off.to(device), mask.to(device)
     m = torch.arange(rows).repeat_interleave(words)
     kw = torch.arange(words).repeat(rows)
     off = ((m // 128) * (kp // 4) * 512 + kw * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4) // 4
@@ -36,8 +40,7 @@ def unswizzle(swizzled: torch.Tensor, rows: int, cols: int, what: str) -> torch.
     _, kp = swizzled.shape
     words = (cols + 3) // 4
     flat = swizzled.contiguous().view(torch.uint8).view(torch.int32).reshape(-1)
-    off, mask = _word_offsets(rows, words, kp)
-    off, mask = off.to(flat.device), mask.to(flat.device)
+    off, mask = _word_offsets(rows, words, kp, str(flat.device))
     if bool(flat[mask].any()):
         raise LayoutError(f"{what}: swizzle padding is not zero")
     out = flat[off].view(torch.uint8).reshape(rows, words * 4)

@@ -19,24 +19,39 @@ FP8 = torch.float8_e4m3fn
 # --- byte tables (SEMANTICS §3, §6), evaluated on all 256 codes --------------------------------------
 
 @lru_cache(maxsize=4096)
-def _pair_table(kind: str, a: float, b: float) -> np.ndarray:
+def _byte_table(kind: str, a: float, b: float) -> torch.Tensor:
+    """The output byte for each of the 256 input codes, uint8 [256]."""
     codes = torch.arange(256, dtype=torch.uint8).view(FP8).float()
     sa, sb = torch.tensor(a, dtype=torch.float32), torch.tensor(b, dtype=torch.float32)
     if kind == "requant":  # fp8(clamp(float(q) * s * (1/S), ±448)), 1/S rounded once
         vals = codes * sa * torch.reciprocal(sb)
     else:  # fp8(float(bs) * s2 / S2)
         vals = codes * sa / sb
-    byte = vals.clamp(-448, 448).to(FP8).view(torch.uint8).numpy().astype(np.uint16)
+    return vals.clamp(-448, 448).to(FP8).view(torch.uint8)
+
+
+@lru_cache(maxsize=256)
+def _device_table(kind: str, a: float, b: float, device: str) -> torch.Tensor:
+    return _byte_table(kind, a, b).to(device)
+
+
+@lru_cache(maxsize=4096)
+def _pair_table(kind: str, a: float, b: float) -> np.ndarray:
+    """Two input bytes at a time (a uint16 index) for the CPU: half the lookups."""
+    byte = _byte_table(kind, a, b).numpy().astype(np.uint16)
     lo = np.tile(byte, 256)
     hi = np.repeat(byte, 256)
     return lo | (hi << 8)
 
 
 def apply_table(kind: str, q: torch.Tensor, s: torch.Tensor, big: torch.Tensor) -> torch.Tensor:
-    """Bytes of ``q`` requantized (kind "requant") or rescaled ("rescale") from s to big; uint8 CPU."""
-    raw = q.contiguous().view(torch.uint8).cpu()
+    """Bytes of ``q`` requantized (kind "requant") or rescaled ("rescale") from s to big; uint8 on
+    ``q``'s device (a gather through the 256-entry table on a GPU)."""
+    raw = q.contiguous().view(torch.uint8)
     if float(s) == float(big):
         return raw
+    if raw.device.type != "cpu":
+        return _device_table(kind, float(s), float(big), str(raw.device))[raw.long()]
     table = _pair_table(kind, float(s), float(big))
     flat = raw.reshape(-1).numpy()
     out = np.empty_like(flat)
@@ -89,6 +104,8 @@ def heads_of(config: dict) -> tuple[int, int] | None:
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    """Same shape and bytes; compared on the GPU when either tensor is there."""
+    dev = a.device if a.device.type != "cpu" else b.device
+    a, b = a.detach().to(dev).contiguous(), b.detach().to(dev).contiguous()
     return a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a.view(-1).view(torch.uint8),
                                               b.view(torch.uint8) if b.element_size() == 1 else b.view(-1).view(torch.uint8))

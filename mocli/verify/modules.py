@@ -206,6 +206,29 @@ def _rows_of(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t[rows.to(t.device)]
 
 
+def _pad16(t: torch.Tensor, rows: int, cols: int, fill: float = 0.0) -> torch.Tensor:
+    """``t`` grown to ``rows`` x ``cols`` with ``fill`` (1-byte float8 tensors padded as bytes: 0x00 is 0.0)."""
+    if tuple(t.shape) == (rows, cols):
+        return t
+    if t.element_size() == 1 and t.dtype != torch.uint8:
+        return _pad16(t.view(torch.uint8), rows, cols).view(t.dtype)
+    out = torch.full((rows, cols), fill, dtype=t.dtype, device=t.device)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def scaled_mm(xq: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    """``torch._scaled_mm(xq, w.T)`` in float32 for any N and K: cuBLASLt wants both multiples of 16, so
+    zero rows/columns are added (they add nothing to a dot product) and cut off again. ``scale_b`` is
+    a scalar or one scale per row of ``w``."""
+    n, k = w.shape
+    n16, k16 = -(-n // 16) * 16, -(-k // 16) * 16
+    xq, w = _pad16(xq, xq.shape[0], k16), _pad16(w, n16, k16)
+    if scale_b.numel() > 1:
+        scale_b = _pad16(scale_b.reshape(1, -1), 1, n16, 1.0)
+    return torch._scaled_mm(xq, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16).float()[:, :n]
+
+
 class _DenseKind:
     """What differs between dense kinds: activation model, byte/scale expectations, the kernel."""
 
@@ -253,8 +276,7 @@ class _Fp8Linear(_DenseKind):
 
     def kernel(self, mod, xr, rows):
         xq = fp8_static(xr, mod.input_scale)
-        out = torch._scaled_mm(xq, _rows_of(mod.weight, rows).t(), scale_a=mod.input_scale.float(),
-                               scale_b=mod.weight_scale.float(), out_dtype=torch.bfloat16).float()
+        out = scaled_mm(xq, _rows_of(mod.weight, rows), mod.input_scale.float(), mod.weight_scale.float())
         return out, "torch._scaled_mm", False
 
 
@@ -276,8 +298,7 @@ class _Fp8Channel(_DenseKind):
         xq, xs = fp8_per_token(xr)
         w, ws = _rows_of(mod.weight, rows), mod.weight_scale.float()[rows.to(xr.device)]
         try:
-            out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.reshape(1, -1), out_dtype=torch.bfloat16).float()
-            return out, "torch._scaled_mm (rowwise)", False
+            return scaled_mm(xq, w, xs, ws), "torch._scaled_mm (rowwise)", False
         except (RuntimeError, NotImplementedError):
             return (xq.float() * xs) @ (w.float() * ws.reshape(-1, 1)).T, "emulated (dequantized FP8, float32 GEMM)", True
 
@@ -586,34 +607,42 @@ def _moe_consistency(mod, kind, experts, a13, a2, src: Source, problems: _Proble
 
 def _moe_bytes(mod, local: int, ex, i_slice: tuple[int, int], fp4: bool, src: Source, rt: Runtime,
                problems: _Problems) -> None:
-    """One expert's weights (and block scales) after the target's inverse row orders, exactly."""
+    """One expert's weights (and block scales) after the target's inverse row orders, exactly; on the
+    device the module is on (the source's bytes go there, not the converted ones to the CPU)."""
     layout, (i0, i1) = rt.layout, i_slice
     i, h = i1 - i0, mod.hidden
+    dev = mod.w13_weight.device
+
+    def rows(m, role: str, a: int, b: int) -> torch.Tensor:
+        return src.cpu(m.tensors[role].name)[a:b].to(dev)
+
+    def cols(m, role: str, a: int, b: int) -> torch.Tensor:
+        return src.cpu(m.tensors[role].name)[:, a:b].to(dev)
+
     w13 = layout.moe_rows_decode(mod.w13_weight[local], gated=True)
     w2 = layout.moe_rows_decode(mod.w2_weight[local], gated=False)
     name = f"expert {ex.index}"
     if fp4:
         s1, s3 = src.scalar(ex.gate, WEIGHT_SCALE_2), src.scalar(ex.up, WEIGHT_SCALE_2)
         big = torch.maximum(s1, s3)
-        problems.expect_equal(f"w13_weight ({name})", w13, torch.cat([src.cpu(ex.up.tensors[WEIGHT].name)[i0:i1],
-                                                                      src.cpu(ex.gate.tensors[WEIGHT].name)[i0:i1]]))
+        problems.expect_equal(f"w13_weight ({name})", w13, torch.cat([rows(ex.up, WEIGHT, i0, i1),
+                                                                      rows(ex.gate, WEIGHT, i0, i1)]))
         bs13 = layout.moe_rows_decode(unswizzle(mod.w13_weight_scale[local], 2 * i, h // 16,
                                                 f"{mod.name}.w13_weight_scale[{local}]"), gated=True)
         problems.expect_equal(f"w13_weight_scale ({name})", bs13, torch.cat([
-            apply_table("rescale", src.cpu(ex.up.tensors[WEIGHT_SCALE].name), s3, big)[i0:i1],
-            apply_table("rescale", src.cpu(ex.gate.tensors[WEIGHT_SCALE].name), s1, big)[i0:i1]]))
-        problems.expect_equal(f"w2_weight ({name})", w2, src.cpu(ex.down.tensors[WEIGHT].name)[:, i0 // 2:i1 // 2])
+            apply_table("rescale", rows(ex.up, WEIGHT_SCALE, i0, i1), s3, big),
+            apply_table("rescale", rows(ex.gate, WEIGHT_SCALE, i0, i1), s1, big)]))
+        problems.expect_equal(f"w2_weight ({name})", w2, cols(ex.down, WEIGHT, i0 // 2, i1 // 2))
         bs2 = layout.moe_rows_decode(unswizzle(mod.w2_weight_scale[local], h, i // 16,
                                                f"{mod.name}.w2_weight_scale[{local}]"), gated=False)
-        problems.expect_equal(f"w2_weight_scale ({name})", bs2,
-                              src.cpu(ex.down.tensors[WEIGHT_SCALE].name)[:, i0 // 16:i1 // 16])
+        problems.expect_equal(f"w2_weight_scale ({name})", bs2, cols(ex.down, WEIGHT_SCALE, i0 // 16, i1 // 16))
     else:
         s1, s3 = src.scalar(ex.gate, WEIGHT_SCALE), src.scalar(ex.up, WEIGHT_SCALE)
         big = torch.maximum(s1, s3)
         problems.expect_equal(f"w13_weight ({name})", w13, torch.cat([
-            apply_table("requant", src.cpu(ex.up.tensors[WEIGHT].name), s3, big)[i0:i1],
-            apply_table("requant", src.cpu(ex.gate.tensors[WEIGHT].name), s1, big)[i0:i1]]))
-        problems.expect_equal(f"w2_weight ({name})", w2, src.cpu(ex.down.tensors[WEIGHT].name)[:, i0:i1])
+            apply_table("requant", rows(ex.up, WEIGHT, i0, i1), s3, big),
+            apply_table("requant", rows(ex.gate, WEIGHT, i0, i1), s1, big)]))
+        problems.expect_equal(f"w2_weight ({name})", w2, cols(ex.down, WEIGHT, i0, i1))
 
 
 def _sample(n: int, rt: Runtime, opts, name: str) -> list[int]:
@@ -707,11 +736,10 @@ def _fp8_expert(mod, local: int, x: torch.Tensor, rt: Runtime):
     w2 = layout.moe_rows_decode(mod.w2_weight[local], gated=False)
     xq = (x.float() * mod.w13_input_scale_inv.float()).clamp(-448, 448).to(FP8)
     one = torch.tensor(1.0, device=rt.device)
-    o1 = torch._scaled_mm(xq, w13.t(), scale_a=one, scale_b=mod.g1_alphas[local].float(),
-                          out_dtype=torch.bfloat16).float()
+    o1 = scaled_mm(xq, w13, one, mod.g1_alphas[local].float())
     act = F.silu(o1[:, i:]) * o1[:, :i]
     hq = (act * mod.w2_input_scale_inv.float()).clamp(-448, 448).to(FP8)
-    o2 = torch._scaled_mm(hq, w2.t(), scale_a=one, scale_b=mod.g2_alphas[local].float(), out_dtype=torch.bfloat16).float()
+    o2 = scaled_mm(hq, w2, one, mod.g2_alphas[local].float())
     return o1, o2, hq
 
 

@@ -22,7 +22,7 @@ from mocli.census import Census, Module, build_census
 from mocli.checkpoint import Checkpoint, open_checkpoint
 from mocli.errors import InputError
 from mocli.tables import WEIGHT, WEIGHT_SCALE
-from mocli.verify.modules import ModuleResult, Runtime, _finish, _Problems, _sample, gen, rel_error
+from mocli.verify.modules import ModuleResult, Runtime, _finish, _Problems, _sample, gen, rel_error, scaled_mm
 from mocli.verify.quant import FP8, fp8_per_token
 
 # Dynamic FP8: the weights (per tensor) and the activations (per token) are each rounded to e4m3
@@ -156,8 +156,7 @@ def _fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> tupl
     """The engine's dynamic FP8 linear: per-token activation scales, per-tensor (row-expanded) weight scales."""
     xq, xs = fp8_per_token(x)
     try:
-        out = torch._scaled_mm(xq, w_q.t(), scale_a=xs, scale_b=w_scale.reshape(1, -1).float().contiguous(),
-                               out_dtype=torch.bfloat16).float()
+        out = scaled_mm(xq, w_q, xs, w_scale.reshape(-1).float().contiguous())
         return out, "torch._scaled_mm (per-token activations)", False
     except (RuntimeError, NotImplementedError):
         return ((xq.float() * xs) @ (w_q.float() * w_scale.reshape(-1, 1)).T,

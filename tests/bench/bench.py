@@ -19,7 +19,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,18 +36,17 @@ class Run:
 
 
 def timed(cmd: list[str], env: dict | None = None) -> Run:
-    """Whole-process wall, CPU and peak RSS of one command (GNU time's accounting of the child)."""
-    out = tempfile.NamedTemporaryFile(suffix=".time", delete=False)
-    out.close()
+    """Whole-process wall, CPU and peak RSS of one command (the child's rusage, from wait4)."""
     t0 = time.perf_counter()
-    p = subprocess.run(["/usr/bin/time", "-o", out.name, "-f", "%U %S %M", *cmd], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    err = p.stderr.read()
+    _, status, ru = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
     if p.returncode != 0:
-        raise SystemExit(f"benchmark command failed ({p.returncode}): {' '.join(cmd)}\n{p.stderr[-2000:]}")
-    user, sys_, rss_kb = Path(out.name).read_text().split()[-3:]
-    os.unlink(out.name)
-    return Run(wall, float(user) + float(sys_), int(rss_kb) * 1024)
+        raise SystemExit(f"benchmark command failed ({p.returncode}): {' '.join(cmd)}\n{err.decode()[-2000:]}")
+    return Run(wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024)
 
 
 WARM_BYTES = int(os.environ.get("MOCLI_BENCH_WARM_GB", "8")) << 30
@@ -74,6 +72,20 @@ def warm(src: Path) -> None:
         with open(f, "rb") as fh:
             while fh.read(64 << 20):
                 pass
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``root`` (computed here, not read from mocli's manifest)."""
+    import hashlib
+
+    out = {}
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            while b := fh.read(16 << 20):
+                h.update(b)
+        out[str(f.relative_to(root))] = h.hexdigest()
+    return out
 
 
 def size_gib(src: Path) -> float:
@@ -108,29 +120,61 @@ def mocli(*args: str) -> list[str]:
     return [sys.executable, "-m", "mocli", "-q", *args]
 
 
-def bench_convert(scratch: Path, rounds: int, device: str, results: list) -> None:
+def bench_convert(scratch: Path, rounds: int, device: str, results: list, algos: set[str]) -> None:
     floor = [sys.executable, str(SHARED / "floor.py")]
-    cases = [("NVFP4", make("moe-nvfp4", scratch / "nvfp4"), 1.0), ("FP8", make("moe-fp8", scratch / "fp8", "--layers", "4"), 1.15)]
-    for algo, src, goal in cases:
+    cases = [("NVFP4", lambda: make("moe-nvfp4", scratch / "nvfp4"), 1.0),
+             ("FP8", lambda: make("moe-fp8", scratch / "fp8", "--layers", "4"), 1.15)]
+    for algo, made, goal in cases:
+        if algo.lower() not in algos:
+            continue
+        src = made()
         warm(src)
         for target in ("flashinfer-cutlass", "flashinfer-trtllm"):
-            a, b = [], []
+            # on the GPU machine, FP8 (requantization is compute) also runs on the CPU in the same rounds:
+            # --device cuda must beat it
+            on_cpu = device == "cuda" and algo == "FP8"
+            a, b, c = [], [], []
             for _ in range(rounds):
                 fresh(scratch / "floor-out")
                 b.append(timed([*floor, str(src), str(scratch / "floor-out")]))
                 fresh(scratch / "out")
                 a.append(timed(mocli("convert", str(src), "-o", str(scratch / "out"), "--target", target,
                                      "--device", device)))
+                if on_cpu:
+                    fresh(scratch / "out-cpu")
+                    c.append(timed(mocli("convert", str(src), "-o", str(scratch / "out-cpu"), "--target", target,
+                                         "--device", "cpu")))
             results.append(line(f"convert {algo} MoE {size_gib(src):.2f} GiB {target} --device {device} / I/O floor",
                                 a, b, goal))
+            if on_cpu:
+                results.append(line(f"convert FP8 MoE {target} --device cuda / --device cpu", a, c, 1.0, "cuda", "cpu"))
+                same = tree_digest(scratch / "out") == tree_digest(scratch / "out-cpu")
+                print(f"convert FP8 {target} output bytes, cuda vs cpu: {'identical' if same else 'DIFFER'} | "
+                      f"goal identical | {'meets' if same else 'MISSES'}", flush=True)
+                results.append({"what": f"convert FP8 {target} cuda bytes == cpu bytes", "meets": same})
+                fresh(scratch / "out-cpu")
         if algo == "NVFP4":
-            # verify on the CPU must not be slower than the conversion it checks
+            # the output of the last round (trtllm) is what verify and the loader read
             v = [timed(mocli("verify", str(scratch / "out"), "--device", device)) for _ in range(rounds)]
-            c = a
-            results.append(line(f"verify {size_gib(src):.2f} GiB NVFP4 output --device {device} / its convert", v, c,
+            results.append(line(f"verify {size_gib(src):.2f} GiB NVFP4 output --device {device} / its convert", v, a,
                                 1.0, "verify", "convert"))
+            if device == "cuda":
+                results.append(line(f"verify {size_gib(src):.2f} GiB NVFP4 output --device cuda, whole process", v,
+                                    None, 10.0, "verify"))
+                bench_load(scratch / "out", rounds, results)
     fresh(scratch / "out")
     fresh(scratch / "floor-out")
+
+
+def bench_load(out: Path, rounds: int, results: list) -> None:
+    """load_converted(..., device="cuda") against plain safetensors loading the same files onto the GPU."""
+    one = [sys.executable, str(Path(__file__).with_name("load_one.py"))]
+    a, b = [], []
+    for _ in range(rounds):
+        b.append(timed([*one, "safetensors", str(out), "--device", "cuda"]))
+        a.append(timed([*one, "mocli", str(out), "--device", "cuda"]))
+    results.append(line(f"load {size_gib(out):.2f} GiB converted output onto cuda, whole process", a, b, 1.0,
+                        "load_converted", "safetensors.load_file"))
 
 
 def bench_headers(scratch: Path, rounds: int, results: list) -> None:
@@ -175,13 +219,24 @@ def bench_quantize(scratch: Path, rounds: int, device: str, results: list) -> No
         make_bf16(src)
     warm(src)
     floor = [sys.executable, str(SHARED / "floor.py")]
-    a, b = [], []
+    on_cpu = device == "cuda"
+    a, b, c = [], [], []
     for _ in range(rounds):
         fresh(scratch / "floor-out")
         b.append(timed([*floor, str(src), str(scratch / "floor-out")]))
         fresh(scratch / "out")
         a.append(timed(mocli("quantize", str(src), "-o", str(scratch / "out"), "--device", device)))
+        if on_cpu:
+            fresh(scratch / "out-cpu")
+            c.append(timed(mocli("quantize", str(src), "-o", str(scratch / "out-cpu"), "--device", "cpu")))
     results.append(line(f"quantize BF16 MoE {size_gib(src):.2f} GiB --device {device} / I/O floor", a, b, 1.3))
+    if on_cpu:
+        results.append(line("quantize BF16 MoE --device cuda / --device cpu", a, c, 1.0, "cuda", "cpu"))
+        same = tree_digest(scratch / "out") == tree_digest(scratch / "out-cpu")
+        print(f"quantize output bytes, cuda vs cpu: {'identical' if same else 'DIFFER'} | goal identical | "
+              f"{'meets' if same else 'MISSES'}", flush=True)
+        results.append({"what": "quantize cuda bytes == cpu bytes", "meets": same})
+        fresh(scratch / "out-cpu")
     largest = max(a, key=lambda r: r.rss)
     unit = 2 * 1536 * 4096 * 2  # one expert's w1 + w3 in BF16: the largest unit
     print(f"quantize peak RSS {largest.rss / GIB:.2f} GiB | budget 1 GiB + 2 x unit {unit / 2**20:.0f} MiB = "
@@ -196,6 +251,7 @@ def main() -> None:
     ap.add_argument("--scratch", type=Path, default=ROOT / "bench-out")
     ap.add_argument("--only", default="headers,convert,rss,quantize")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--algos", default="nvfp4,fp8", help="convert cases to run")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
     if not (SHARED / "floor.py").exists():
@@ -207,7 +263,7 @@ def main() -> None:
     if "headers" in only:
         bench_headers(a.scratch, max(a.rounds, 3), results)
     if "convert" in only:
-        bench_convert(a.scratch, a.rounds, a.device, results)
+        bench_convert(a.scratch, a.rounds, a.device, results, set(a.algos.lower().split(",")))
     if "rss" in only:
         bench_rss(a.scratch, results)
     if "quantize" in only:
