@@ -579,6 +579,26 @@ def _prepare(job: Job) -> tuple[set[str], dict[str, int], int]:
     return state[0], state[1], discarded
 
 
+def _interleave(units: list[Unit], keys: dict[Key, int]) -> list[Unit]:
+    """The same units, each file's still in order, but taken from all files in proportion to their
+    bytes, so that the writer lanes and hashing threads of different files work at the same time
+    (the plan lists them file by file, which would keep one lane busy at a time)."""
+    files: dict[int, list[Unit]] = {}
+    for u in units:
+        files.setdefault(keys[u.outputs[0]] if u.outputs else -1, []).append(u)
+    if len(files) < 2:
+        return units
+    ranked = []
+    for f, us in files.items():
+        total = sum(u.input_bytes for u in us) or 1  # what a unit reads ~ what it writes
+        done = 0
+        for u in us:
+            ranked.append((done / total, f, u))
+            done += u.input_bytes
+    ranked.sort(key=lambda r: (r[0], r[1]))
+    return [u for _, _, u in ranked]
+
+
 def _share(units: list[Unit], world: int, proc: int) -> list[Unit]:
     """This process's units: greedy by input bytes, deterministic for every process."""
     if world == 1:
@@ -673,7 +693,7 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
         for t in f.tensors:
             keys[(g, t.name)] = i
     todo_all = [u for u in plan.units if u.id not in done]
-    mine = _share(todo_all, dist.world, dist.rank)
+    mine = _interleave(_share(todo_all, dist.world, dist.rank), keys)
     pool = BufferPool(pin=job.device.type == "cuda")
     # One process writes every file front to back, so the digests are taken as bytes go out; with
     # several processes the files are hashed once all are written.

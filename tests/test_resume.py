@@ -165,3 +165,15 @@ def test_parallel_writer_lanes_give_the_same_bytes_and_resume(cli, tmp_path, moe
 
 
 _REAL_WRITE = ShardWriter.write
+
+
+def test_units_of_different_files_are_interleaved_in_proportion():
+    """Two files' units alternate by their share of each file's bytes (so both lanes work at once),
+    and each file's own units keep their order (files are written front to back)."""
+    from types import SimpleNamespace
+
+    a = [SimpleNamespace(id=f"a{i}", outputs=[("", "A")], input_bytes=10) for i in range(4)]
+    b = [SimpleNamespace(id=f"b{i}", outputs=[("", "B")], input_bytes=20) for i in range(2)]
+    order = [u.id for u in engine._interleave(a + b, {("", "A"): 0, ("", "B"): 1})]
+    assert order == ["a0", "b0", "a1", "a2", "b1", "a3"]
+    assert [u.id for u in engine._interleave(a, {("", "A"): 0})] == ["a0", "a1", "a2", "a3"]
