@@ -68,7 +68,8 @@ def _global(
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
 ) -> None:
-    """Exit codes: 0 ok, 1 findings (validation/verification failed), 2 unusable input, 3 internal error."""
+    """Exit codes: 0 ok, 1 findings (validation/verification failed), 2 unusable input, 3 internal error,
+    130 interrupted, 141 stdout closed."""
     ctx.obj = Output(json=json_, quiet=quiet, verbose=verbose)
 
 
@@ -332,8 +333,8 @@ class Kernels(StrEnum):
 @app.command("verify")
 def verify_cmd(
     ctx: typer.Context,
-    output: Annotated[Path, typer.Argument(metavar="OUT", help="A directory written by mocli convert.",
-                                           show_default=False)],
+    output: Annotated[Path, typer.Argument(metavar="OUT", show_default=False,
+                                           help="A directory written by mocli convert or quantize.")],
     source: Annotated[str | None, typer.Option("--source", help="Source checkpoint (default: from provenance).")]
     = None,
     device: Annotated[Device, typer.Option("--device", case_sensitive=False,

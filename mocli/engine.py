@@ -15,7 +15,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import mmap
 import os
 import queue
 import shutil
@@ -31,6 +30,7 @@ import torch
 
 from mocli.errors import FindingsError, InputError, Interrupted, MocliError, os_error
 from mocli.findings import Findings
+from mocli.io.digests import hash_range
 from mocli.io.safetensors_file import TensorReader, tensor_bytes_view
 from mocli.io.shard_writer import (
     ShardFile,
@@ -319,16 +319,7 @@ class OrderedHasher:
             return self.fds[i]
 
     def _read_back(self, i: int, a: int, b: int) -> None:
-        if b <= a:
-            return
-        start = a - a % mmap.ALLOCATIONGRANULARITY
-        with mmap.mmap(self._fd(i), b - start, access=mmap.ACCESS_READ, offset=start) as mm:
-            view = memoryview(mm)
-            try:
-                for x in range(a - start, b - start, HASH_CHUNK):
-                    self.sha[i].update(view[x: min(x + HASH_CHUNK, b - start)])
-            finally:
-                view.release()
+        hash_range(self.sha[i], self._fd(i), a, b)
 
     def _drain(self, i: int) -> None:
         ahead = self.ahead[i]

@@ -55,3 +55,22 @@ def test_header_not_an_object(tmp_path):
     f.write_bytes(struct.pack("<Q", 2) + b"[]")
     with pytest.raises(CorruptFileError, match="not a JSON object"):
         read_header(f)
+
+
+@pytest.mark.parametrize("a,b", [(0, 300_000), (5, 299_999), (65_537, 65_538), (70_000, 70_000), (123, 200_000)])
+def test_hash_range_over_small_windows_equals_hashlib(tmp_path, monkeypatch, a, b):
+    """Windowed memory maps (kept small so a big file is never mapped whole) hash exactly the range."""
+    import hashlib
+    import os
+
+    from mocli.io import digests
+
+    monkeypatch.setattr(digests, "WINDOW", 1 << 16)
+    monkeypatch.setattr(digests, "CHUNK", 1000)
+    data = os.urandom(300_000)
+    (tmp_path / "f").write_bytes(data)
+    h = hashlib.sha256()
+    with open(tmp_path / "f", "rb") as f:
+        digests.hash_range(h, f.fileno(), a, b)
+    assert h.hexdigest() == hashlib.sha256(data[a:b]).hexdigest()
+    assert digests.sha256_file(tmp_path / "f") == hashlib.sha256(data).hexdigest()

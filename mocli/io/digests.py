@@ -28,22 +28,32 @@ def lfs_digest(path: Path) -> str | None:
     return target.name if target.parent.name == "blobs" and _SHA256_NAME.match(target.name) else None
 
 
-def sha256_file(path: Path) -> str:
-    """SHA-256 of a file, hashed straight from the page cache through a memory map (no copy into
-    a buffer: that copy cost as much system time as the hashing on the build machines)."""
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return h.hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+WINDOW = 64 << 20  # bytes mapped at a time: a mapped page counts in the process's RSS until unmapped
+
+
+def hash_range(h, fd: int, a: int, b: int) -> None:
+    """Feed bytes [a, b) of ``fd`` to ``h`` straight from the page cache through memory maps (no
+    copy into a buffer: that copy cost as much system time as the hashing on the build machines),
+    one window at a time, so a multi-GB file never sits mapped in the process at once."""
+    while a < b:
+        start = a - a % mmap.ALLOCATIONGRANULARITY
+        end = min(b, start + WINDOW)
+        with mmap.mmap(fd, end - start, access=mmap.ACCESS_READ, offset=start) as mm:
             mm.madvise(mmap.MADV_SEQUENTIAL)
             view = memoryview(mm)
             try:
-                for a in range(0, size, CHUNK):
-                    h.update(view[a:a + CHUNK])
+                for x in range(a - start, end - start, CHUNK):
+                    h.update(view[x: min(x + CHUNK, end - start)])
             finally:
                 view.release()
+        a = end
+
+
+def sha256_file(path: Path) -> str:
+    """SHA-256 of a file (see ``hash_range``)."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        hash_range(h, f.fileno(), 0, os.fstat(f.fileno()).st_size)
     return h.hexdigest()
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # tests.bench.make_bf16 when run as a script
 SHARED = Path(os.environ.get("MOCLI_SHARED", ROOT.parent / "shared")) / "bench"
 GIB = 1 << 30
 
@@ -57,14 +58,14 @@ def fresh(path: Path) -> None:
     dirty, and warm free memory. On the VMs we measure on, memory that has been free for a few
     seconds goes back to the host and costs 5-10x more to touch again (writing 4.5 GB into the page
     cache took 16 s of system time cold, 2 s warm), so whichever command ran on cold memory lost.
-    Touching (then freeing) a few GiB right before each timed command removes that bias."""
+    Touching (then freeing) a few GiB right before each timed command removes that bias. It is done
+    in a child process: a child's peak RSS (wait4) starts from its parent's peak, so the benchmark
+    process itself must stay small."""
     shutil.rmtree(path, ignore_errors=True)
     os.sync()
     if WARM_BYTES:
-        import numpy as np
-
-        block = np.ones(WARM_BYTES, dtype=np.uint8)
-        del block
+        subprocess.run([sys.executable, "-c", f"import numpy; numpy.ones({WARM_BYTES}, dtype=numpy.uint8)"],
+                       check=True)
 
 
 def warm(src: Path) -> None:
