@@ -396,6 +396,11 @@ def hash_file(path: Path) -> str:
 
 # --- the writer thread -------------------------------------------------------------------------------
 
+def writer_lanes(files: int) -> int:
+    """Writer threads: one per four cores, at most one per file."""
+    return max(1, min(files, (os.cpu_count() or 1) // 4))
+
+
 class _Writer:
     """Writes finished units on background threads (pwrite and copy_file_range drop the GIL).
 
@@ -410,7 +415,7 @@ class _Writer:
         self.writer, self.journal, self.pool, self.hasher, self.written = writer, journal, pool, hasher, written
         self.files = files
         self.error: BaseException | None = None
-        n = max(1, min(len(files), lanes or (os.cpu_count() or 1) // 4))
+        n = lanes or writer_lanes(len(files))
         self.queues: list[queue.Queue] = [queue.Queue(maxsize=depth) for _ in range(n)]
         self.readers = [TensorReader() for _ in range(n)]  # source fds for copy_file_range, one set per lane
         self.threads = [threading.Thread(target=self._loop, args=(q, r), daemon=True)
@@ -685,7 +690,11 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
             keys[(g, t.name)] = i
     todo_all = [u for u in plan.units if u.id not in done]
     mine = _interleave(_share(todo_all, dist.world, dist.rank), keys)
-    pool = BufferPool(pin=job.device.type == "cuda")
+    # Buffers on loan: enough for every writer lane to hold a unit while the next one is computed
+    # (a unit's output is at most about twice what it reads), which bounds memory by the largest unit.
+    largest = max((u.input_bytes for u in mine), default=0)
+    pool = BufferPool(pin=job.device.type == "cuda",
+                      limit=max(64 << 20, (writer_lanes(len(files)) + 1) * 2 * largest))
     # One process writes every file front to back, so the digests are taken as bytes go out; with
     # several processes the files are hashed once all are written.
     rel = {i: _relpath(g, f) for i, (g, _, f) in enumerate(files)}

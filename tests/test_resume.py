@@ -177,3 +177,25 @@ def test_units_of_different_files_are_interleaved_in_proportion():
     order = [u.id for u in engine._interleave(a + b, {("", "A"): 0, ("", "B"): 1})]
     assert order == ["a0", "b0", "a1", "a2", "b1", "a3"]
     assert [u.id for u in engine._interleave(a, {("", "A"): 0})] == ["a0", "a1", "a2", "a3"]
+
+
+def test_buffer_pool_keeps_loans_under_its_limit_but_never_blocks_a_unit_on_itself():
+    import threading
+
+    from mocli.plan.core import BufferPool
+
+    pool = BufferPool(limit=100)
+    a = pool.take(60)
+    big = pool.take(300, own=60)  # one unit larger than the limit: it runs (its own loans don't count)
+    pool.give([a, big])
+    first = pool.take(80)
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(pool.take(50)))  # another unit: 80 + 50 > 100
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and not got  # waits for the first unit's buffer
+    pool.give([first])
+    t.join(5)
+    assert not t.is_alive() and got[0].numel() == 50
+    assert pool.out == 50
+    assert pool.kept <= 100  # the free list is bounded too: the 300-byte buffer was not kept
