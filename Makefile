@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_MODEL ?= fixtures/real/qwen3_moe-nvfp4_kv
 DEMO_OUT ?= demo-out
 
-.PHONY: install install-flashinfer demo test test-gpu lint bench bench-gpu clean
+.PHONY: install install-flashinfer demo test test-gpu lint bench bench-gpu scale clean
 
 install:
 	$(PYTHON) -m pip install -qq "$(TORCH_SPEC)"
@@ -39,6 +39,14 @@ bench: install
 # The same on a GPU machine: convert/quantize/verify with --device cuda, cuda vs cpu, and the loader.
 bench-gpu:
 	$(PYTHON) tests/bench/bench.py --device cuda --only convert,quantize
+
+# Scale rehearsal on a GPU machine: a DeepSeek-shaped NVFP4 MoE of GB gigabytes (generation untimed),
+# the floor, convert --tp 8 --device cuda in one process and under torchrun with each of PROCS
+# processes (byte-identity checked), verify of rank 0 and of all ranks, and a 400 GB extrapolation.
+GB ?= 40
+PROCS ?= 1,2
+scale:
+	$(PYTHON) tests/bench/scale.py --gb $(GB) --procs $(PROCS)
 
 clean:
 	rm -rf $(DEMO_OUT) bench-out .pytest_cache build *.egg-info

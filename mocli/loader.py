@@ -229,6 +229,10 @@ class ConvertedCheckpoint:
                                    hint="the output is damaged or from another mocli version; convert again")
         return cls(**kwargs)
 
+    def drop_pages(self) -> None:
+        """Give back the mapped pages that tensors on the CPU have touched (see TensorReader.drop_pages)."""
+        self._reader.drop_pages()
+
     def close(self) -> None:
         self._reader.close()
 

@@ -262,6 +262,16 @@ class TensorReader:
         return raw.view(dtypes[entry.dtype]).reshape(entry.shape) if entry.start % dtypes[entry.dtype].itemsize == 0 \
             else raw.clone().view(dtypes[entry.dtype]).reshape(entry.shape)
 
+    def drop_pages(self) -> None:
+        """Unmap the pages that views have touched: they stay in the page cache, and a view that
+        reads them again faults them back in with the same bytes. Verify calls this after every
+        module, so its RSS is one module's bytes, not the source's and the output's together
+        (12.9 GiB verifying a 6.4 GB output before). Views must not have been written to."""
+        import mmap
+
+        for mm in self._maps.values():
+            mm.madvise(mmap.MADV_DONTNEED)
+
     def close(self) -> None:
         self._maps.clear()  # the mappings close when the last tensor viewing them goes
         for fd in self._files.values():

@@ -89,9 +89,13 @@ def verify_quantized(out: Path, opts, progress) -> dict[str, Any]:
             results.append(_check_group(g, ckpt, src, ro, rs, rt, opts))
             checked |= {f"{n}.{s}" for n in g for s in (WEIGHT, WEIGHT_SCALE)}
             progress.advance()
+            ro.drop_pages()  # RSS: one group's mapped bytes at a time
+            rs.drop_pages()
         for layer in moe.values():
             if opts.layers is None or _match(layer.name, opts.layers):
                 results.append(_check_moe(layer, ckpt, src, ro, rs, rt, opts))
+                ro.drop_pages()
+                rs.drop_pages()
         progress.phase("kept tensors")
         kept = {n: e for n, e in ckpt.tensors.items() if n not in checked}
         pass_problems = compare_bytes(kept, src, ro)

@@ -222,6 +222,9 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
                     cross.append(cr)
                 for _ in res:
                     progress.advance()
+                reader.drop_pages()  # RSS: one module's mapped bytes at a time, not the model's
+                for ck in cks.values():
+                    ck.drop_pages()
         progress.phase("pass-through tensors")
         n_pass, pass_problems = _passthrough(out, manifest, src)
         coverage = _coverage(cks, manifest, names, opts)
