@@ -1,6 +1,6 @@
 """Scale rehearsal: a DeepSeek-sized NVFP4 MoE conversion, one process against torchrun.
 
-    python tests/bench/scale.py --gb 40 --procs 1,2 [--tp 8] [--target flashinfer-trtllm] [--device cuda]
+    python tests/bench/scale.py --gb 40 --procs 1,2 [--tp 8] [--target flashinfer-cutlass] [--device cuda]
     make scale GB=40 PROCS=1,2
 
 What it does, in order (everything but the generation is a timed whole process):
@@ -207,7 +207,9 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=40.0, help="checkpoint size to generate (GB)")
     ap.add_argument("--procs", default="1,2", help="torchrun process counts to time (besides one plain process)")
     ap.add_argument("--tp", type=int, default=8)
-    ap.add_argument("--target", default="flashinfer-trtllm")
+    # cutlass: make_big's attention (k, v = hidden/4) gives a rank 1344 qkv rows at tp 8, and trtllm
+    # needs multiples of 128 (SEMANTICS §10; DeepSeek itself uses MLA)
+    ap.add_argument("--target", default="flashinfer-cutlass")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--scratch", type=Path, default=ROOT / "bench-out" / "scale")
     ap.add_argument("--extrapolate", type=float, default=400.0, help="GB to extrapolate to")
