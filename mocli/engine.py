@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -751,7 +752,11 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
         digests = {rel[i]: d for i, d in hasher.digests().items()}
     else:
         dist.barrier()
-        mine_files = {_relpath(g, f): hash_file(p) for i, (g, p, f) in enumerate(files) if i % dist.world == dist.rank}
+        # this process's share of the files, on this process's share of the cores (hashlib drops the
+        # GIL): one thread hashing 19 files took 13 of 35 s in a 38 GB torchrun convert on 2 GPUs
+        ids = [i for i in range(len(files)) if i % dist.world == dist.rank]
+        with ThreadPoolExecutor(max(1, min(len(ids), (os.cpu_count() or 1) // dist.world))) as ex:
+            mine_files = dict(zip((rel[i] for i in ids), ex.map(lambda i: hash_file(files[i][1]), ids), strict=True))
         digests = {}
         for part in dist.gather(mine_files):
             digests |= part
