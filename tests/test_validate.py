@@ -73,3 +73,18 @@ def test_human_output_lists_findings_and_verdict(cli, tmp_path):
     r = cli("validate", path)
     assert r.exit_code == 1
     assert "SCL001" in r.stdout and "FAILED" in r.stdout
+
+
+def test_readme_lists_every_code_with_its_severity_and_text():
+    """The README's table is what CI users grep for: it must not drift from the codes validate emits."""
+    from tests.conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    rows = {line.split("|")[1].strip(" `"): line for line in readme.splitlines()
+            if line.startswith("| `") and line.count("|") == 4}
+    for code, (severity, text) in CODES.items():
+        assert code in rows, f"{code} missing from README's code table"
+        assert f"| {severity.value} | {text} |" in rows[code], f"README row for {code} differs: {rows[code]}"
+    import re
+
+    assert not {c for c in rows if re.fullmatch(r"[A-Z]{3}\d{3}", c)} - set(CODES), "README lists an unknown code"
