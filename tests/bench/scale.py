@@ -27,7 +27,6 @@ Outputs are removed after they are hashed, so the disk holds the source and one 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -36,13 +35,12 @@ import struct
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.bench.bench import GIB, SHARED, fresh, timed, warm  # noqa: E402
+from tests.bench.bench import GIB, SHARED, fresh, timed, tree_digest, warm  # noqa: E402
 
 HIDDEN, INTER, EXPERTS = 7168, 2048, 256  # DeepSeek-R1
 BASE_EXPERTS = 16
@@ -144,21 +142,6 @@ def make_scaled(out: Path, gb: float) -> tuple[Path, int]:
 
 # --- measuring -----------------------------------------------------------------------------------
 
-def digests(root: Path) -> dict[str, str]:
-    """SHA-256 of every file under ``root``, files hashed in parallel (hashlib drops the GIL)."""
-    files = sorted(p for p in root.rglob("*") if p.is_file())
-
-    def one(f: Path) -> str:
-        h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            while b := fh.read(16 << 20):
-                h.update(b)
-        return h.hexdigest()
-
-    with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as ex:
-        return dict(zip((str(f.relative_to(root)) for f in files), ex.map(one, files), strict=True))
-
-
 def disk_bandwidth(scratch: Path, gib: int) -> tuple[float, float] | None:
     """Sequential (write, read) GB/s past the page cache, with dd; None where dd or O_DIRECT is missing."""
     f = scratch / "dd-probe"
@@ -246,7 +229,7 @@ def main() -> None:
     row("I/O floor (floor.py)", 1, floor, [floor.rss], "-", None)
     fresh(out)
     one = timed([sys.executable, "-m", "mocli", *mocli_convert(src, out, a)])
-    ref = digests(out)
+    ref = tree_digest(out)
     row(f"mocli convert --tp {a.tp} --device {a.device}, one process", 1, one, [one.rss],
         f"reference ({len(ref)} files)", floor.wall)
     for n in procs:
@@ -258,7 +241,7 @@ def main() -> None:
                    str(Path(__file__).with_name("rank_rss.py")), str(rss_dir), *mocli_convert(src, out, a)],
                   env={"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))})
         rss = [int(p.read_text()) for p in sorted(rss_dir.glob("rank*"))]
-        same = "identical" if digests(out) == ref else "DIFFER"
+        same = "identical" if tree_digest(out) == ref else "DIFFER"
         row(f"torchrun --nproc-per-node {n} mocli convert --tp {a.tp} --device {a.device}", n, r, rss, same,
             floor.wall)
     verify = {}
