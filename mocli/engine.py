@@ -724,7 +724,7 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
                 pieces = unit.run(ctx)
                 if job.device.type == "cuda":
                     pieces = _to_host(pieces, ctx)
-                sink.put(unit, pieces, ctx.release())
+                sink.put(unit, pieces, ctx.release(pieces))
                 job.progress.advance(unit.input_bytes)
     except BaseException as e:  # reported after the other processes have been told
         error = e

@@ -199,3 +199,18 @@ def test_buffer_pool_keeps_loans_under_its_limit_but_never_blocks_a_unit_on_itse
     assert not t.is_alive() and got[0].numel() == 50
     assert pool.out == 50
     assert pool.kept <= 100  # the free list is bounded too: the 300-byte buffer was not kept
+
+
+def test_a_units_consumed_inputs_go_back_to_the_pool_before_its_pieces_are_written():
+    from mocli.plan.core import BufferPool, Piece, UnitContext
+
+    pool = BufferPool()
+    ctx = UnitContext(None, torch.device("cpu"), pool)
+    consumed = ctx.buffer((1000,), torch.uint8)  # an input the transform has read
+    passed_on = ctx.buffer((300,), torch.uint8)  # an input written out as it is (a view of it)
+    out = ctx.buffer((500,), torch.uint8)  # the transform's output
+    pieces = [Piece(("", "a"), 0, out), Piece(("", "b"), 0, passed_on[100:])]
+    held = ctx.release(pieces)
+    assert {b.data_ptr() for b in held} == {out.data_ptr(), passed_on.data_ptr()}
+    assert pool.out == 800  # only what the writer still needs is on loan
+    assert pool.take(1000).data_ptr() == consumed.data_ptr()  # and the consumed input is reused at once

@@ -168,9 +168,19 @@ class UnitContext:
     def src(entry: TensorEntry) -> SourceRange:
         return SourceRange(entry, 0, entry.nbytes)
 
-    def release(self) -> list[torch.Tensor]:
-        bufs, self.borrowed = self.borrowed, []
-        return bufs
+    def release(self, pieces: list[Piece]) -> list[torch.Tensor]:
+        """Hand over the buffers the unit's pieces still point into (they go back to the pool once
+        written); the rest - inputs already consumed, on CUDA everything read and copied to the device
+        once the stream is synchronized - go back to the pool now. Half the bytes a quantize unit
+        borrowed were its inputs, held until the writer was done."""
+        held = {p.data.untyped_storage().data_ptr() for p in pieces
+                if isinstance(p.data, torch.Tensor) and p.data.device.type == "cpu"}
+        keep = [b for b in self.borrowed if b.untyped_storage().data_ptr() in held]
+        done = [b for b in self.borrowed if b.untyped_storage().data_ptr() not in held]
+        self.borrowed = []
+        if done:
+            self.pool.give(done)
+        return keep
 
 
 @dataclass
