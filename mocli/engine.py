@@ -691,11 +691,12 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
             keys[(g, t.name)] = i
     todo_all = [u for u in plan.units if u.id not in done]
     mine = _interleave(_share(todo_all, dist.world, dist.rank), keys)
-    # Buffers on loan: enough for every writer lane to hold a unit while the next one is computed
-    # (a unit's output is at most about twice what it reads), which bounds memory by the largest unit.
+    # Buffers on loan: a unit's inputs go back as soon as it has run, so what waits for the writer is
+    # outputs, about what a unit reads (FP8 quantize: half); room for every writer lane's unit and the
+    # one being computed bounds memory by the largest unit.
     largest = max((u.input_bytes for u in mine), default=0)
     pool = BufferPool(pin=job.device.type == "cuda",
-                      limit=max(64 << 20, (writer_lanes(len(files)) + 1) * 2 * largest))
+                      limit=max(64 << 20, (writer_lanes(len(files)) + 1) * largest))
     # One process writes every file front to back, so the digests are taken as bytes go out; with
     # several processes the files are hashed once all are written.
     rel = {i: _relpath(g, f) for i, (g, _, f) in enumerate(files)}
