@@ -153,6 +153,13 @@ def inspect_cmd(ctx: typer.Context, model: ModelArg, json_: JsonOpt = False, qui
 
 SHARD_HELP = ("Shard size limit (decimal units, e.g. 5GB, 500MB). Each shard is hashed in one pass: smaller "
               "shards hash and load in parallel.")
+# Options of the commands that write a checkpoint (convert, repair, quantize).
+_OUTPUT_HELP = "Output directory (created; must be empty)."
+OutputOpt = Annotated[Path, typer.Option("--output", "-o", help=_OUTPUT_HELP, show_default=False)]
+DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to compute: auto picks CUDA when present.",
+                                           case_sensitive=False)]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUTPUT.")]
+ShardSizeOpt = Annotated[str, typer.Option("--max-shard-size", help=SHARD_HELP)]
 TpOpt = Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size (SEMANTICS §10).")]
 EpOpt = Annotated[int, typer.Option("--ep", min=1, help="Expert-parallel size for MoE layers (ep = tp x dp; 1: MoE "
                                     "tensor-parallel over --tp).")]
@@ -192,16 +199,14 @@ def validate_cmd(
 def convert_cmd(
     ctx: typer.Context,
     model: ModelArg,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Output directory (created; must be empty).",
-                                         show_default=False)],
+    output: OutputOpt,
     target: Annotated[Target, typer.Option("--target", "-t", case_sensitive=False, help="Kernel layout to write.",
                                            show_default=False)],
     tp: TpOpt = 1,
     ep: EpOpt = 1,
-    device: Annotated[Device, typer.Option("--device", help="Where to compute: auto picks CUDA when present.",
-                                           case_sensitive=False)] = Device.AUTO,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUTPUT.")] = False,
-    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help=SHARD_HELP)] = "2GB",
+    device: DeviceOpt = Device.AUTO,
+    overwrite: OverwriteOpt = False,
+    max_shard_size: ShardSizeOpt = "2GB",
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
@@ -240,10 +245,9 @@ def convert_cmd(
 def repair_cmd(
     ctx: typer.Context,
     model: ModelArg,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Output directory (created; must be empty).",
-                                                show_default=False)] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help=_OUTPUT_HELP, show_default=False)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the repair plan and write nothing.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUTPUT.")] = False,
+    overwrite: OverwriteOpt = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
@@ -280,16 +284,14 @@ def repair_cmd(
 def quantize_cmd(
     ctx: typer.Context,
     model: ModelArg,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Output directory (created; must be empty).",
-                                         show_default=False)],
+    output: OutputOpt,
     scheme: Annotated[str, typer.Option("--scheme", help="fp8: per-tensor FP8 weights, dynamic per-token "
                                         "activations (SEMANTICS §12).")] = "fp8",
     exclude: Annotated[list[str] | None, typer.Option("--exclude", help="Keep modules matching this wildcard "
                                                       "unquantized (repeatable).", show_default=False)] = None,
-    device: Annotated[Device, typer.Option("--device", help="Where to compute: auto picks CUDA when present.",
-                                           case_sensitive=False)] = Device.AUTO,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUTPUT.")] = False,
-    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help=SHARD_HELP)] = "2GB",
+    device: DeviceOpt = Device.AUTO,
+    overwrite: OverwriteOpt = False,
+    max_shard_size: ShardSizeOpt = "2GB",
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
