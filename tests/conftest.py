@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +21,47 @@ ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT / "fixtures" / "real"
 REAL_LLAMA = REAL / "llama-fp8_kv"
 REAL_QWEN = REAL / "qwen3_moe-nvfp4_kv"
+
+
+def digest_tree(d: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``d``, by relative path: byte identity of two outputs."""
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def load_tensors(d: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every shard in ``d``, read by the safetensors library (not mocli's reader)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out |= load_file(str(f))
+    return out
+
+
+def u8(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, flat."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+_KILLER = """
+import os, signal, sys
+from mocli.io.shard_writer import ShardWriter
+real, n = ShardWriter.write, [0]
+def write(self, *a, **k):
+    n[0] += 1
+    if n[0] > int(os.environ["KILL_AFTER"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, *a, **k)
+ShardWriter.write = write
+from mocli.cli import main
+main(sys.argv[1:])
+"""
+
+
+def run_killed(args: list[str], after: int) -> subprocess.CompletedProcess:
+    """``mocli ARGS`` in a real process that SIGKILLs itself at its ``after + 1``-th shard write."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KILL_AFTER": str(after)}
+    return subprocess.run([sys.executable, "-c", _KILLER, *args], env=env, capture_output=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from fixtures.generate import make_broken, make_checkpoint
 from mocli.loader import Fp8Linear, Fp8MoE, Nvfp4Linear, Nvfp4MoE, load_converted
 from tests import reference as ref
-from tests.conftest import REAL_LLAMA, REAL_QWEN
+from tests.conftest import REAL_LLAMA, REAL_QWEN, digest_tree, u8
 
 TARGETS = ["flashinfer-cutlass", "flashinfer-trtllm"]
 
@@ -28,10 +28,6 @@ def load_out(out):
     for f in sorted(out.glob("model-*.safetensors")):
         t |= load_file(str(f))
     return t
-
-
-def u8(t):
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def same(a, b):
@@ -217,9 +213,6 @@ def convert_fp8(cli, tmp_path):
 
 # --- output files, provenance, safety ---------------------------------------------------------------
 
-def _digest(d):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
-
 
 def test_output_files_index_manifest_provenance(cli, tmp_path):
     src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4", shards=2)
@@ -241,11 +234,11 @@ def test_output_files_index_manifest_provenance(cli, tmp_path):
 
 def test_reruns_are_byte_identical_and_input_untouched(cli, tmp_path):
     src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4", shards=2)
-    before = _digest(src)
+    before = digest_tree(src)
     convert(cli, src, tmp_path / "a", "flashinfer-cutlass")
     convert(cli, src, tmp_path / "b", "flashinfer-cutlass")
-    assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
-    assert _digest(src) == before
+    assert digest_tree(tmp_path / "a") == digest_tree(tmp_path / "b")
+    assert digest_tree(src) == before
 
 
 def test_refuses_non_empty_output_unless_overwrite(cli, tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fixtures.generate import make_checkpoint
-from tests.conftest import REAL_LLAMA, REAL_QWEN
+from tests.conftest import REAL_LLAMA, REAL_QWEN, digest_tree
 
 pytestmark = pytest.mark.gpu
 
@@ -63,11 +63,6 @@ def test_scaled_grouped_mm_detects_swapped_halves_on_cuda(cli, tmp_path):
 
 # --- per rank (SEMANTICS §10) on the GPU ------------------------------------------------------------------
 
-def _digest_tree(d):
-    import hashlib
-
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
-
 
 PER_RANK = [("qwen3_moe", "NVFP4", ["--tp", "2"]), ("qwen3_moe", "NVFP4", ["--tp", "2", "--ep", "2"]),
             ("mixtral", "FP8", ["--tp", "2"]), ("mixtral", "FP8", ["--ep", "2"]), ("llama", "FP8", ["--tp", "2"])]
@@ -81,7 +76,7 @@ def test_per_rank_cuda_equals_cpu_and_verifies_with_fp8_kernels(cli, tmp_path, a
     for dev in ("cpu", "cuda"):
         r = cli("--json", "convert", src, "-o", tmp_path / dev, "--target", target, "--device", dev, *par)
         assert r.exit_code == 0, r.stderr
-    assert _digest_tree(tmp_path / "cpu") == _digest_tree(tmp_path / "cuda")
+    assert digest_tree(tmp_path / "cpu") == digest_tree(tmp_path / "cuda")
     r = cli("--json", "verify", tmp_path / "cuda", "--device", "cuda", "--kernels", "torch", "--tokens", "256")
     assert r.exit_code == 0, [m["message"] for m in r.json["modules"] if not m["passed"]]
     for m in r.json["modules"]:
@@ -123,4 +118,4 @@ def test_torchrun_two_gpus_nccl_matches_one_process(tmp_path):
                         "convert", str(src), "-o", str(tmp_path / "two"), "--target", "flashinfer-trtllm", "--tp", "2",
                         "--device", "cuda"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert _digest_tree(tmp_path / "one") == _digest_tree(tmp_path / "two")
+    assert digest_tree(tmp_path / "one") == digest_tree(tmp_path / "two")

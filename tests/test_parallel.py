@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from fixtures.generate import make_checkpoint
 from mocli.loader import Fp8Linear, Nvfp4Linear, Nvfp4MoE, load_converted
 from tests import reference as ref
-from tests.conftest import REAL, REAL_LLAMA, REAL_QWEN, ROOT
+from tests.conftest import REAL, REAL_LLAMA, REAL_QWEN, ROOT, digest_tree
 
 CUTLASS, TRTLLM = "flashinfer-cutlass", "flashinfer-trtllm"
 FP8 = torch.float8_e4m3fn
@@ -243,9 +243,6 @@ def test_loader_needs_a_rank_for_a_multi_rank_output(cli, tmp_path):
 
 # --- torchrun ---------------------------------------------------------------------------------------------
 
-def _digest(d: Path) -> dict[str, str]:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
-
 
 def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -260,7 +257,7 @@ def test_torchrun_two_processes_match_one(cli, tmp_path):
     convert(cli, src, tmp_path / "one", TRTLLM, "--tp", "2")
     p = _torchrun(2, "-q", "convert", str(src), "-o", str(tmp_path / "two"), "--target", TRTLLM, "--tp", "2")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert _digest(tmp_path / "one") == _digest(tmp_path / "two")
+    assert digest_tree(tmp_path / "one") == digest_tree(tmp_path / "two")
     assert not list(tmp_path.glob(".two.mocli-*"))
 
 
@@ -285,7 +282,7 @@ def test_torchrun_resumes_a_single_process_partial(cli, tmp_path, monkeypatch):
     p = _torchrun(2, "--json", "convert", str(src), "-o", str(tmp_path / "o"), "--target", CUTLASS, "--tp", "2")
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout)["resumed_units"] > 0
-    assert _digest(tmp_path / "o") == _digest(tmp_path / "clean")
+    assert digest_tree(tmp_path / "o") == digest_tree(tmp_path / "clean")
     shutil.rmtree(tmp_path / "o")
 
 

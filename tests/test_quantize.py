@@ -3,7 +3,6 @@ unchanged, the fp8 format recognised by inspect/validate, verify passing and fai
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -14,20 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fixtures.generate import _edit_tensors, make_checkpoint
-from tests.conftest import ROOT
+from tests.conftest import ROOT, digest_tree, load_tensors, run_killed, u8
 
 FP8 = torch.float8_e4m3fn
-
-
-def tensors(d):
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        out |= load_file(str(f))
-    return out
-
-
-def u8(t):
-    return t.contiguous().reshape(-1).view(torch.uint8) if t.element_size() == 1 else t.contiguous().view(-1).view(torch.uint8)
 
 
 def quantize_reference(ws: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -68,7 +56,7 @@ def test_bytes_equal_a_second_implementation(cli, tmp_path, arch):
     zero = "model.layers.1.self_attn.o_proj.weight"
     _edit_tensors(src, lambda t: t.__setitem__(zero, torch.zeros_like(t[zero])))  # an all-zero tensor
     summary = quantized(cli, src, tmp_path / "out")
-    s, o = tensors(src), tensors(tmp_path / "out")
+    s, o = load_tensors(src), load_tensors(tmp_path / "out")
     for group in groups_of(arch):
         want, scale = quantize_reference([s[m + ".weight"] for m in group])
         for m, q in zip(group, want, strict=True):
@@ -149,7 +137,7 @@ def test_exclusions_keep_whole_groups(cli, tmp_path):
     src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="BF16", kv_cache=False)
     summary = quantized(cli, src, tmp_path / "out", "--exclude", "*layers.1.self_attn.q_proj",
                         "--exclude", "model.layers.0.mlp.experts.3.*")
-    o = tensors(tmp_path / "out")
+    o = load_tensors(tmp_path / "out")
     assert o["model.layers.1.self_attn.k_proj.weight"].dtype == torch.bfloat16  # the whole qkv group kept
     assert o["model.layers.0.mlp.experts.0.gate_proj.weight"].dtype == torch.bfloat16  # the whole MoE layer kept
     assert o["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == FP8
@@ -202,37 +190,18 @@ def test_refusals(cli, tmp_path):
     assert r.exit_code == 2
 
 
-KILLER = """
-import os, signal, sys
-from mocli.io.shard_writer import ShardWriter
-real, n = ShardWriter.write, [0]
-def write(self, *a, **k):
-    n[0] += 1
-    if n[0] > int(os.environ["KILL_AFTER"]):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real(self, *a, **k)
-ShardWriter.write = write
-from mocli.cli import main
-main(sys.argv[1:])
-"""
-
-
-def _digest(d):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
-
-
 def test_kill_9_then_resume_is_byte_identical(tmp_path):
     src = make_checkpoint(tmp_path / "src", arch="mixtral", algo="BF16", kv_cache=False, experts=8, shards=2)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = ["-q", "quantize", str(src), "-o", str(tmp_path / "o")]
-    p = subprocess.run([sys.executable, "-c", KILLER, *args], env={**env, "KILL_AFTER": "40"}, capture_output=True)
+    p = run_killed(args, after=40)
     assert p.returncode == -9 and (tmp_path / ".o.mocli-partial").is_dir()
     p = subprocess.run([sys.executable, "-m", "mocli", "--json", *args[1:]], env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["resumed_units"] > 0
     p = subprocess.run([sys.executable, "-m", "mocli", "-q", "quantize", str(src), "-o", str(tmp_path / "clean")], env=env)
     assert p.returncode == 0
-    assert _digest(tmp_path / "o") == _digest(tmp_path / "clean")
+    assert digest_tree(tmp_path / "o") == digest_tree(tmp_path / "clean")
 
 
 @pytest.mark.gpu
@@ -240,7 +209,7 @@ def test_cuda_is_byte_identical_to_cpu(cli, tmp_path):
     src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="BF16", kv_cache=False)
     for dev in ("cpu", "cuda"):
         assert cli("-q", "quantize", src, "-o", tmp_path / dev, "--device", dev).exit_code == 0
-    assert _digest(tmp_path / "cpu") == _digest(tmp_path / "cuda")
+    assert digest_tree(tmp_path / "cpu") == digest_tree(tmp_path / "cuda")
     r = cli("--json", "verify", tmp_path / "cuda", "--device", "cuda")
     assert r.exit_code == 0
     assert all(m["kernel"].startswith("torch._scaled_mm") for m in r.json["modules"] if "bytes" not in m["kind"])

@@ -10,7 +10,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from fixtures.generate import (
     BROKEN,
@@ -19,18 +18,7 @@ from fixtures.generate import (
     make_checkpoint,
 )
 from tests import reference as ref
-from tests.conftest import REAL
-
-
-def tensors(d) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        out |= load_file(str(f))
-    return out
-
-
-def u8(t):
-    return t.contiguous().reshape(-1).view(torch.uint8) if t.element_size() == 1 else t.contiguous().view(-1).view(torch.uint8)
+from tests.conftest import REAL, load_tensors, u8
 
 
 def same(a, b):
@@ -87,7 +75,7 @@ def test_repairable_finding_validates_clean_after_repair(cli, tmp_path, code):
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in src.iterdir()} == src_hash  # input untouched
     # every tensor that no repair touched is the source's bytes; the others are listed in the plan
     touched = {r["location"] for r in summary["repairs"]}
-    s, o = tensors(src), tensors(tmp_path / "out")
+    s, o = load_tensors(src), load_tensors(tmp_path / "out")
     for name, t in o.items():
         if name in s and not any(name.startswith(loc + ".") or name == loc for loc in touched):
             assert same(t, s[name]), name
@@ -107,7 +95,7 @@ def test_repairable_finding_validates_clean_after_repair(cli, tmp_path, code):
 def test_scale_2_repair_dequantizes_within_one_fp8_rounding(cli, tmp_path):
     src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4", unify_scale_2=False)
     repaired(cli, src, tmp_path / "out")
-    s, o = tensors(src), tensors(tmp_path / "out")
+    s, o = load_tensors(src), load_tensors(tmp_path / "out")
     groups = [[f"model.layers.{i}.self_attn.{x}_proj" for x in "qkv"] for i in range(2)]
     groups += [[f"model.layers.{i}.mlp.experts.{e}.{x}" for x in ("gate_proj", "up_proj")] for i in range(2) for e in range(4)]
     rescaled = 0
@@ -130,7 +118,7 @@ def test_scale_2_repair_dequantizes_within_one_fp8_rounding(cli, tmp_path):
 def test_missing_expert_input_scale_gets_the_layers_max(cli, tmp_path):
     path, _ = make_broken("SCL003", tmp_path / "src")  # expert 2's w2 has no input_scale
     repaired(cli, path, tmp_path / "out")
-    s, o = tensors(path), tensors(tmp_path / "out")
+    s, o = load_tensors(path), load_tensors(tmp_path / "out")
     p = "model.layers.1.block_sparse_moe.experts"
     others = [float(s[f"{p}.{e}.w2.input_scale"]) for e in range(4) if e != 2]
     assert float(o[f"{p}.2.w2.input_scale"]) == max(others) and o[f"{p}.2.w2.input_scale"].dtype == torch.float32
@@ -167,7 +155,7 @@ def test_repair_then_convert_equals_convert_with_its_own_repairs(cli, tmp_path, 
     repaired(cli, src, tmp_path / "fixed")
     for s, o in ((src, "a"), (tmp_path / "fixed", "b")):
         assert cli("-q", "convert", s, "-o", tmp_path / o, "--target", target).exit_code == 0
-    a, b = tensors(tmp_path / "a"), tensors(tmp_path / "b")
+    a, b = load_tensors(tmp_path / "a"), load_tensors(tmp_path / "b")
     assert set(a) == set(b) and all(same(a[k], b[k]) for k in a)
 
 
@@ -215,7 +203,7 @@ def test_sharded_hub_checkpoint_and_resume(cli, tmp_path, monkeypatch):
     r = cli("--json", "repair", "org/m", "-o", tmp_path / "out", env=env)
     assert r.exit_code == 0 and r.json["resumed_units"] > 0
     assert repaired(cli, src, tmp_path / "clean")
-    a, b = tensors(tmp_path / "out"), tensors(tmp_path / "clean")
+    a, b = load_tensors(tmp_path / "out"), load_tensors(tmp_path / "clean")
     assert set(a) == set(b) and all(same(a[k], b[k]) for k in a)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {p.name for p in src.glob("*.safetensors")}

@@ -13,11 +13,7 @@ import torch
 from fixtures.generate import make_checkpoint
 from mocli import engine
 from mocli.io.shard_writer import ShardWriter
-from tests.conftest import ROOT
-
-
-def _digest(d):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+from tests.conftest import ROOT, digest_tree, run_killed
 
 
 @pytest.fixture
@@ -51,7 +47,7 @@ def test_ctrl_c_then_resume(cli, tmp_path, moe_src, monkeypatch):
     assert not (tmp_path / ".o.mocli-partial").exists()
     r = cli("convert", moe_src, "-o", tmp_path / "clean", "--target", "flashinfer-trtllm")
     assert r.exit_code == 0
-    assert _digest(out) == _digest(tmp_path / "clean")
+    assert digest_tree(out) == digest_tree(tmp_path / "clean")
 
 
 def test_partial_from_other_arguments_is_discarded(cli, tmp_path, moe_src, monkeypatch):
@@ -62,7 +58,7 @@ def test_partial_from_other_arguments_is_discarded(cli, tmp_path, moe_src, monke
     r = cli("--json", "convert", moe_src, "-o", out, "--target", "flashinfer-cutlass")
     assert r.exit_code == 0 and r.json["resumed_units"] == 0
     assert cli("convert", moe_src, "-o", tmp_path / "clean", "--target", "flashinfer-cutlass").exit_code == 0
-    assert _digest(out) == _digest(tmp_path / "clean")
+    assert digest_tree(out) == digest_tree(tmp_path / "clean")
 
 
 def test_partial_with_a_damaged_shard_starts_over(cli, tmp_path, moe_src, monkeypatch):
@@ -76,30 +72,13 @@ def test_partial_with_a_damaged_shard_starts_over(cli, tmp_path, moe_src, monkey
     r = cli("--json", "convert", moe_src, "-o", out, "--target", "flashinfer-cutlass")
     assert r.exit_code == 0 and r.json["resumed_units"] == 0
     assert cli("convert", moe_src, "-o", tmp_path / "clean", "--target", "flashinfer-cutlass").exit_code == 0
-    assert _digest(out) == _digest(tmp_path / "clean")
-
-
-KILLER = """
-import os, signal, sys
-from mocli import engine
-from mocli.io.shard_writer import ShardWriter
-real, n = ShardWriter.write, [0]
-def write(self, *a, **k):
-    n[0] += 1
-    if n[0] > int(os.environ["KILL_AFTER"]):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real(self, *a, **k)
-ShardWriter.write = write
-from mocli.cli import main
-main(sys.argv[1:])
-"""
+    assert digest_tree(out) == digest_tree(tmp_path / "clean")
 
 
 def test_kill_9_then_resume(tmp_path, moe_src):
     out = tmp_path / "o"
     args = ["-q", "convert", str(moe_src), "-o", str(out), "--target", "flashinfer-cutlass"]
-    env = {**os.environ, "KILL_AFTER": "25", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-c", KILLER, *args], env=env, capture_output=True)
+    p = run_killed(args, after=25)
     assert p.returncode == -9
     assert not out.exists() and (tmp_path / ".o.mocli-partial").is_dir()
     p = subprocess.run([sys.executable, "-m", "mocli", "--json", *args[1:]], capture_output=True, text=True,
@@ -110,7 +89,7 @@ def test_kill_9_then_resume(tmp_path, moe_src):
     p = subprocess.run([sys.executable, "-m", "mocli", "-q", "convert", str(moe_src), "-o", str(tmp_path / "clean"),
                         "--target", "flashinfer-cutlass"], env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0
-    assert _digest(out) == _digest(tmp_path / "clean")
+    assert digest_tree(out) == digest_tree(tmp_path / "clean")
 
 
 @pytest.mark.gpu
@@ -124,7 +103,7 @@ def test_cpu_and_cuda_outputs_are_identical(cli, tmp_path, target, arch, algo):
         r = cli("--json", "convert", src, "-o", tmp_path / dev, "--target", target, "--device", dev)
         assert r.exit_code == 0, r.stderr
         assert r.json["device"].startswith(dev)
-    a, b = _digest(tmp_path / "cpu"), _digest(tmp_path / "cuda")
+    a, b = digest_tree(tmp_path / "cpu"), digest_tree(tmp_path / "cuda")
     assert a == b
 
 

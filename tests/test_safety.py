@@ -4,24 +4,18 @@ failed runs say where their resumable partial output is; full and read-only disk
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from fixtures.generate import make_checkpoint
 from mocli.io.shard_writer import ShardWriter
-from tests.conftest import ROOT
+from tests.conftest import ROOT, digest_tree
 
 TARGET = "flashinfer-cutlass"
-
-
-def _digest(d: Path) -> dict[str, str]:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture
@@ -60,7 +54,7 @@ def test_directory_that_appears_at_out_during_the_run_is_never_replaced(cli, tmp
     r = cli("--json", "convert", src, "-o", out, "--target", TARGET, "--overwrite")
     assert r.exit_code == 0 and r.json["resumed_units"] == r.json["units"]
     assert cli("convert", src, "-o", tmp_path / "clean", "--target", TARGET).exit_code == 0
-    assert _digest(out) == _digest(tmp_path / "clean")
+    assert digest_tree(out) == digest_tree(tmp_path / "clean")
 
 
 def test_an_empty_directory_at_out_is_fine(cli, tmp_path, src):
@@ -112,7 +106,7 @@ def test_full_disk_is_exit_2_with_a_hint_and_a_resumable_partial(cli, tmp_path, 
     r = cli("--json", "convert", src, "-o", tmp_path / "o", "--target", TARGET)
     assert r.exit_code == 0 and r.json["resumed_units"] > 0
     assert cli("convert", src, "-o", tmp_path / "clean", "--target", TARGET).exit_code == 0
-    assert _digest(tmp_path / "o") == _digest(tmp_path / "clean")
+    assert digest_tree(tmp_path / "o") == digest_tree(tmp_path / "clean")
 
 
 def test_real_small_tmpfs_fills_up(cli, tmp_path, src):
@@ -180,7 +174,7 @@ def test_second_run_on_the_same_output_is_refused_naming_the_first(tmp_path, src
     assert not lock.exists()
     clean = _mocli("-q", "convert", str(src), "-o", str(tmp_path / "clean"), "--target", TARGET)
     assert clean.wait() == 0
-    assert _digest(out) == _digest(tmp_path / "clean")
+    assert digest_tree(out) == digest_tree(tmp_path / "clean")
 
 
 def test_runs_started_together_end_in_one_clean_output(tmp_path, src):
@@ -194,4 +188,4 @@ def test_runs_started_together_end_in_one_clean_output(tmp_path, src):
     ref = _mocli("-q", "convert", str(src), "-o", str(tmp_path / "clean"), "--target", TARGET)
     assert ref.wait() == 0
     for i in range(3):
-        assert _digest(tmp_path / f"o{i}") == _digest(tmp_path / "clean")
+        assert digest_tree(tmp_path / f"o{i}") == digest_tree(tmp_path / "clean")
