@@ -31,6 +31,7 @@ import torch
 
 from mocli.errors import FindingsError, InputError, Interrupted, MocliError, os_error
 from mocli.findings import Findings
+from mocli.io import human_bytes
 from mocli.io.digests import hash_range
 from mocli.io.safetensors_file import TensorReader, tensor_bytes_view
 from mocli.io.shard_writer import (
@@ -189,16 +190,8 @@ def disk_usage(path: Path) -> int:
     return total
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 def partial_hint(partial: Path) -> str:
-    return (f"partial output kept in {partial} ({human(disk_usage(partial))}); run the same command again "
+    return (f"partial output kept in {partial} ({human_bytes(disk_usage(partial), digits=1)}); run the same command again "
             "to resume, or delete that directory")
 
 

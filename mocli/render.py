@@ -7,15 +7,8 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
+from mocli.io import human_bytes
 from mocli.output import Output
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def render_inspect(info: dict[str, Any], out: Output) -> None:
