@@ -34,6 +34,7 @@ CODES: dict[str, tuple[Severity, str]] = {
     "TNS004": (Severity.ERROR, "scale tensor on an unquantized module"),
     "TNS005": (Severity.ERROR, "stored scheme differs from the configured algorithm"),
     "TNS006": (Severity.ERROR, "MoE experts inconsistent (missing expert or mismatched shapes)"),
+    "TNS007": (Severity.ERROR, "static input_scale stored under a dynamic activation scheme"),
     # scale health
     "SCL001": (Severity.ERROR, "scale is NaN or infinite"),
     "SCL002": (Severity.ERROR, "scale is zero or negative"),

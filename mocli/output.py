@@ -13,11 +13,31 @@ from rich.console import Console
 from rich.markup import escape
 
 
+# Width of a console that is not a terminal: no line is ever wrapped (a log or a grep reads each
+# finding and summary as one line, as ruff's and pip's output reads); tables take their natural width.
+_UNWRAPPED = 1 << 20
+
+
 class _Console(Console):
-    """rich exits 1 on a broken pipe by itself; hand it to mocli.cli's one error handler instead."""
+    """rich exits 1 on a broken pipe by itself; hand it to mocli.cli's one error handler instead.
+    Off a terminal, rich would wrap at 80 columns: it wraps nothing unless COLUMNS says so."""
+
+    def __init__(self, file, **kw) -> None:
+        import os
+
+        if not _isatty(file) and not os.environ.get("COLUMNS"):
+            kw.setdefault("width", _UNWRAPPED)
+        super().__init__(file=file, **kw)
 
     def on_broken_pipe(self) -> None:
         raise BrokenPipeError
+
+
+def _isatty(file) -> bool:
+    try:
+        return file.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _json_default(o: Any) -> Any:

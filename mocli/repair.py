@@ -89,7 +89,11 @@ def plan_repair(ckpt: Checkpoint, progress=None) -> RepairPlan:
     report = validate(ckpt, None, census, scales, deep=True, progress=progress)
     plan = RepairPlan()
     codes = {f.code for f in report.findings}
-    plan.refused = [f for f in report.findings.errors if f.code not in REPAIRABLE] + _mixed_storage(census)
+    layers = {layer.name for layer in census.moe}
+    # SCL003 is repairable per expert; at a whole layer (no expert has a scale) there is nothing to
+    # take the max of (SEMANTICS §11.2)
+    plan.refused = [f for f in report.findings.errors if f.code not in REPAIRABLE
+                    or (f.code == "SCL003" and f.location in layers)] + _mixed_storage(census)
     if plan.refused:
         return plan
     _unify_scale_2(plan, census, scales)
@@ -166,7 +170,7 @@ def _fill_input_scales(plan: RepairPlan, census: Census, scales) -> None:
                 if m is None or m.scheme is None or INPUT_SCALE in m.tensors:
                     continue
                 name = f"{m.name}.{INPUT_SCALE}"
-                value = max(pool)  # non-empty: validate refuses a layer where no expert has one
+                value = max(pool)  # non-empty: plan_repair refuses a layer where no expert has one
                 plan.edits[name] = TensorEdit(("F32", ()), _constant(value, ()))
                 plan.added_after[name] = max((e.name for e in m.tensors.values()), key=lambda n: m.tensors[n.rpartition(".")[2]].start)
                 plan.repairs.append(Repair("SCL003", m.name, "input_scale added: the max over the layer's other "

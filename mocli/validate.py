@@ -164,13 +164,18 @@ def _expected(scheme: Algo, w_shape: tuple[int, ...], dynamic: bool = False) -> 
 
 def _check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool | None],
                    findings: Findings) -> None:
+    no_input_scale: dict[str, list[Module]] = {}  # MoE layer -> experts' projections without one
+    static_under_dynamic: list[str] = []
     for m in census.modules.values():
         scheme = m.scheme
         if scheme is None:
             stray = sorted(set(m.tensors) & SCALE_SUFFIXES)
-            if stray:
-                findings.add("TNS004", m.name, f"unquantized (weight {m.weight.dtype if m.weight else 'absent'}) "
-                             f"but has {', '.join(stray)}",
+            if stray and m.weight is None:
+                # scales without any weight: the weight is missing, not the scales stray
+                findings.add("TNS001", m.name, f"has {', '.join(stray)} but no weight",
+                             hint="the export is incomplete; re-export the checkpoint")
+            elif stray:
+                findings.add("TNS004", m.name, f"unquantized (weight {m.weight.dtype}) but has {', '.join(stray)}",
                              hint="drop the scales or store the weight quantized")
             continue
         w = m.tensors.get(WEIGHT)
@@ -187,6 +192,8 @@ def _check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool 
             findings.add("TNS003", f"{m.name}.weight", f"quantized weight {list(w.shape)} has no elements",
                          hint="an empty layer cannot be quantized or served; re-export the checkpoint")
             continue
+        if quant.dynamic_activations and scheme is Algo.FP8 and INPUT_SCALE in m.tensors:
+            static_under_dynamic.append(m.name)
         configured = quant.algo_for(m.name)
         if declared.get(m.engine_name) and configured is not None and configured is not scheme:
             findings.add("TNS005", m.name, f"stored as {scheme} but the config says {configured}",
@@ -199,8 +206,7 @@ def _check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool 
             t = m.tensors.get(suffix)
             if t is None:
                 if suffix == INPUT_SCALE and m.kind is Kind.EXPERT:
-                    findings.add("SCL003", m.name, "expert has no input_scale",
-                                 hint="calibration never routed tokens to it; mocli repair fills it in (SEMANTICS §11)")
+                    no_input_scale.setdefault(m.engine_name, []).append(m)
                 else:
                     findings.add("TNS001", m.name, f"{scheme} module has no {suffix}",
                                  hint="the export is incomplete; re-export the checkpoint")
@@ -216,8 +222,38 @@ def _check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool 
         if len(ks) > 1:
             findings.add("TNS003", g.name, f"shards have different input sizes {sorted(ks)}",
                          hint="fused shards must share K")
+    if static_under_dynamic:
+        # vLLM's Fp8LinearMethod builds no input_scale parameter for a dynamic scheme, so loading these
+        # tensors fails (convert refuses the file for the same reason).
+        findings.add("TNS007", f"{quant.origin}: quantization_config",
+                     f"activation_scheme is dynamic but {len(static_under_dynamic)} FP8 module(s) store a static "
+                     f"input_scale ({_few(static_under_dynamic, 2)})",
+                     hint='set "activation_scheme": "static" (calibrated scales, as a ModelOpt FP8 export has), or '
+                          "drop the input_scale tensors to quantize activations per token")
     for layer in census.moe:
         _check_moe_layer(layer, findings)
+        _check_expert_input_scales(layer, no_input_scale.get(layer.name, []), findings)
+
+
+def _check_expert_input_scales(layer: MoELayer, missing: list[Module], findings: Findings) -> None:
+    """SCL003: experts calibration never routed a token to. Repairable from the layer's other experts
+    (SEMANTICS §11.2), w1/w3 and w2 separately; where none of them has one, there is nothing to take."""
+    if not missing:
+        return
+    pools = {"gate/up": ("gate", "up"), "down": ("down",)}
+    for pool, projs in pools.items():
+        mods = [m for e in layer.experts.values() for p in projs if (m := getattr(e, p)) is not None]
+        lacking = [m for m in mods if m in missing]
+        if not lacking:
+            continue
+        if not any(INPUT_SCALE in m.tensors for m in mods):
+            findings.add("SCL003", layer.name, f"no expert of this layer has a {pool} input_scale",
+                         hint="not repairable: there is no calibrated value to take; re-run calibration "
+                              "(mocli never invents a scale)")
+            continue
+        for m in lacking:
+            findings.add("SCL003", m.name, "expert has no input_scale",
+                         hint="calibration never routed tokens to it; mocli repair fills it in (SEMANTICS §11)")
 
 
 def _equivalent_shape(scheme: Algo, suffix: str, got: tuple[int, ...], want: tuple[int, ...]) -> bool:

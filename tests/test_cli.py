@@ -164,3 +164,20 @@ def test_verbose_reports_timing_and_traceback(cli, monkeypatch):
     monkeypatch.setattr(mocli.inspection, "inspect_checkpoint", lambda *a, **k: 1 / 0)
     r = cli("-vv", "inspect", REAL_QWEN)
     assert r.exit_code == 3 and "Traceback" in r.stderr and "ZeroDivisionError" in r.stderr
+
+
+def test_human_output_is_not_wrapped_off_a_terminal(cli, tmp_path):
+    """In a pipe or a CI log, a summary or a finding is one line whatever its length (ruff, pip)."""
+    out = tmp_path / ("a-long-output-directory-name-" * 4)
+    r = cli("convert", REAL_QWEN, "-o", out, "--target", "flashinfer-cutlass")
+    assert r.exit_code == 0
+    line = next(x for x in r.stdout.splitlines() if x.startswith("converted"))
+    assert line.endswith(f"-> {out}") and len(line) > 160
+    path = make_checkpoint(tmp_path / "m")
+    hint = "the engine will load quantized bytes as BF16; fix exclude_modules"
+    from fixtures.generate import _both_exclude
+
+    _both_exclude(lambda ex: ex.append("model.layers.0.self_attn.o_proj"))(path)
+    r = cli("validate", path)
+    row = next(x for x in r.stdout.splitlines() if "EXC003" in x)
+    assert "excluded by the config but 1 module(s) are stored quantized" in row and hint in row

@@ -14,6 +14,7 @@ import torch
 from fixtures.generate import (
     BROKEN,
     _both_exclude,
+    _edit_tensors,
     make_broken,
     make_checkpoint,
 )
@@ -132,6 +133,61 @@ def test_unrepairable_findings_refuse_and_write_nothing(cli, tmp_path, code):
     assert r.exit_code == 1 and code in r.stderr and "nothing was written" in r.stderr
     assert [f["code"] for f in r.json["refused"]][:1] == [code] or code in [f["code"] for f in r.json["refused"]]
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.mocli-*"))
+
+
+def _drop_input_scales(container, proj=""):
+    def mutate(d):
+        _edit_tensors(d, lambda t: [t.pop(k) for k in list(t) if container in k and k.endswith(proj + ".input_scale")])
+    return mutate
+
+
+def _set(name, value):
+    return lambda d: _edit_tensors(d, lambda t: t.__setitem__(name, value))
+
+
+_MOE_FP8 = dict(arch="mixtral", algo="FP8")
+_MOE_NVFP4 = dict(arch="qwen3_moe", algo="NVFP4", unify_scale_2=False)
+_X = "model.layers.0.mlp.experts.0.gate_proj"
+# SEMANTICS §11.5 and §11.2: what no repair fixes, each with the code that must name it.
+NEVER_REPAIRED = {
+    "no expert of a layer has input scales (FP8)": (_MOE_FP8, _drop_input_scales("layers.1.block_sparse_moe"),
+                                                    "SCL003"),
+    "no expert of a layer has input scales (NVFP4)": (_MOE_NVFP4, _drop_input_scales("layers.0.mlp.experts"),
+                                                      "SCL003"),
+    "no expert of a layer has a down input scale": (_MOE_FP8, _drop_input_scales("layers.1.block_sparse_moe", "w2"),
+                                                    "SCL003"),
+    "NaN expert input scale": (_MOE_FP8, _set("model.layers.1.block_sparse_moe.experts.0.w1.input_scale",
+                                              torch.tensor(float("nan"))), "SCL001"),
+    "NaN weight_scale_2 among mismatched ones": (_MOE_NVFP4, _set(_X + ".weight_scale_2", torch.tensor(float("nan"))),
+                                                 "SCL001"),
+    "zero weight_scale_2 among mismatched ones": (_MOE_NVFP4, _set(_X + ".weight_scale_2", torch.tensor(0.0)),
+                                                  "SCL002"),
+    "expert weight missing": (_MOE_FP8, lambda d: _edit_tensors(d, lambda t: t.pop(
+        "model.layers.1.block_sparse_moe.experts.0.w1.weight")), "TNS001"),
+    "dense weight missing, its scales kept": (dict(), lambda d: _edit_tensors(d, lambda t: t.pop(
+        "model.layers.0.self_attn.o_proj.weight")), "TNS001"),
+    "expert stored in float32": (_MOE_FP8, lambda d: _edit_tensors(d, lambda t: t.__setitem__(
+        "model.layers.1.block_sparse_moe.experts.0.w2.weight",
+        t["model.layers.1.block_sparse_moe.experts.0.w2.weight"].float())), "TNS006"),
+    "weight_scale_2 of the wrong shape": (_MOE_NVFP4, _set(_X + ".weight_scale_2", torch.tensor([1.0, 2.0])), "TNS003"),
+    "input_scale of the wrong shape": (_MOE_NVFP4, _set(_X + ".input_scale", torch.tensor([1.0, 2.0])), "TNS003"),
+    "scale of the wrong dtype": (dict(), _set("model.layers.0.self_attn.o_proj.weight_scale",
+                                              torch.tensor(0.01, dtype=torch.float16)), "TNS002"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NEVER_REPAIRED))
+def test_never_repaired_paths_refuse_with_their_finding_and_write_nothing(cli, tmp_path, case):
+    kw, mutate, code = NEVER_REPAIRED[case]
+    src = make_checkpoint(tmp_path / "src", **kw)
+    mutate(src)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    r = cli("--json", "repair", src, "-o", tmp_path / "out")
+    assert r.exit_code == 1, r.stderr
+    assert f"first: {code}" in r.stderr and "nothing was written" in r.stderr, r.stderr
+    assert code in [f["code"] for f in r.json["refused"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no OUT, no partial, no lock
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
 
 
 def test_mixed_storage_of_a_fused_group_is_refused(cli, tmp_path):
