@@ -11,22 +11,13 @@ from typing import Any
 
 from mocli.errors import CorruptFileError, InputError
 from mocli.findings import Findings
+from mocli.formats import CONFIG_JSON, HF_QUANT_CONFIG, INDEX_NAME, SINGLE_NAME
+from mocli.formats.layout import is_layout
 from mocli.io.bulk import paused_gc
 from mocli.io.jsonfile import read_json
 from mocli.io.safetensors_file import SafetensorsHeader, TensorEntry, TensorReader, read_header
 from mocli.io.source import Source, resolve_source
-from mocli.quant_config import (
-    CONFIG_JSON,
-    HF_QUANT_CONFIG,
-    QuantConfig,
-    parse_config_json,
-    parse_hf_quant_config,
-    reconcile,
-)
-
-INDEX_NAME = "model.safetensors.index.json"
-LAYOUT_MANIFEST = "mocli-layout.json"  # written by mocli convert (mocli.plan.MANIFEST_NAME)
-SINGLE_NAME = "model.safetensors"
+from mocli.quant_config import QuantConfig, parse_config_json, parse_hf_quant_config, reconcile
 
 
 @dataclass
@@ -57,6 +48,13 @@ class Checkpoint:
     def reader(self) -> TensorReader:
         return TensorReader()
 
+    def require_modelopt(self, verb: str) -> None:
+        """convert and repair read ModelOpt exports; vLLM's fp8 format (mocli quantize's output) is served as is."""
+        if self.quant is not None and self.quant.method != "modelopt":
+            raise InputError(f"{self.path}: quant_method {self.quant.method} is not a ModelOpt export; {verb} reads "
+                             "ModelOpt checkpoints", hint="run mocli validate on it; a mocli quantize output is served "
+                             "as it is (mocli verify checks it)")
+
 
 def open_checkpoint(spec: str | Path) -> Checkpoint:
     """Resolve ``spec`` and read every header; raise InputError/CorruptFileError when unusable."""
@@ -67,7 +65,7 @@ def open_checkpoint(spec: str | Path) -> Checkpoint:
 def _open(spec: str | Path) -> Checkpoint:
     source = resolve_source(str(spec))
     root = source.path
-    if (root / LAYOUT_MANIFEST).exists():
+    if is_layout(root):
         raise InputError(f"{root}: this is a mocli-converted checkpoint (kernel layout), not a ModelOpt export",
                          hint="inspect/validate/convert its source; check it with mocli verify")
     index_path = root / INDEX_NAME

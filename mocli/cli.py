@@ -9,13 +9,13 @@ import traceback
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from mocli import __version__
+from mocli.devices import Device, Kernels
 from mocli.errors import (
     EXIT_BROKEN_PIPE,
     EXIT_FINDINGS,
@@ -45,12 +45,6 @@ VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True,
                                          help="Timing on stderr; -vv also prints tracebacks of internal errors.")]
 TargetOpt = Annotated[Target | None, typer.Option("--target", "-t", help="Also check this target's constraints.",
                                                   case_sensitive=False)]
-
-
-class Device(StrEnum):
-    AUTO = "auto"
-    CPU = "cpu"
-    CUDA = "cuda"
 
 
 def _version(value: bool) -> None:
@@ -225,7 +219,7 @@ def convert_cmd(
             digests = SourceDigests([h.path for h in ckpt.files])  # hashing overlaps the torch import
             progress.phase("loading torch")
             from mocli.convert import convert
-            from mocli.engine import dist_from_env
+            from mocli.engine.dist import dist_from_env
             from mocli.render import render_convert
 
             dist = dist_from_env()
@@ -263,14 +257,14 @@ def repair_cmd(
             progress.phase("reading headers")
             ckpt = open_checkpoint(model)
             digests = None if dry_run else SourceDigests([h.path for h in ckpt.files])
-            from mocli.convert import ConversionRefused
+            from mocli.errors import Refused
             from mocli.render import render_repair
             from mocli.repair import repair
 
             try:
                 summary = repair(ckpt, output, dry_run=dry_run, overwrite=overwrite, progress=progress,
                                  digests=digests)
-            except ConversionRefused as e:
+            except Refused as e:
                 if getattr(e, "summary", None) is not None:
                     out.emit(e.summary, render_repair)
                 raise
@@ -309,7 +303,7 @@ def quantize_cmd(
             ckpt = open_checkpoint(model)
             digests = SourceDigests([h.path for h in ckpt.files])
             progress.phase("loading torch")
-            from mocli.engine import dist_from_env
+            from mocli.engine.dist import dist_from_env
             from mocli.quantize import quantize
             from mocli.render import render_quantize
 
@@ -324,12 +318,6 @@ def quantize_cmd(
             out.emit(summary, render_quantize)
 
     _run(ctx, json_, body, quiet, verbose)
-
-
-class Kernels(StrEnum):
-    AUTO = "auto"
-    TORCH = "torch"
-    FLASHINFER = "flashinfer"
 
 
 @app.command("verify")
@@ -365,7 +353,7 @@ def verify_cmd(
         from mocli.verify.html import write_html
         from mocli.verify.junit import write_junit
 
-        opts = VerifyOptions(source=source, device=device.value, kernels=kernels.value, layers=layers,
+        opts = VerifyOptions(source=source, device=device.value, kernels=kernels, layers=layers,
                              tokens=tokens, seed=seed, rank=rank)
         with out.module_progress("verifying") as progress:
             report = verify(output, opts, progress)

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from mocli.checkpoint import Checkpoint
+from mocli.errors import read_error
 from mocli.findings import Findings
-from mocli.io.safetensors_file import TensorEntry, read_error
+from mocli.io.safetensors_file import TensorEntry
 
 CHUNK = 4 << 20
 # dtype -> (numpy view, exponent mask): non-finite iff (bits & mask) == mask

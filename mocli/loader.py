@@ -6,7 +6,7 @@
     moe = ck.modules["model.layers.0.mlp.experts"]              # Nvfp4MoE
     cutlass_fused_moe(..., quant_scales=moe.cutlass_quant_scales(), ...)
 
-The layout contract is ``mocli/docs/LAYOUT.md`` (layout_version 1).
+The layout contract is ``mocli/docs/LAYOUT.md``; ``mocli.formats.layout`` reads it.
 """
 
 from __future__ import annotations
@@ -20,12 +20,10 @@ from typing import Any
 
 import torch
 
-from mocli.checkpoint import INDEX_NAME
-from mocli.errors import CorruptFileError, InputError
-from mocli.io.jsonfile import read_json
-from mocli.io.safetensors_file import TensorEntry, TensorReader, read_header, tensor_bytes_view, torch_dtypes
+from mocli.errors import CorruptFileError
+from mocli.formats.layout import rank_entries, rank_view, read_manifest
+from mocli.io.safetensors_file import TensorEntry, TensorReader, tensor_bytes_view, torch_dtypes
 from mocli.kinds import ModuleKind
-from mocli.plan import LAYOUT_VERSION, MANIFEST_NAME
 
 
 @dataclass
@@ -156,22 +154,6 @@ CLASSES: dict[ModuleKind, type] = {
 ConvertedModule = Fp8Linear | Fp8ChannelLinear | Fp8BlockLinear | Nvfp4Linear | Fp8MoE | Nvfp4MoE
 
 
-def rank_view(manifest: dict[str, Any], rank: int | None) -> tuple[str, list[dict], dict[str, Any]]:
-    """(directory, modules, tensors) of one rank; the top level for a one-rank output."""
-    ranks = manifest.get("ranks")
-    if not ranks:
-        if rank not in (None, 0):
-            raise InputError(f"rank {rank}: this output has one rank", hint="omit rank / --rank")
-        return "", manifest["modules"], manifest["tensors"]
-    if rank is None:
-        raise InputError(f"this output has {len(ranks)} ranks (tp {manifest['parallel']['tp']}, "
-                         f"ep {manifest['parallel']['ep']})", hint="pick one with rank=R (--rank R)")
-    if not 0 <= rank < len(ranks):
-        raise InputError(f"rank {rank}: this output has ranks 0..{len(ranks) - 1}", hint="pick an existing rank")
-    r = ranks[rank]
-    return r["dir"], r["modules"], r["tensors"]
-
-
 @dataclass
 class ConvertedCheckpoint:
     path: Path
@@ -237,42 +219,12 @@ class ConvertedCheckpoint:
         self._reader.close()
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    mpath = Path(path) / MANIFEST_NAME
-    if not mpath.exists():
-        raise InputError(f"{path}: no {MANIFEST_NAME}; not a mocli-converted checkpoint",
-                         hint="run mocli convert first")
-    manifest = read_json(mpath)
-    if not isinstance(manifest, dict) or manifest.get("format") != "mocli-layout":
-        raise CorruptFileError(f"{mpath}: not a mocli layout manifest", hint="the file is damaged; convert again")
-    if manifest.get("layout_version") != LAYOUT_VERSION:
-        raise InputError(f"{mpath}: layout_version {manifest.get('layout_version')} is not supported "
-                         f"(this mocli reads {LAYOUT_VERSION})", hint="convert again with this mocli version")
-    return manifest
-
-
-def _index_entries(directory: Path) -> dict[str, TensorEntry]:
-    index_path = directory / INDEX_NAME
-    index = read_json(index_path)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
-        raise CorruptFileError(f"{index_path}: no weight_map", hint="the output is damaged; convert again")
-    entries: dict[str, TensorEntry] = {}
-    for fname in sorted(set(weight_map.values())):
-        if not isinstance(fname, str) or "/" in fname or fname.startswith("."):
-            raise CorruptFileError(f"{index_path}: bad shard name {fname!r}", hint="the output is damaged; convert again")
-        entries |= read_header(directory / fname).tensors
-    return entries
-
-
 def open_converted(path: str | Path, rank: int | None = None) -> ConvertedCheckpoint:
     """Manifest and headers of one rank, no tensor data yet."""
     path = Path(path)
     manifest = read_manifest(path)
-    group, modules, _ = rank_view(manifest, rank)
-    entries = _index_entries(path) if (path / INDEX_NAME).exists() else {}
-    if group:
-        entries |= _index_entries(path / group)
+    _, modules, _ = rank_view(manifest, rank)
+    entries = rank_entries(path, manifest, rank)
     return ConvertedCheckpoint(path, manifest, rank, {}, TensorReader(), entries, {m["name"]: m for m in modules})
 
 

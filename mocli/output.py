@@ -12,7 +12,6 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-
 # Width of a console that is not a terminal: no line is ever wrapped (a log or a grep reads each
 # finding and summary as one line, as ruff's and pip's output reads); tables take their natural width.
 _UNWRAPPED = 1 << 20

@@ -10,9 +10,7 @@ from enum import StrEnum
 from typing import Any
 
 from mocli.findings import Findings
-
-HF_QUANT_CONFIG = "hf_quant_config.json"
-CONFIG_JSON = "config.json"
+from mocli.formats import CONFIG_JSON, HF_QUANT_CONFIG
 
 # vLLM registers ModelOpt checkpoints under these quant_method names.
 MODELOPT_METHODS = {"modelopt", "modelopt_fp4", "modelopt_mixed"}

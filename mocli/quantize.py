@@ -20,18 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from mocli.census import Census, Kind, Module, build_census
-from mocli.checkpoint import INDEX_NAME, Checkpoint
-from mocli.convert import (
-    copy_configs,
-    fingerprint,
-    group_layouts,
-    provenance_block,
-    resolve_device,
-    write_json,
-)
+from mocli.checkpoint import Checkpoint
 from mocli.errors import InputError
+from mocli.formats import provenance_block
 from mocli.io.digests import SourceDigests
-from mocli.io.shard_writer import DEFAULT_MAX_SHARD_BYTES
+from mocli.io.shard_writer import DEFAULT_MAX_SHARD_BYTES, group_layouts
 from mocli.tables import WEIGHT
 
 FP8_MAX = 448.0
@@ -166,8 +159,9 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
     """Quantize ``ckpt`` into ``out``; returns the summary."""
 
     from mocli import engine
-    from mocli.plan.core import BadData, OutTensor, Piece, Plan, SourceRange, Unit
-    from mocli.plan.passthrough import BATCH_BYTES, BATCH_TENSORS
+    from mocli.devices import resolve_device
+    from mocli.engine.units import OutTensor, Plan, Unit
+    from mocli.formats.fp8 import write_fp8
 
     t0 = time.perf_counter()
     if scheme != "fp8":
@@ -186,70 +180,34 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
     digests = digests or SourceDigests([h.path for h in ckpt.files])
 
     # Output order = unit order (files are appended front to back): groups and kept tensors in the
-    # model's natural order, kept tensors batched into verbatim-copy units.
-    members = {m.name: g for g in qp.groups for m in g.modules}
-    quantized_tensors = {m.tensors[WEIGHT].name for g in qp.groups for m in g.modules}
-    items: list[tuple[list, str, Any]] = []
-    seen_groups: set[str] = set()
-    for name in sorted(ckpt.tensors, key=_natural):
-        module = name.rpartition(".")[0]
-        g = members.get(module)
-        if g is not None and name in quantized_tensors:
-            if g.name not in seen_groups:
-                seen_groups.add(g.name)
-                items.append((_natural(g.modules[0].name), "group", g))
-        elif g is None or name not in quantized_tensors:
-            items.append((_natural(name), "copy", ckpt.tensors[name]))
+    # model's natural order, runs of kept tensors batched into verbatim-copy units.
     plan = Plan()
-    pending: list = []
-    pending_bytes = 0
-
-    def flush() -> None:
-        nonlocal pending, pending_bytes
-        if pending:
-            batch = list(pending)
-            pieces = [Piece(("", e.name), 0, SourceRange(e, 0, e.nbytes)) for e in batch]
-            plan.units.append(Unit(f"copy:{batch[0].name}", batch, [("", e.name) for e in batch],
-                                   lambda ctx, p=pieces: p))
-        pending, pending_bytes = [], 0
-
-    for _, kind, item in items:
-        if kind == "copy":
-            plan.add(OutTensor(item.name, item.dtype, item.shape, "passthrough", [item.name], []))
-            pending.append(item)
-            pending_bytes += item.nbytes
-            if pending_bytes >= BATCH_BYTES or len(pending) >= BATCH_TENSORS:
-                flush()
+    copies: list = []
+    for item in _natural_order(ckpt, qp):
+        if not isinstance(item, Group):
+            copies.append(item)
             continue
-        flush()
-        g = item
+        plan.copy_units(copies)
+        copies = []
         keys = []
-        for m in g.modules:
+        for m in item.modules:
             w = m.tensors[WEIGHT]
             keys.append(("", plan.add(OutTensor(w.name, "F8_E4M3", w.shape, "weight", [w.name],
                                                 ["quantize_fp8_per_tensor"]))))
             keys.append(("", plan.add(OutTensor(f"{m.name}.weight_scale", "F32", (), "weight_scale", [w.name],
-                                                ["amax / 448 over " + g.name]))))
-        plan.units.append(Unit(f"quant:{g.name}", [m.tensors[WEIGHT] for m in g.modules], keys, _group_run(g, BadData, Piece)))
-    flush()
+                                                ["amax / 448 over " + item.name]))))
+        plan.units.append(Unit(f"quant:{item.name}", [m.tensors[WEIGHT] for m in item.modules], keys, _group_run(item)))
+    plan.copy_units(copies)
     layouts = group_layouts(list(plan.tensors.values()), max_shard_bytes)
     ignored = sorted(set(qp.kept) | {m.name for m in census.modules.values() if m.kind is Kind.EMBEDDING},
                      key=_natural)
-    fp = fingerprint("quantize", ckpt, layouts, {"scheme": scheme, "ignored": ignored,
-                                                 "tensors": {n: t.to_dict() for (_, n), t in plan.tensors.items()}})
+    fp = engine.fingerprint("quantize", ckpt.files, layouts, {
+        "scheme": scheme, "ignored": ignored, "tensors": {n: t.to_dict() for (_, n), t in plan.tensors.items()}})
 
     def finish(partial: Path, files: dict[str, str]) -> None:
-        prov = provenance_block(ckpt, digests.result(), command="quantize", scheme=scheme,
+        prov = provenance_block(ckpt.source, digests.result(), command="quantize", scheme=scheme,
                                 output_shards={n: {"sha256": d} for n, d in sorted(files.items())})
-        lay = layouts[""]
-        write_json(partial / INDEX_NAME, {"metadata": {"total_size": sum(t.nbytes for t in plan.tensors.values())},
-                                          "weight_map": lay.weight_map()})
-
-        def edit(name: str, data: dict) -> None:
-            data["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                           "ignored_layers": ignored}
-
-        copy_configs(ckpt, partial, prov, edit=edit)
+        write_fp8(partial, ckpt.path, layouts[""], ignored, prov)
 
     job = engine.Job("quantize", out, ckpt.path, plan, layouts, fp, finish, overwrite, dev, progress, dist)
     result = engine.run(job)
@@ -259,9 +217,26 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
             "resumed_units": result.resumed_units, "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def _group_run(g: Group, BadData, Piece):
+def _natural_order(ckpt: Checkpoint, qp: QuantizePlan) -> list:
+    """Groups (once, at their first weight) and every other tensor, in the model's natural order."""
+    members = {m.name: g for g in qp.groups for m in g.modules}
+    quantized = {m.tensors[WEIGHT].name for g in qp.groups for m in g.modules}
+    items, seen = [], set()
+    for name in sorted(ckpt.tensors, key=_natural):
+        g = members.get(name.rpartition(".")[0])
+        if g is None or name not in quantized:
+            items.append((_natural(name), ckpt.tensors[name]))
+        elif g.name not in seen:
+            seen.add(g.name)
+            items.append((_natural(g.modules[0].name), g))
+    return [item for _, item in items]
+
+
+def _group_run(g: Group):
     def run(ctx):
         import torch
+
+        from mocli.engine.units import BadData, Piece
 
         loaded = [ctx.load(m.tensors[WEIGHT]) for m in g.modules]
         amax = torch.stack([amax_of(w) for w in loaded]).max()

@@ -16,21 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from mocli.census import Census, Module, build_census
-from mocli.checkpoint import INDEX_NAME, Checkpoint
-from mocli.convert import (
-    ConversionRefused,
-    copy_configs,
-    fingerprint,
-    provenance_block,
-    require_modelopt,
-    write_json,
-)
-from mocli.errors import InputError
+from mocli.checkpoint import Checkpoint
+from mocli.errors import InputError, Refused
 from mocli.exclusions import reconcile_exclusions
 from mocli.findings import Finding, Findings
+from mocli.formats import CONFIG_JSON, HF_QUANT_CONFIG, provenance_block
 from mocli.io.digests import SourceDigests
 from mocli.io.safetensors_file import TensorEntry
-from mocli.quant_config import CONFIG_JSON, HF_QUANT_CONFIG, NVFP4_GROUP_SIZE, Algo
+from mocli.quant_config import NVFP4_GROUP_SIZE, Algo
 from mocli.tables import INPUT_SCALE, SCALE_SUFFIXES, WEIGHT_SCALE, WEIGHT_SCALE_2
 
 # Findings a repair fixes (SEMANTICS §11.1-4). Everything else that is an error refuses the run:
@@ -82,8 +75,8 @@ def plan_repair(ckpt: Checkpoint, progress=None) -> RepairPlan:
     from mocli.validate import validate
 
     if ckpt.quant is None:
-        raise ConversionRefused(_only(ckpt.config_findings) or _no_config(ckpt), verb="repair")
-    require_modelopt(ckpt, "repair")
+        raise Refused(_only(ckpt.config_findings) or _no_config(ckpt), verb="repair")
+    ckpt.require_modelopt("repair")
     census = build_census(ckpt.tensors)
     scales = read_scales(ckpt, census)
     report = validate(ckpt, None, census, scales, deep=True, progress=progress)
@@ -241,8 +234,8 @@ def _rescaler(entry: TensorEntry, s2: float, big: float) -> Callable:
     def make(ctx):
         import torch
 
+        from mocli.engine.units import BadData
         from mocli.ops.fp8 import has_nan_fp8, rescale_block_scales
-        from mocli.plan.core import BadData
 
         raw = ctx.load(entry)
         if has_nan_fp8(raw):
@@ -258,38 +251,6 @@ def _constant(value: float, shape: tuple[int, ...]) -> Callable:
 
         return torch.full(shape, value, dtype=torch.float32)
     return make
-
-
-# --- config edits ----------------------------------------------------------------------------------------
-
-def _edit_configs(fields: dict[str, Any]) -> Callable[[str, dict], None]:
-    """Targeted edits of both files: only the quantization fields; everything else as exported."""
-
-    def edit(name: str, data: dict) -> None:
-        if name == HF_QUANT_CONFIG:
-            q = data.setdefault("quantization", {})
-            for key in ("quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules", "quantized_layers"):
-                if key in fields:
-                    q[key] = fields[key]
-        else:
-            q = data.get("quantization_config")
-            if not isinstance(q, dict):
-                return
-            if "quant_algo" in fields:
-                q["quant_algo"] = fields["quant_algo"]
-            q["ignore"] = fields["exclude_modules"]
-            if fields.get("kv_cache_quant_algo") == "FP8":
-                q.pop("kv_cache_quant_algo", None)
-                q["kv_cache_scheme"] = q.get("kv_cache_scheme") if isinstance(q.get("kv_cache_scheme"), dict) else {
-                    "dynamic": False, "num_bits": 8, "type": "float"}
-            if "quantized_layers" in fields:
-                q["quantized_layers"] = fields["quantized_layers"]
-            if "group_size" in fields:
-                for g in (q.get("config_groups") or {}).values():
-                    if isinstance(g, dict) and isinstance(g.get("weights"), dict):
-                        g["weights"]["group_size"] = fields["group_size"]
-
-    return edit
 
 
 # --- the run ----------------------------------------------------------------------------------------------
@@ -310,7 +271,7 @@ def repair(ckpt: Checkpoint, out: Path | None, dry_run: bool = False, overwrite:
     summary = {"source": ckpt.source.describe(), "output": None if dry_run else str(out), **plan.to_dict()}
     if plan.refused:
         findings = Findings(plan.refused)
-        err = ConversionRefused(findings, verb="repair")
+        err = Refused(findings, verb="repair")
         err.message = (f"refusing to repair: {len(plan.refused)} finding(s) no repair can fix; first: "
                        f"{plan.refused[0].code} {plan.refused[0].location}: {plan.refused[0].message}")
         err.hint = "nothing was written; " + (plan.refused[0].hint or "re-export the checkpoint")
@@ -322,22 +283,14 @@ def repair(ckpt: Checkpoint, out: Path | None, dry_run: bool = False, overwrite:
     digests = digests or SourceDigests([h.path for h in ckpt.files])
     job_plan, layouts = _stream_plan(ckpt, plan)
     repairs = [r.to_dict() for r in plan.repairs]
-    fp = fingerprint("repair", ckpt, layouts, {"repairs": repairs, "fields": plan.config_fields})
-    source_index = ckpt.path / INDEX_NAME
+    fp = engine.fingerprint("repair", ckpt.files, layouts, {"repairs": repairs, "fields": plan.config_fields})
 
     def finish(partial: Path, files: dict[str, str]) -> None:
-        provenance = provenance_block(ckpt, digests.result(), repairs=repairs,
-                                      output_shards={n: {"sha256": d} for n, d in sorted(files.items())})
-        if ckpt.sharded:
-            from mocli.io.jsonfile import read_json
+        from mocli.formats.modelopt import write_modelopt
 
-            index = read_json(source_index)
-            index = index if isinstance(index, dict) else {}
-            meta = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
-            lay = layouts[""]
-            write_json(partial / INDEX_NAME, {**index, "metadata": {**meta, "total_size": sum(
-                t.nbytes for f in lay.files for t in f.tensors)}, "weight_map": lay.weight_map()})
-        copy_configs(ckpt, partial, provenance, key="mocli_repair", edit=_edit_configs(plan.config_fields))
+        provenance = provenance_block(ckpt.source, digests.result(), repairs=repairs,
+                                      output_shards={n: {"sha256": d} for n, d in sorted(files.items())})
+        write_modelopt(partial, ckpt.path, layouts[""], ckpt.sharded, plan.config_fields, provenance)
 
     job = engine.Job("repair", Path(out), ckpt.path, job_plan, layouts, fp, finish, overwrite,
                      progress=progress, dist=dist or engine.Dist())
@@ -349,12 +302,12 @@ def repair(ckpt: Checkpoint, out: Path | None, dry_run: bool = False, overwrite:
 
 def _stream_plan(ckpt: Checkpoint, rp: RepairPlan):
     """Output tensors file by file in the source's order (added ones after their module), units in
-    file order: verbatim copies batched, repaired tensors computed in place."""
+    file order: runs of verbatim copies batched, each repaired tensor computed in a unit of its own."""
+    from mocli.engine.units import OutTensor, Piece, Plan, Unit
     from mocli.io.shard_writer import ShardLayout, TensorSpec
-    from mocli.plan.core import OutTensor, Plan
 
     plan = Plan()
-    files = []
+    out = []
     after: dict[str, list[str]] = {}
     for added, anchor in rp.added_after.items():
         after.setdefault(anchor, []).append(added)
@@ -364,45 +317,21 @@ def _stream_plan(ckpt: Checkpoint, rp: RepairPlan):
             if e.name not in rp.dropped:
                 names.append(e.name)
             names += sorted(after.get(e.name, ()))
-        specs = []
+        copies: list[TensorEntry] = []
         for n in names:
-            if n in rp.edits:
-                dtype, shape = rp.edits[n].spec
-            else:
-                e = ckpt.tensors[n]
-                dtype, shape = e.dtype, e.shape
-            t = OutTensor(n, dtype, shape, "repaired" if n in rp.edits else "copy", [n], [])
-            plan.add(t)
-            specs.append(TensorSpec(n, dtype, shape, t.nbytes))
-        files.append((header.path.name, specs))
-        batch: list[str] = []
-        size = 0
-        for spec in specs:
-            batch.append(spec.name)
-            size += spec.nbytes
-            if size >= 64 << 20 or len(batch) >= 512:
-                plan.units.append(_unit(ckpt, rp, header.path.name, batch))
-                batch, size = [], 0
-        if batch:
-            plan.units.append(_unit(ckpt, rp, header.path.name, batch))
-    # each shard keeps its source's own metadata (the layout adds format: pt where it is missing)
-    metadata = {h.path.name: h.metadata for h in ckpt.files}
-    out = []
-    for name, specs in files:
-        lay = ShardLayout.from_files([(name, specs)], {k: v for k, v in metadata.get(name, {}).items()
-                                                       if isinstance(k, str) and isinstance(v, str)})
-        out += lay.files
+            if n not in rp.edits:
+                copies.append(ckpt.tensors[n])
+                continue
+            plan.copy_units(copies, role="copy")
+            copies = []
+            edit = rp.edits[n]
+            plan.add(OutTensor(n, *edit.spec, "repaired", [n], []))
+            plan.units.append(Unit(f"repair:{n}", edit.inputs, [("", n)],
+                                   lambda ctx, n=n, make=edit.make: [Piece(("", n), 0, make(ctx))]))
+        plan.copy_units(copies, role="copy")
+        # each shard keeps its source's own metadata (the layout adds format: pt where it is missing)
+        specs = [TensorSpec(n, plan.tensors["", n].dtype, plan.tensors["", n].shape, plan.tensors["", n].nbytes)
+                 for n in names]
+        meta = {k: v for k, v in header.metadata.items() if isinstance(k, str) and isinstance(v, str)}
+        out += ShardLayout.from_files([(header.path.name, specs)], meta).files
     return plan, {"": ShardLayout(out)}
-
-
-def _unit(ckpt: Checkpoint, rp: RepairPlan, fname: str, names: list[str]):
-    """Consecutive output tensors of one file: verbatim copies, or repaired tensors computed here."""
-    from mocli.plan.core import Piece, SourceRange, Unit
-
-    inputs = [x for n in names for x in (rp.edits[n].inputs if n in rp.edits else [ckpt.tensors[n]])]
-
-    def run(ctx) -> list:
-        return [Piece(("", n), 0, rp.edits[n].make(ctx)) if n in rp.edits else
-                Piece(("", n), 0, SourceRange(ckpt.tensors[n], 0, ckpt.tensors[n].nbytes)) for n in names]
-
-    return Unit(f"repair:{fname}:{names[0]}", inputs, [("", n) for n in names], run)

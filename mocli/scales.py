@@ -12,7 +12,8 @@ import numpy as np
 
 from mocli.census import Census
 from mocli.checkpoint import Checkpoint
-from mocli.io.safetensors_file import TensorEntry, read_error
+from mocli.errors import read_error
+from mocli.io.safetensors_file import TensorEntry
 from mocli.tables import SCALE_SUFFIXES
 
 GAP = 1 << 20  # read across gaps up to this size instead of issuing another call

@@ -15,8 +15,8 @@ from mocli.ops.layout import (
     shuffle_row_indices,
     swizzle_block_scales,
 )
-from mocli.ops.nvfp4 import unpack_e2m1
 from mocli.targets import decode
+from mocli.verify.quant import unpack_e2m1
 from tests import reference as ref
 
 

@@ -123,7 +123,6 @@ def test_real_small_tmpfs_fills_up(cli, tmp_path, src):
 
 
 def test_read_only_output_location_is_exit_2(cli, tmp_path, src, monkeypatch):
-    import mocli.engine as engine
 
     real = os.open
 
@@ -133,7 +132,7 @@ def test_read_only_output_location_is_exit_2(cli, tmp_path, src, monkeypatch):
         return real(path, flags, *a, **k)
 
     (tmp_path / "ro").mkdir()
-    monkeypatch.setattr(engine.os, "open", readonly)
+    monkeypatch.setattr(os, "open", readonly)
     r = cli("convert", src, "-o", tmp_path / "ro" / "o", "--target", TARGET)
     assert r.exit_code == 2 and "read-only" in r.stderr and "Traceback" not in r.stderr
     assert list((tmp_path / "ro").iterdir()) == []

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mocli.errors import CorruptFileError
+from mocli.errors import CorruptFileError, read_error
 
 # No checkpoint file nests anywhere near this deep; deeper input is hostile or broken, and would
 # otherwise surface later as a RecursionError in whatever walks it.
@@ -70,8 +70,6 @@ def _check_text(s: str, path: Path, what: str) -> None:
 
 def read_json(path: Path, walk: bool = True) -> Any:
     """Read and parse a JSON file; OSError becomes a one-line error too (``walk``: see parse_json_bytes)."""
-    from mocli.io.safetensors_file import read_error
-
     try:
         raw = path.read_bytes()
     except OSError as e:

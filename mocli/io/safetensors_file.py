@@ -17,7 +17,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from mocli.errors import CorruptFileError
+from mocli.errors import CorruptFileError, read_error
 from mocli.io.jsonfile import parse_json_bytes
 
 # Bytes per element for every safetensors dtype string (safetensors `Dtype`).
@@ -161,18 +161,6 @@ def _raise_duplicate(raw: bytes, path: Path) -> None:
         return dict(pairs)
 
     json.loads(raw, object_pairs_hook=hook)
-
-
-def read_error(path: Path, e: OSError) -> CorruptFileError:
-    """One-line error for an OSError while reading ``path`` (symlink loops included)."""
-    import errno
-
-    why = e.strerror or str(e)
-    hint = {errno.ELOOP: "a symbolic link points to itself; fix or remove the link",
-            errno.EACCES: "check the file's permissions",
-            errno.ENOENT: "the file disappeared or is a dangling link; download it again",
-            errno.EIO: "the disk reported an I/O error; copy the file again"}.get(e.errno, "check the file")
-    return CorruptFileError(f"{path}: cannot read: {why}", hint=hint)
 
 
 def tensor_bytes_view(t: torch.Tensor) -> memoryview:

@@ -188,3 +188,12 @@ class ShardWriter:
             os.close(fd)
         self.fds.clear()
 
+
+
+def group_layouts(tensors: list, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict[str, ShardLayout]:
+    """Each output group's shards (tensors with ``group``, ``name``, ``dtype``, ``shape``, ``nbytes``),
+    tensors in the given order."""
+    specs: dict[str, list[TensorSpec]] = {}
+    for t in tensors:
+        specs.setdefault(t.group, []).append(TensorSpec(t.name, t.dtype, t.shape, t.nbytes))
+    return {g: layout_shards(s, max_shard_bytes) for g, s in specs.items()}

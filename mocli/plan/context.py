@@ -8,7 +8,7 @@ import torch
 
 from mocli.census import Census, Module
 from mocli.parallel import Heads, ParallelLayout
-from mocli.plan.core import Plan
+from mocli.plan.core import ConvertPlan
 from mocli.targets import TargetLayout
 
 
@@ -19,7 +19,7 @@ class PlanContext:
     layout: TargetLayout
     parallel: ParallelLayout
     heads: Heads | None
-    plan: Plan = field(default_factory=Plan)
+    plan: ConvertPlan = field(default_factory=ConvertPlan)
     consumed: set[str] = field(default_factory=set)
 
     def scale(self, m: Module, suffix: str) -> torch.Tensor:

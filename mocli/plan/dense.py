@@ -9,48 +9,30 @@ from __future__ import annotations
 import torch
 
 from mocli.census import Module
+from mocli.engine.pool import UnitContext
+from mocli.engine.units import BadData, OutTensor, Piece, SourceRange, Unit, concat_pieces
 from mocli.io.safetensors_file import TensorEntry
-from mocli.kinds import ModuleKind, Role, kind_for
+from mocli.kinds import KINDS, ModuleKind, Role
 from mocli.ops.fp8 import has_nan_fp8, requantize_fp8, rescale_block_scales
 from mocli.ops.layout import pad_2d, permute_rows, swizzle_block_scales, swizzled_shape
 from mocli.parallel import RankSlice, Split, rank_slices, split_of
 from mocli.plan.context import PlanContext
-from mocli.plan.core import (
-    BadData,
-    ConvertedModule,
-    OutTensor,
-    Piece,
-    SourceRange,
-    Unit,
-    UnitContext,
-    concat_pieces,
-    scalar,
-)
-from mocli.quant_config import Algo
+from mocli.plan.core import ConvertedModule, scalar
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 
 QUANT_SUFFIXES = (WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2, INPUT_SCALE, "bias")
 
 
-def plan_dense(pc: PlanContext, prefix: str, shards: list[Module], scheme: Algo) -> None:
-    for m in shards:
-        pc.consumed.update(e.name for s, e in m.tensors.items() if s in QUANT_SUFFIXES)
-    slices = rank_slices(pc.parallel, pc.heads, shards)
-    split = split_of(shards[0].name) if pc.parallel.tp > 1 else Split.REPLICATED
-    if scheme is Algo.NVFP4:
-        _Nvfp4Dense(pc, prefix, shards, slices, split).plan()
-    else:
-        _Fp8Dense(pc, prefix, shards, slices, split, scheme).plan()
-
-
 class _Dense:
-    """Shared bookkeeping: per-rank output tensors, manifest modules and the one unit."""
+    """One dense module (a fused group or a lone linear), every rank: per-rank output tensors,
+    manifest modules and the one unit. Subclasses plan their kinds; ``plan()`` adds them."""
 
-    kind: ModuleKind
-
-    def __init__(self, pc: PlanContext, prefix: str, shards: list[Module], slices: dict[int, RankSlice],
-                 split: Split) -> None:
-        self.pc, self.prefix, self.shards, self.slices, self.split = pc, prefix, shards, slices, split
+    def __init__(self, pc: PlanContext, kind: ModuleKind, prefix: str, shards: list[Module]) -> None:
+        for m in shards:
+            pc.consumed.update(e.name for s, e in m.tensors.items() if s in QUANT_SUFFIXES)
+        self.pc, self.kind, self.prefix, self.shards = pc, kind, prefix, shards
+        self.slices: dict[int, RankSlice] = rank_slices(pc.parallel, pc.heads, shards)
+        self.split = split_of(shards[0].name) if pc.parallel.tp > 1 else Split.REPLICATED
         self.fused = ["concat_rows"] if len(shards) > 1 else []
         self.n_full = sum(m.out_in[0] for m in shards)
         self.k_full = shards[0].out_in[1]
@@ -79,14 +61,14 @@ class _Dense:
     def sources(self, suffix: str) -> list[str]:
         return [m.tensors[suffix].name for m in self.shards]
 
-    def finish(self, kind: ModuleKind, meta_extra, inputs: list[TensorEntry], run) -> None:
+    def finish(self, meta_extra, inputs: list[TensorEntry], run) -> None:
         for r in self.ranks:
             s = self.slice_of(r)
             meta = {"n": s.n, "k": s.k, "shard_rows": [b - a for a, b in s.rows], **meta_extra(r)}
             if not self.pc.parallel.single:
                 meta |= {"split": str(self.split), "tp_rank": s.tp_rank, "slices": s.meta(),
                          "full": {"n": self.n_full, "k": self.k_full}}
-            self.pc.plan.modules.append(ConvertedModule(self.prefix, str(kind), str(KIND_SCHEME[kind]),
+            self.pc.plan.modules.append(ConvertedModule(self.prefix, str(self.kind), str(KINDS[self.kind].scheme),
                                                         self.tensors[r], [m.name for m in self.shards], meta,
                                                         self.pc.parallel.group(r)))
         self._plan_bias()
@@ -126,30 +108,23 @@ class _Dense:
         return pieces
 
 
-KIND_SCHEME = {ModuleKind.FP8_LINEAR: Algo.FP8, ModuleKind.FP8_CHANNEL_LINEAR: Algo.FP8_PER_CHANNEL_PER_TOKEN,
-               ModuleKind.FP8_BLOCK_LINEAR: Algo.FP8_PB_WO, ModuleKind.NVFP4_LINEAR: Algo.NVFP4}
-
-
 def check_fp8(t: torch.Tensor, entry: TensorEntry) -> None:
     if has_nan_fp8(t):
         raise BadData(entry.name, "FP8 bytes encode NaN (0x7F or 0xFF)")
 
 
 class _Fp8Dense(_Dense):
-    def __init__(self, pc, prefix, shards, slices, split, scheme: Algo) -> None:
-        super().__init__(pc, prefix, shards, slices, split)
-        self.scheme = scheme
+    """The three FP8 kinds: per-tensor (requantized to the max scale), per-channel, 128x128 blocks."""
 
     def plan(self) -> None:
         pc, shards = self.pc, self.shards
         weights = [m.tensors[WEIGHT] for m in shards]
-        kind = kind_for(self.scheme, moe=False)
-        if self.scheme is Algo.FP8:
+        if self.kind is ModuleKind.FP8_LINEAR:
             s = [pc.scale(m, WEIGHT_SCALE) for m in shards]
             a = [pc.scale(m, INPUT_SCALE) for m in shards]
             big_s, big_a = torch.stack(s).max(), torch.stack(a).max()
             requant = [bool(si != big_s) for si in s]
-            pc.plan.repairs["fp8_requantized_shards"] += sum(requant)
+            pc.plan.unified_scales["fp8_requantized_shards"] += sum(requant)
             for r in self.ranks:
                 sl = self.slice_of(r)
                 self.add(r, Role.WEIGHT, "F8_E4M3", (sl.n, sl.k), [w.name for w in weights],
@@ -169,11 +144,11 @@ class _Fp8Dense(_Dense):
                                Piece(self.key(r, Role.INPUT_SCALE), 0, scalar(big_a))]
                 return pieces + self.bias_pieces(ctx)
 
-            self.finish(kind, lambda r: {}, weights, run)
+            self.finish(lambda r: {}, weights, run)
             return
 
         scale_entries = [m.tensors[WEIGHT_SCALE] for m in shards]
-        block = self.scheme is Algo.FP8_PB_WO
+        block = self.kind is ModuleKind.FP8_BLOCK_LINEAR
         for r in self.ranks:
             sl = self.slice_of(r)
             sshape = (sl.n // 128, sl.k // 128) if block else (sl.n,)
@@ -204,7 +179,7 @@ class _Fp8Dense(_Dense):
                 pieces += concat_pieces(self.key(r, Role.WEIGHT_SCALE), [p.contiguous() for p in parts])
             return pieces + self.bias_pieces(ctx)
 
-        self.finish(kind, lambda r: {}, weights, run)
+        self.finish(lambda r: {}, weights, run)
 
     def _weight_pieces(self, whole: list[torch.Tensor]) -> list[Piece]:
         pieces = []
@@ -224,10 +199,10 @@ class _Nvfp4Dense(_Dense):
         a = [pc.scale(m, INPUT_SCALE) for m in shards]
         big_s2, big_a = torch.stack(s2).max(), torch.stack(a).max()
         rescaled = [bool(x != big_s2) for x in s2]
-        pc.plan.repairs["nvfp4_rescaled_shards"] += sum(rescaled)
+        pc.plan.unified_scales["nvfp4_rescaled_shards"] += sum(rescaled)
         if any(rescaled):
             ratio = float(big_s2 / torch.stack(s2).min())
-            pc.plan.repairs["nvfp4_worst_scale_2_ratio"] = max(pc.plan.repairs["nvfp4_worst_scale_2_ratio"], ratio)
+            pc.plan.unified_scales["nvfp4_worst_scale_2_ratio"] = max(pc.plan.unified_scales["nvfp4_worst_scale_2_ratio"], ratio)
         weights = [m.tensors[WEIGHT] for m in shards]
         bscales = [m.tensors[WEIGHT_SCALE] for m in shards]
         shapes = {}
@@ -290,5 +265,12 @@ class _Nvfp4Dense(_Dense):
                                Piece(self.key(r, Role.INPUT_SCALE_INV), 0, scalar(inv))]
             return pieces + self.bias_pieces(ctx)
 
-        self.finish(ModuleKind.NVFP4_LINEAR, lambda r: {"padded_n": shapes[r][0], "padded_k": shapes[r][1] * 2},
+        self.finish(lambda r: {"padded_n": shapes[r][0], "padded_k": shapes[r][1] * 2},
                     weights + bscales, run)
+
+
+# Planner per dense kind (mocli.plan.PLANNERS joins it with the MoE one).
+DENSE_PLANNERS: dict[ModuleKind, type[_Dense]] = {
+    ModuleKind.FP8_LINEAR: _Fp8Dense, ModuleKind.FP8_CHANNEL_LINEAR: _Fp8Dense,
+    ModuleKind.FP8_BLOCK_LINEAR: _Fp8Dense, ModuleKind.NVFP4_LINEAR: _Nvfp4Dense,
+}

@@ -7,24 +7,30 @@ vectors follow their experts; a1/a2 are the max over all experts on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mocli.census import Module, MoELayer
-from mocli.kinds import ModuleKind, Role
+from mocli.engine.pool import UnitContext
+from mocli.engine.units import BadData, OutTensor, Piece, Unit, concat_pieces
+from mocli.io.safetensors_file import TensorEntry
+from mocli.kinds import KINDS, ModuleKind, Role
 from mocli.ops.fp8 import has_nan_fp8, requantize_fp8, rescale_block_scales
 from mocli.ops.layout import permute_rows, swizzle_block_scales, swizzled_shape
 from mocli.parallel import expert_range, intermediate_range
 from mocli.plan.context import PlanContext
-from mocli.plan.core import BadData, ConvertedModule, OutTensor, Piece, Unit, UnitContext
+from mocli.plan.core import ConvertedModule
 from mocli.plan.dense import QUANT_SUFFIXES
-from mocli.quant_config import Algo
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 
 F32 = torch.float32
 
 
 class _Moe:
-    def __init__(self, pc: PlanContext, layer: MoELayer, kind: ModuleKind) -> None:
+    """One MoE layer, every rank. Subclasses plan one kind; ``plan()`` adds tensors, units, modules."""
+
+    def __init__(self, pc: PlanContext, kind: ModuleKind, name: str, layer: MoELayer) -> None:
         self.pc, self.layer, self.kind = pc, layer, kind
         self.mods = [(layer.experts[e].gate, layer.experts[e].up, layer.experts[e].down) for e in sorted(layer.experts)]
         for trio in self.mods:
@@ -81,6 +87,21 @@ class _Moe:
     def holders(self, e: int) -> list[int]:
         return [r for r in self.ranks if self.experts[r][0] <= e < self.experts[r][1]]
 
+    def expert_unit(self, kind: str, e: int, role: Role, inputs: list[TensorEntry], emit: Callable,
+                    prepare: Callable = lambda ctx: None) -> None:
+        """One unit for expert ``e``'s part of ``role`` on every rank that holds it: ``prepare(ctx)``
+        once, then per rank ``emit(ctx, prepared, r, (i0, i1))`` gives the rank's bytes of the expert
+        (parts laid end to end in its slot of the stacked tensor; ``(i0, i1)``: the rank's rows of I)."""
+        holders = self.holders(e)
+        keys = {r: self.key(r, role) for r in holders}
+        slots = {r: self.pc.plan.tensors[keys[r]].nbytes // self.local(r) * (e - self.experts[r][0]) for r in holders}
+
+        def run(ctx: UnitContext) -> list[Piece]:
+            prepared = prepare(ctx)
+            return [p for r in holders for p in concat_pieces(keys[r], emit(ctx, prepared, r, self.inter[r]), slots[r])]
+
+        self.pc.plan.units.append(Unit(f"{kind}:{self.p}.{e}", inputs, list(keys.values()), run))
+
     def plan_vectors(self, vectors: dict[Role, tuple[torch.Tensor, str, list[str]]]) -> None:
         """Per-expert [E] vectors sliced to each rank's experts; 0-dim scalars whole everywhere."""
         frozen: dict[tuple[int, Role], torch.Tensor] = {}
@@ -106,10 +127,9 @@ class _Moe:
         if not self.pc.parallel.single:
             meta |= {"expert_offset": e0, "experts_total": self.e_count, "intermediate_slice": list(self.inter[r]),
                      "intermediate_total": self.i}
-        self.pc.plan.modules.append(ConvertedModule(self.p, str(self.kind), str(self.scheme), self.tensors[r],
+        self.pc.plan.modules.append(ConvertedModule(self.p, str(self.kind), str(KINDS[self.kind].scheme), self.tensors[r],
                                                     [self.layer.name], meta, self.group(r)))
 
-    scheme: Algo
 
 
 def _check(t: torch.Tensor, m: Module, suffix: str) -> None:
@@ -118,14 +138,13 @@ def _check(t: torch.Tensor, m: Module, suffix: str) -> None:
 
 
 class _Fp8Moe(_Moe):
-    scheme = Algo.FP8
 
     def plan(self) -> None:
         pc, layout, h = self.pc, self.pc.layout, self.h
         s1, s3, s2 = self.per_expert(WEIGHT_SCALE)
         w13_scale = torch.maximum(s1, s3)
         a1, a2 = self.input_scales()
-        pc.plan.repairs["fp8_requantized_shards"] += int((s1 != w13_scale).sum() + (s3 != w13_scale).sum())
+        pc.plan.unified_scales["fp8_requantized_shards"] += int((s1 != w13_scale).sum() + (s3 != w13_scale).sum())
         g1, g2 = w13_scale * a1, s2 * a2
         for r in self.ranks:
             e, i = self.local(r), self.i_r(r)
@@ -158,54 +177,42 @@ class _Fp8Moe(_Moe):
 
     def _w13_unit(self, e: int, g: Module, u: Module, s1, s3, s) -> None:
         layout, h = self.pc.layout, self.h
-        holders = self.holders(e)
 
-        def run(ctx: UnitContext) -> list[Piece]:
-            pieces = []
-            for r in holders:
-                i0, i1 = self.inter[r]
-                i = i1 - i0
-                # [w3; w1]: FlashInfer computes act(second half) * first half (SEMANTICS §4).
-                w13 = _stacked_halves(ctx, [(u, s3), (g, s1)], (i0, i1), h, s)
-                w13 = permute_rows(w13, layout.w13_rows(2 * i), ctx.out(w13))
-                pieces.append(Piece(self.key(r, Role.W13_WEIGHT), (e - self.experts[r][0]) * 2 * i * h, w13))
-            return pieces
+        def emit(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list[torch.Tensor]:
+            # [w3; w1]: FlashInfer computes act(second half) * first half (SEMANTICS §4).
+            w13 = _stacked_halves(ctx, [(u, s3), (g, s1)], rows, h, s)
+            return [permute_rows(w13, layout.w13_rows(w13.shape[0]), ctx.out(w13))]
 
-        self.pc.plan.units.append(Unit(f"w13:{self.p}.{e}", [g.tensors[WEIGHT], u.tensors[WEIGHT]],
-                                       [self.key(r, Role.W13_WEIGHT) for r in holders], run))
+        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], emit)
 
     def _w2_unit(self, e: int, d: Module) -> None:
         layout, h = self.pc.layout, self.h
-        holders = self.holders(e)
 
-        def run(ctx: UnitContext) -> list[Piece]:
+        def prepare(ctx: UnitContext) -> torch.Tensor:
             w2 = ctx.load(d.tensors[WEIGHT])
             _check(w2, d, WEIGHT)
-            pieces = []
-            for r in holders:
-                i0, i1 = self.inter[r]
-                i = i1 - i0
-                w2_r = w2[:, i0:i1] if i != self.i else w2
-                w2_r = permute_rows(w2_r, layout.w2_rows(h), ctx.out(w2_r) if w2_r.is_contiguous() else None)
-                pieces.append(Piece(self.key(r, Role.W2_WEIGHT), (e - self.experts[r][0]) * h * i, w2_r.contiguous()))
-            return pieces
+            return w2
 
-        self.pc.plan.units.append(Unit(f"w2:{self.p}.{e}", [d.tensors[WEIGHT]],
-                                       [self.key(r, Role.W2_WEIGHT) for r in holders], run))
+        def emit(ctx: UnitContext, w2: torch.Tensor, r: int, rows: tuple[int, int]) -> list[torch.Tensor]:
+            i0, i1 = rows
+            w2_r = w2[:, i0:i1] if i1 - i0 != self.i else w2
+            w2_r = permute_rows(w2_r, layout.w2_rows(h), ctx.out(w2_r) if w2_r.is_contiguous() else None)
+            return [w2_r.contiguous()]
+
+        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, prepare)
 
 
 class _Nvfp4Moe(_Moe):
-    scheme = Algo.NVFP4
 
     def plan(self) -> None:
         pc, layout, h = self.pc, self.pc.layout, self.h
         s2_1, s2_3, s2_2 = self.per_expert(WEIGHT_SCALE_2)
         w13_s2 = torch.maximum(s2_1, s2_3)  # mocli policy: max, rescale the other half (SEMANTICS §7.1)
         mismatched = s2_1 != s2_3
-        pc.plan.repairs["nvfp4_rescaled_experts"] += int(mismatched.sum())
+        pc.plan.unified_scales["nvfp4_rescaled_experts"] += int(mismatched.sum())
         if bool(mismatched.any()):
             ratio = float((w13_s2 / torch.minimum(s2_1, s2_3)).max())
-            pc.plan.repairs["nvfp4_worst_scale_2_ratio"] = max(pc.plan.repairs["nvfp4_worst_scale_2_ratio"], ratio)
+            pc.plan.unified_scales["nvfp4_worst_scale_2_ratio"] = max(pc.plan.unified_scales["nvfp4_worst_scale_2_ratio"], ratio)
         a13, a2 = self.input_scales()
         e_count = self.e_count
         a13_v, a2_v = a13.expand(e_count).clone(), a2.expand(e_count).clone()
@@ -250,97 +257,65 @@ class _Nvfp4Moe(_Moe):
 
     def _w13_unit(self, e: int, g: Module, u: Module) -> None:
         layout, h = self.pc.layout, self.h
-        holders = self.holders(e)
 
-        def run(ctx: UnitContext) -> list[Piece]:
-            pieces = []
-            for r in holders:
-                i0, i1 = self.inter[r]
-                i = i1 - i0
-                off = (e - self.experts[r][0]) * i * h  # 2I rows of H/2 bytes per expert
-                idx = layout.w13_rows(2 * i)
-                if idx is None:  # [w3; w1] rows are source bytes: copied in the kernel, never read here
-                    pieces += [Piece(self.key(r, Role.W13_WEIGHT), off, ctx.src(u.tensors[WEIGHT]).rows(i0, i1)),
-                               Piece(self.key(r, Role.W13_WEIGHT), off + i * h // 2,
-                                     ctx.src(g.tensors[WEIGHT]).rows(i0, i1))]
-                else:
-                    cat = _stacked_halves(ctx, [(u, None), (g, None)], (i0, i1), h, None)
-                    pieces.append(Piece(self.key(r, Role.W13_WEIGHT), off, permute_rows(cat, idx, ctx.out(cat))))
-            return pieces
+        def emit(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
+            i0, i1 = rows
+            idx = layout.w13_rows(2 * (i1 - i0))
+            if idx is None:  # [w3; w1] rows are source bytes: copied in the kernel, never read here
+                return [ctx.src(u.tensors[WEIGHT]).rows(i0, i1), ctx.src(g.tensors[WEIGHT]).rows(i0, i1)]
+            cat = _stacked_halves(ctx, [(u, None), (g, None)], rows, h, None)
+            return [permute_rows(cat, idx, ctx.out(cat))]
 
-        self.pc.plan.units.append(Unit(f"w13:{self.p}.{e}", [g.tensors[WEIGHT], u.tensors[WEIGHT]],
-                                       [self.key(r, Role.W13_WEIGHT) for r in holders], run))
+        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], emit)
 
     def _w13_scale_unit(self, e: int, g: Module, u: Module, s2_1, s2_3, big) -> None:
-        layout, h = self.pc.layout, self.h
-        holders = self.holders(e)
+        layout = self.pc.layout
 
-        def run(ctx: UnitContext) -> list[Piece]:
+        def prepare(ctx: UnitContext) -> tuple[torch.Tensor, torch.Tensor]:
             ub, gb = ctx.load(u.tensors[WEIGHT_SCALE]), ctx.load(g.tensors[WEIGHT_SCALE])
             for t, m in ((ub, u), (gb, g)):
                 _check(t, m, WEIGHT_SCALE)
-            ub = rescale_block_scales(ub, s2_3, big, out=ctx.out(ub))
-            gb = rescale_block_scales(gb, s2_1, big, out=ctx.out(gb))
-            pieces = []
-            for r in holders:
-                i0, i1 = self.inter[r]
-                i = i1 - i0
-                s13 = swizzled_shape(2 * i, h // 16)
-                bs13 = permute_rows(torch.cat([ub[i0:i1], gb[i0:i1]]), layout.w13_rows(2 * i))
-                pieces.append(Piece(self.key(r, Role.W13_WEIGHT_SCALE), (e - self.experts[r][0]) * s13[0] * s13[1],
-                                    swizzle_block_scales(bs13)))
-            return pieces
+            return (rescale_block_scales(ub, s2_3, big, out=ctx.out(ub)),
+                    rescale_block_scales(gb, s2_1, big, out=ctx.out(gb)))
 
-        self.pc.plan.units.append(Unit(f"w13s:{self.p}.{e}", [g.tensors[WEIGHT_SCALE], u.tensors[WEIGHT_SCALE]],
-                                       [self.key(r, Role.W13_WEIGHT_SCALE) for r in holders], run))
+        def emit(ctx: UnitContext, scales, r: int, rows: tuple[int, int]) -> list[torch.Tensor]:
+            (ub, gb), (i0, i1) = scales, rows
+            bs13 = permute_rows(torch.cat([ub[i0:i1], gb[i0:i1]]), layout.w13_rows(2 * (i1 - i0)))
+            return [swizzle_block_scales(bs13)]
+
+        self.expert_unit("w13s", e, Role.W13_WEIGHT_SCALE, [g.tensors[WEIGHT_SCALE], u.tensors[WEIGHT_SCALE]],
+                         emit, prepare)
 
     def _w2_unit(self, e: int, d: Module) -> None:
         layout, h = self.pc.layout, self.h
-        holders = self.holders(e)
+        idx = layout.w2_rows(h)
 
-        def run(ctx: UnitContext) -> list[Piece]:
-            pieces = []
-            loaded: list[torch.Tensor] = []
-            for r in holders:
-                i0, i1 = self.inter[r]
-                i = i1 - i0
-                idx = layout.w2_rows(h)
-                off = (e - self.experts[r][0]) * h * i // 2
-                if idx is None and i == self.i:
-                    pieces.append(Piece(self.key(r, Role.W2_WEIGHT), off, ctx.src(d.tensors[WEIGHT])))
-                    continue
-                if not loaded:
-                    loaded.append(ctx.load(d.tensors[WEIGHT]))
-                part = loaded[0][:, i0 // 2:i1 // 2]
-                part = permute_rows(part, idx) if idx is not None else part.contiguous()
-                pieces.append(Piece(self.key(r, Role.W2_WEIGHT), off, part))
-            return pieces
+        def emit(ctx: UnitContext, loaded: dict, r: int, rows: tuple[int, int]) -> list:
+            i0, i1 = rows
+            if idx is None and i1 - i0 == self.i:  # source bytes: copied in the kernel, never read here
+                return [ctx.src(d.tensors[WEIGHT])]
+            if "w2" not in loaded:
+                loaded["w2"] = ctx.load(d.tensors[WEIGHT])
+            part = loaded["w2"][:, i0 // 2:i1 // 2]
+            return [permute_rows(part, idx) if idx is not None else part.contiguous()]
 
-        self.pc.plan.units.append(Unit(f"w2:{self.p}.{e}", [d.tensors[WEIGHT]],
-                                       [self.key(r, Role.W2_WEIGHT) for r in holders], run))
+        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, lambda ctx: {})
 
     def _w2_scale_unit(self, e: int, d: Module) -> None:
         layout, h = self.pc.layout, self.h
-        holders = self.holders(e)
 
-        def run(ctx: UnitContext) -> list[Piece]:
+        def prepare(ctx: UnitContext) -> torch.Tensor:
             db = ctx.load(d.tensors[WEIGHT_SCALE])
             _check(db, d, WEIGHT_SCALE)
-            db = db.view(torch.float8_e4m3fn)
-            pieces = []
-            for r in holders:
-                i0, i1 = self.inter[r]
-                i = i1 - i0
-                s2s = swizzled_shape(h, i // 16)
-                idx = layout.w2_rows(h)
-                bs2 = db[:, i0 // 16:i1 // 16]
-                bs2 = permute_rows(bs2, idx) if idx is not None else bs2.contiguous()
-                pieces.append(Piece(self.key(r, Role.W2_WEIGHT_SCALE), (e - self.experts[r][0]) * s2s[0] * s2s[1],
-                                    swizzle_block_scales(bs2)))
-            return pieces
+            return db.view(torch.float8_e4m3fn)
 
-        self.pc.plan.units.append(Unit(f"w2s:{self.p}.{e}", [d.tensors[WEIGHT_SCALE]],
-                                       [self.key(r, Role.W2_WEIGHT_SCALE) for r in holders], run))
+        def emit(ctx: UnitContext, db: torch.Tensor, r: int, rows: tuple[int, int]) -> list[torch.Tensor]:
+            i0, i1 = rows
+            idx = layout.w2_rows(h)
+            bs2 = db[:, i0 // 16:i1 // 16]
+            return [swizzle_block_scales(permute_rows(bs2, idx) if idx is not None else bs2.contiguous())]
+
+        self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], emit, prepare)
 
 
 def _stacked_halves(ctx: UnitContext, halves: list[tuple[Module, torch.Tensor | None]], rows: tuple[int, int],
@@ -368,9 +343,5 @@ def _stacked_halves(ctx: UnitContext, halves: list[tuple[Module, torch.Tensor | 
     return out
 
 
-def plan_moe(pc: PlanContext, layer: MoELayer) -> None:
-    schemes = layer.schemes
-    if schemes == {Algo.FP8}:
-        _Fp8Moe(pc, layer, ModuleKind.FP8_MOE).plan()
-    elif schemes == {Algo.NVFP4}:
-        _Nvfp4Moe(pc, layer, ModuleKind.NVFP4_MOE).plan()
+# Planner per MoE kind (mocli.plan.PLANNERS joins it with the dense one).
+MOE_PLANNERS: dict[ModuleKind, type[_Moe]] = {ModuleKind.FP8_MOE: _Fp8Moe, ModuleKind.NVFP4_MOE: _Nvfp4Moe}

@@ -59,6 +59,8 @@ class TargetLayout:
     target: Target
     constraints: tuple[Constraint, ...] = SHARED_CONSTRAINTS
     supported: dict[str, frozenset[Algo]] = SUPPORTED
+    # FlashInfer's NVFP4 kernels (mm_fp4, NVFP4 cutlass_fused_moe) read this layout (sm_100+)
+    fp4_kernels: bool = False
 
     # --- dense NVFP4 (SEMANTICS §6) ---------------------------------------------------------------
 

@@ -15,6 +15,7 @@ CUTLASS_FP4_PAD = 32
 
 class CutlassLayout(TargetLayout):
     target = Target.FLASHINFER_CUTLASS
+    fp4_kernels = True
 
     def nvfp4_weight_shape(self, n: int, k: int) -> tuple[int, int]:
         return _roundup(n, CUTLASS_FP4_PAD), _roundup(k, CUTLASS_FP4_PAD) // 2

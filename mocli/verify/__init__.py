@@ -1,6 +1,11 @@
-"""Verification of converted checkpoints: bytes, scales and kernels against the source."""
+"""Verification of converted checkpoints: bytes, scales and kernels against the source.
 
-from mocli.verify.modules import THRESHOLDS
-from mocli.verify.runner import Progress, VerifyOptions, verify
+``runner`` drives the checks; ``common`` holds what they share; ``dense`` and ``moe`` check the
+modules of a ``mocli convert`` output (mirroring ``mocli.plan``), ``quantized`` a ``mocli quantize``
+output; ``files`` checks whole files and verbatim tensors; ``expect`` derives what the bytes must be.
+"""
 
-__all__ = ["THRESHOLDS", "Progress", "VerifyOptions", "verify"]
+from mocli.verify.common import THRESHOLDS, Kernels, Progress, VerifyOptions
+from mocli.verify.runner import verify
+
+__all__ = ["THRESHOLDS", "Kernels", "Progress", "VerifyOptions", "verify"]

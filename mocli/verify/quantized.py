@@ -22,7 +22,18 @@ from mocli.census import Census, Module, build_census
 from mocli.checkpoint import Checkpoint, open_checkpoint
 from mocli.errors import InputError
 from mocli.tables import WEIGHT, WEIGHT_SCALE
-from mocli.verify.modules import ModuleResult, Runtime, _finish, _Problems, _sample, gen, rel_error, scaled_mm
+from mocli.verify.common import (
+    ModuleResult,
+    Problems,
+    Runtime,
+    finish,
+    gen,
+    rel_error,
+    runtime,
+    sample_experts,
+    scaled_mm,
+)
+from mocli.verify.files import Hashes, compare_bytes, open_source
 from mocli.verify.quant import FP8, fp8_per_token
 
 # Dynamic FP8: the weights (per tensor) and the activations (per token) are each rounded to e4m3
@@ -59,25 +70,18 @@ def _groups(out_census: Census) -> list[list[str]]:
 
 
 def verify_quantized(out: Path, opts, progress) -> dict[str, Any]:
-    from mocli.verify.runner import _Hashes, _runtime, compare_bytes
-
     t_all = time.perf_counter()
     ckpt = open_checkpoint(out)
     if ckpt.quant is None or ckpt.quant.method != "fp8":
         raise InputError(f"{out}: not a checkpoint mocli quantize wrote", hint="verify takes mocli convert or quantize output")
-    raw_cfg = ckpt.config.get("quantization_config", {})
-    prov = raw_cfg.get("mocli") if isinstance(raw_cfg, dict) else None
-    prov = prov if isinstance(prov, dict) else {}
-    recorded = prov.get("source") or {}
-    spec = opts.source or recorded.get("path") or (
-        f"{recorded['repo_id']}@{recorded['revision']}" if recorded.get("repo_id") else None)
-    if spec is None:
-        raise InputError(f"{out}: provenance records no source", hint="pass --source MODEL")
-    src = open_checkpoint(spec)
+    from mocli.formats.fp8 import provenance_of
+
+    prov = provenance_of(out) or {}
+    src = open_source(out, prov, opts)
     shards = prov.get("output_shards")
     wanted = {n: v.get("sha256") for n, v in shards.items()} if isinstance(shards, dict) else None
-    hashes = _Hashes(out, wanted, prov.get("source_shards") or {}, src, opts, record_name="config.json")
-    rt = _runtime(opts, "fp8")
+    hashes = Hashes(out, wanted, prov.get("source_shards") or {}, src, opts, record_name="config.json")
+    rt = runtime(opts, None)
     out_census = build_census(ckpt.tensors)
     groups = [g for g in _groups(out_census) if opts.layers is None or any(_match(n, opts.layers) for n in g)]
     moe = {layer.name: layer for layer in out_census.moe}
@@ -131,7 +135,7 @@ def _group_scale(ws: list[torch.Tensor]) -> torch.Tensor:
 def _check_group(names: list[str], ckpt: Checkpoint, src: Checkpoint, ro, rs, rt: Runtime, opts) -> ModuleResult:
     """Bytes and scales of one scale group; dense groups also get a GEMM (MoE experts: _check_moe)."""
     t0 = time.perf_counter()
-    problems = _Problems()
+    problems = Problems()
     src_w = [rs.view(src.tensors[f"{n}.{WEIGHT}"]) for n in names]
     s = _group_scale(src_w)
     inv = torch.reciprocal(s)
@@ -153,7 +157,7 @@ def _check_group(names: list[str], ckpt: Checkpoint, src: Checkpoint, ro, rs, rt
             ckpt.tensors[f"{n}.{WEIGHT}"].shape[0]) for n in names]).to(rt.device)
         out, res.kernel, res.emulated = _fp8_gemm(x, w_q, scale)
         res.error = rel_error(out, x @ w_src.T)
-    return _finish(res, problems, t0)
+    return finish(res, problems, t0)
 
 
 def _fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, str, bool]:
@@ -176,7 +180,7 @@ def _check_moe(layer, ckpt: Checkpoint, src: Checkpoint, ro, rs, rt: Runtime, op
     stages = {"gemm1": 0.0, "gemm2": 0.0}
     worst = (-1.0, math.nan, 1.0)
     kernel, emulated = "", False
-    sample = _sample(len(experts), rt, opts, layer.name)
+    sample = sample_experts(len(experts), rt, opts, layer.name)
     for idx in sample:
         ex = experts[idx]
 
@@ -207,5 +211,5 @@ def _check_moe(layer, ckpt: Checkpoint, src: Checkpoint, ro, rs, rt: Runtime, op
     stages["experts_numeric"] = len(sample)
     res = ModuleResult(layer.name, 0, "fp8_dynamic_moe", "FP8", kernel, emulated,
                        {"experts": len(experts)}, worst[1], worst[2], False, 0.0, stages=stages)
-    return _finish(res, _Problems(), t0)
+    return finish(res, Problems(), t0)
 

@@ -1,0 +1,147 @@
+"""Output digests, taken in file order as the writer appends the bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+from pathlib import Path
+
+import torch
+
+from mocli.engine.pool import BufferPool
+from mocli.io.digests import hash_range
+from mocli.io.safetensors_file import tensor_bytes_view
+from mocli.io.shard_writer import ShardFile
+
+
+class OrderedHasher:
+    """SHA-256 of every output file, fed as the writer appends: bytes still in memory are hashed
+    from there (no read-back), ranges copied file to file or landing ahead of the hash position are
+    read back (through a memory map: no copy) once the bytes before them are in. Files are spread
+    over ``threads`` hashing threads (hashlib drops the GIL), one per four cores; each unit's pooled
+    buffers go back to the pool when every thread is done with them."""
+
+    def __init__(self, files: list[tuple[str, Path, ShardFile]], pool: BufferPool, resumed: dict[int, int],
+                 threads: int | None = None) -> None:
+        self.files, self.pool = files, pool
+        self.sha = [hashlib.sha256() for _ in files]
+        self.pos = [0] * len(files)
+        self.ahead: list[dict[int, int]] = [{} for _ in files]  # start -> end, written but not hashed yet
+        self.error: BaseException | None = None
+        self.fds: dict[int, int] = {}
+        self.fd_lock = threading.Lock()
+        self.pending: dict[int, list] = {}  # feed id -> [threads still holding it, borrowed buffers]
+        self.pending_lock = threading.Lock()
+        self.fed = 0
+        for i, (_, _, f) in enumerate(files):
+            if i in resumed:  # a resumed file: its finished prefix is on disk
+                self.ahead[i][0] = resumed[i]
+            else:
+                self.sha[i].update(f.header)
+                self.pos[i] = len(f.header)
+        n = max(1, min(len(files), threads or (os.cpu_count() or 1) // 4))
+        self.queues: list[queue.Queue] = [queue.Queue(maxsize=2) for _ in range(n)]
+        self.threads = [threading.Thread(target=self._loop, args=(q,), daemon=True) for q in self.queues]
+        for t in self.threads:
+            t.start()
+
+    def feed(self, items: list[tuple[int, int, int, torch.Tensor | None]], borrowed: list) -> None:
+        """(file index, offset, nbytes, the written CPU tensor or None) of one unit's writes, in order."""
+        if self.error is not None:
+            raise self.error
+        n = len(self.queues)
+        parts: dict[int, list] = {}
+        for item in items:
+            parts.setdefault(item[0] % n, []).append(item)
+        if not parts:
+            self.pool.give(borrowed)
+            return
+        with self.pending_lock:  # several writer lanes feed at once
+            self.fed += 1
+            fid = self.fed
+            self.pending[fid] = [len(parts), borrowed]
+        for q, part in parts.items():
+            self.queues[q].put((fid, part))
+
+    def _release(self, fid: int) -> None:
+        with self.pending_lock:
+            entry = self.pending[fid]
+            entry[0] -= 1
+            if entry[0]:
+                return
+            del self.pending[fid]
+        self.pool.give(entry[1])
+
+    def _fd(self, i: int) -> int:
+        with self.fd_lock:
+            if i not in self.fds:
+                self.fds[i] = os.open(self.files[i][1], os.O_RDONLY)
+            return self.fds[i]
+
+    def _read_back(self, i: int, a: int, b: int) -> None:
+        hash_range(self.sha[i], self._fd(i), a, b)
+
+    def _drain(self, i: int) -> None:
+        ahead = self.ahead[i]
+        while self.pos[i] in ahead:
+            end = ahead.pop(self.pos[i])
+            self._read_back(i, self.pos[i], end)
+            self.pos[i] = end
+
+    def _loop(self, q: queue.Queue) -> None:
+        while (item := q.get()) is not None:
+            fid, items = item
+            try:
+                if self.error is None:
+                    for i, off, n, data in items:
+                        self._drain(i)
+                        if off == self.pos[i] and data is not None:
+                            self.sha[i].update(tensor_bytes_view(data))
+                            self.pos[i] = off + n
+                        else:
+                            self.ahead[i][off] = max(off + n, self.ahead[i].get(off, 0))
+                        self._drain(i)
+            except BaseException as e:  # reported by digests()
+                self.error = e
+            finally:
+                del items
+                try:
+                    self._release(fid)
+                except BaseException as e:  # never leave a feeder waiting on a dead thread
+                    self.error = self.error or e
+
+    def _stop(self) -> None:
+        for q in self.queues:
+            q.put(None)
+        for t in self.threads:
+            t.join()
+
+    def _close_files(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def close(self) -> None:
+        """Stop without digests (the run failed)."""
+        self._stop()
+        self._close_files()
+
+    def digests(self) -> dict[int, str]:
+        self._stop()
+        try:
+            if self.error is not None:
+                raise self.error
+            for i, (_, _, f) in enumerate(self.files):
+                self._read_back_rest(i, f.size)
+        finally:
+            self._close_files()
+        return {i: s.hexdigest() for i, s in enumerate(self.sha)}
+
+    def _read_back_rest(self, i: int, size: int) -> None:
+        """Whatever is left (zero-length tails, resumed prefixes never followed by writes)."""
+        self._drain(i)
+        if self.pos[i] < size:
+            self._read_back(i, self.pos[i], size)
+            self.pos[i] = size

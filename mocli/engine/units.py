@@ -1,0 +1,150 @@
+"""What the engine runs: work units, the pieces of bytes they produce, and the output tensors they fill.
+
+Planning (convert's ``mocli.plan``, ``mocli.repair``, ``mocli.quantize``) decides every output tensor's
+name, dtype, shape and place before any weight byte moves; the engine then runs the units and writes
+each piece straight to its place. A piece is either computed bytes (a tensor) or a range of source
+bytes copied verbatim, which the engine moves in the kernel (``copy_file_range``) without reading it
+into Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mocli.io.safetensors_file import DTYPE_SIZES, TensorEntry
+
+if TYPE_CHECKING:
+    import torch
+
+    from mocli.engine.pool import UnitContext
+
+Key = tuple[str, str]  # (group: "" or "rank-N", tensor name)
+# Verbatim copies are batched into units of about this many bytes or tensors.
+BATCH_BYTES = 64 << 20
+BATCH_TENSORS = 512
+
+
+@dataclass
+class OutTensor:
+    name: str
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+    role: str
+    sources: list[str]
+    transforms: list[str]
+    group: str = ""
+
+    @property
+    def key(self) -> Key:
+        return self.group, self.name
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_SIZES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "role": self.role,
+                "sources": self.sources, "transforms": self.transforms}
+
+
+@dataclass(frozen=True)
+class SourceRange:
+    """``nbytes`` bytes of a source tensor, from ``start`` bytes into it, copied unchanged."""
+
+    entry: TensorEntry
+    start: int
+    nbytes: int
+
+    def rows(self, a: int, b: int) -> SourceRange:
+        """Rows [a, b) of a 2-D (or 3-D, first dim) tensor: contiguous bytes."""
+        row = self.nbytes // self.entry.shape[0]
+        return SourceRange(self.entry, self.start + a * row, (b - a) * row)
+
+
+@dataclass
+class Piece:
+    """Bytes for part of one output tensor: ``data`` goes ``offset`` bytes into the tensor ``key``."""
+
+    key: Key
+    offset: int
+    data: torch.Tensor | SourceRange
+
+    @property
+    def nbytes(self) -> int:
+        if isinstance(self.data, SourceRange):
+            return self.data.nbytes
+        return self.data.numel() * self.data.element_size()
+
+
+class BadData(Exception):
+    """Source bytes that no layout can carry (NaN codes in FP8 weights or block scales)."""
+
+    def __init__(self, tensor: str, message: str) -> None:
+        super().__init__(f"{tensor}: {message}")
+        self.tensor, self.message = tensor, message
+
+
+
+@dataclass
+class Unit:
+    id: str
+    inputs: list[TensorEntry]
+    outputs: list[Key]
+    run: Callable[[UnitContext], list[Piece]]
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(e.nbytes for e in self.inputs)
+
+
+
+@dataclass
+class Plan:
+    """Every output tensor (by (group, name)) and the units that produce them. Convert's planner adds
+    the manifest's modules (``mocli.plan.ConvertPlan``)."""
+
+    tensors: dict[Key, OutTensor] = field(default_factory=dict)
+    units: list[Unit] = field(default_factory=list)
+
+    def add(self, t: OutTensor) -> str:
+        if t.key in self.tensors:
+            raise ValueError(f"output tensor {t.name} planned twice in group {t.group!r}")
+        self.tensors[t.key] = t
+        return t.name
+
+    def copy_units(self, entries: list, group: str = "", role: str = "passthrough") -> None:
+        """``entries`` (source tensors) copied verbatim under their own names, in order, batched into
+        units of about BATCH_BYTES / BATCH_TENSORS; the engine moves their bytes in the kernel."""
+        batch: list[TensorEntry] = []
+        size = 0
+
+        def flush() -> None:
+            nonlocal batch, size
+            if batch:
+                keys = [(group, e.name) for e in batch]
+                pieces = [Piece((group, e.name), 0, SourceRange(e, 0, e.nbytes)) for e in batch]
+                self.units.append(Unit(f"copy:{batch[0].name}", list(batch), keys, lambda ctx, p=pieces: p))
+            batch, size = [], 0
+
+        for e in entries:
+            self.add(OutTensor(e.name, e.dtype, e.shape, role, [e.name], [], group))
+            batch.append(e)
+            size += e.nbytes
+            if size >= BATCH_BYTES or len(batch) >= BATCH_TENSORS:
+                flush()
+        flush()
+
+
+def concat_pieces(key: Key, parts: list[torch.Tensor | SourceRange], start: int = 0) -> list[Piece]:
+    """Pieces that lay ``parts`` end to end from byte ``start`` of tensor ``key``."""
+    out, off = [], start
+    for p in parts:
+        piece = Piece(key, off, p)
+        out.append(piece)
+        off += piece.nbytes
+    return out

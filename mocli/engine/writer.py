@@ -1,0 +1,127 @@
+"""The writer lanes: finished units written on background threads, then journalled and hashed."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+import torch
+
+from mocli.engine.hashing import OrderedHasher
+from mocli.engine.pool import BufferPool
+from mocli.engine.units import Key, Piece, SourceRange, Unit
+from mocli.io.safetensors_file import TensorReader
+from mocli.io.shard_writer import ShardWriter
+
+
+def writer_lanes(files: int) -> int:
+    """Writer threads: one per four cores, at most one per file."""
+    return max(1, min(files, (os.cpu_count() or 1) // 4))
+
+
+class Writer:
+    """Writes finished units on background threads (pwrite and copy_file_range drop the GIL).
+
+    Output files are spread over ``lanes`` threads (one per four cores, at most one per file), so
+    each file is still written front to back by one thread. At most ``depth`` units wait per lane,
+    which bounds memory. A unit is journalled once all its bytes are written, with how far it got
+    in each file, so a resume can check those bytes are there.
+    """
+
+    def __init__(self, writer: ShardWriter, journal, pool: BufferPool, hasher: OrderedHasher | None,
+                 written: dict[Key, int], files: dict[int, str], depth: int = 2, lanes: int | None = None) -> None:
+        self.writer, self.journal, self.pool, self.hasher, self.written = writer, journal, pool, hasher, written
+        self.files = files
+        self.error: BaseException | None = None
+        n = lanes or writer_lanes(len(files))
+        self.queues: list[queue.Queue] = [queue.Queue(maxsize=depth) for _ in range(n)]
+        self.readers = [TensorReader() for _ in range(n)]  # source fds for copy_file_range, one set per lane
+        self.threads = [threading.Thread(target=self._loop, args=(q, r), daemon=True)
+                        for q, r in zip(self.queues, self.readers, strict=True)]
+        self.lock = threading.Lock()  # the journal and the units in flight
+        self.pending: dict[int, list] = {}  # seq -> [lanes still writing, hashed, ends, unit, borrowed]
+        self.seq = 0
+
+    def _loop(self, q: queue.Queue, sources: TensorReader) -> None:
+        while (item := q.get()) is not None:
+            seq, pieces = item
+            hashed: list[tuple[int, int, int, torch.Tensor | None]] = []
+            ends: dict[int, int] = {}
+            try:
+                if self.error is None:
+                    for p in pieces:
+                        _, start, _ = self.writer.where[p.key]
+                        if isinstance(p.data, SourceRange):
+                            r = p.data
+                            n = self.writer.copy(p.key, p.offset, sources.fd(r.entry.file),
+                                                 r.entry.start + r.start, r.nbytes)
+                            view = None
+                        else:
+                            n, view = self.writer.write(p.key, p.offset, p.data)  # view: the bytes, kept alive
+                        idx = self.writer.file_index[p.key]
+                        hashed.append((idx, start + p.offset, n, view))
+                        ends[idx] = max(ends.get(idx, 0), start + p.offset + n)
+                        self.written[p.key] = self.written.get(p.key, 0) + n
+            except BaseException as e:  # re-raised on the main thread
+                self.error = e
+            try:
+                self._lane_done(seq, hashed, ends)
+            except BaseException as e:  # never leave the main thread waiting on a dead lane
+                self.error = self.error or e
+
+    def _lane_done(self, seq: int, hashed: list, ends: dict[int, int]) -> None:
+        with self.lock:
+            entry = self.pending[seq]
+            entry[0] -= 1
+            entry[1].extend(hashed)
+            for i, end in ends.items():
+                entry[2][i] = max(entry[2].get(i, 0), end)
+            if entry[0]:
+                return
+            del self.pending[seq]
+            _, hashed, ends, unit, borrowed = entry
+            if self.error is None:
+                try:
+                    marks = "".join(f"\t{self.files[i]}={end}" for i, end in sorted(ends.items()))
+                    self.journal.write(f"{unit.id}{marks}\n")
+                    self.journal.flush()
+                except BaseException as e:
+                    self.error = e
+        if self.error is None and self.hasher is not None:
+            try:
+                self.hasher.feed(hashed, borrowed)
+                return
+            except BaseException as e:
+                self.error = e
+        self.pool.give(borrowed)
+
+    def put(self, unit: Unit, pieces: list[Piece], borrowed: list[torch.Tensor]) -> None:
+        if self.error is not None:
+            raise self.error
+        n = len(self.queues)
+        parts: dict[int, list[Piece]] = {}
+        for p in pieces:
+            parts.setdefault(self.writer.file_index[p.key] % n, []).append(p)
+        self.seq += 1
+        with self.lock:
+            self.pending[self.seq] = [max(1, len(parts)), [], {}, unit, borrowed]
+        if not parts:  # nothing to write: journalled as done at once
+            self._lane_done(self.seq, [], {})
+        for lane, ps in parts.items():
+            self.queues[lane].put((self.seq, ps))
+
+    def __enter__(self) -> Writer:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for q in self.queues:
+            q.put(None)
+        for t in self.threads:
+            t.join()
+        for r in self.readers:
+            r.close()
+        if self.error is not None and exc[0] is None:
+            raise self.error

@@ -1,0 +1,298 @@
+"""Dense linears of one converted module, per rank: bytes, scales, kernel numerics, cross-rank
+(the checks ``mocli.plan.dense`` answers to). One check class per kind, in ``DENSE``."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from mocli.census import Module
+from mocli.errors import CorruptFileError
+from mocli.kinds import ModuleKind
+from mocli.loader import ConvertedCheckpoint
+from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+from mocli.targets.decode import LayoutError
+from mocli.verify import flashinfer_args
+from mocli.verify.common import (
+    THRESHOLDS,
+    CrossResult,
+    ModuleResult,
+    Problems,
+    Runtime,
+    Source,
+    finish,
+    gemm,
+    gen,
+    rel_error,
+    rows_of,
+    scaled_e2m1,
+    scaled_mm,
+)
+from mocli.verify.expect import apply_table, rule_slices
+from mocli.verify.quant import fp8_per_group_dequant, fp8_per_token, fp8_static, nvfp4_quant
+
+NUMERIC_ROWS = 512  # output rows per dense module that get GEMMs (every row's bytes are compared)
+
+
+class _DenseKind:
+    """What differs between dense kinds: activation model, byte/scale expectations, the kernel."""
+
+    threshold: float
+    x_scale: float = 1.0
+
+    def __init__(self, shards: list[Module], src: Source, rt: Runtime) -> None:
+        self.shards, self.src, self.rt = shards, src, rt
+
+    def quant(self, x: torch.Tensor) -> torch.Tensor:
+        """The activations as the kernel quantizes them, dequantized (float32)."""
+        raise NotImplementedError
+
+    def check(self, mod, slices: list[list[int]], problems: Problems) -> None:
+        raise NotImplementedError
+
+    def kernel(self, mod, xr: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, str, bool]:
+        """The kernel's output for the rank's output ``rows`` (local indices)."""
+        raise NotImplementedError
+
+    def weights(self, slices) -> list[torch.Tensor]:
+        return [self.src.cpu(m.tensors[WEIGHT].name)[r0:r1, c0:c1]
+                for m, (r0, r1, c0, c1) in zip(self.shards, slices, strict=True)]
+
+
+class _Fp8Linear(_DenseKind):
+    threshold = THRESHOLDS[ModuleKind.FP8_LINEAR].kept
+
+    def __init__(self, shards, src, rt) -> None:
+        super().__init__(shards, src, rt)
+        self.s = [src.scalar(m, WEIGHT_SCALE) for m in shards]
+        self.big_s = torch.stack(self.s).max()
+        self.big_a = torch.stack([src.scalar(m, INPUT_SCALE) for m in shards]).max()
+        self.x_scale = float(self.big_a) * 448 / 4
+
+    def quant(self, x):
+        return fp8_static(x, self.big_a).float() * self.big_a.to(x.device)
+
+    def check(self, mod, slices, problems) -> None:
+        problems.scalar("weight_scale", mod.weight_scale, self.big_s)
+        problems.scalar("input_scale", mod.input_scale, self.big_a)
+        problems.expect_parts("weight", mod.weight, [
+            apply_table("requant", self.src.cpu(m.tensors[WEIGHT].name)[r0:r1, c0:c1], si, self.big_s)
+            for m, si, (r0, r1, c0, c1) in zip(self.shards, self.s, slices, strict=True)])
+
+    def kernel(self, mod, xr, rows):
+        xq = fp8_static(xr, mod.input_scale)
+        out = scaled_mm(xq, rows_of(mod.weight, rows), mod.input_scale.float(), mod.weight_scale.float())
+        return out, "torch._scaled_mm", False
+
+
+class _Fp8Channel(_DenseKind):
+    threshold = THRESHOLDS[ModuleKind.FP8_CHANNEL_LINEAR].kept
+
+    def quant(self, x):
+        q, s = fp8_per_token(x)
+        return q.float() * s
+
+    def check(self, mod, slices, problems) -> None:
+        problems.expect_parts("weight", mod.weight, self.weights(slices))
+        row_split = slices[0][2] != 0 or slices[0][3] != self.shards[0].out_in[1]
+        scales = [self.src.cpu(m.tensors[WEIGHT_SCALE].name).reshape(-1) for m in self.shards]
+        problems.scalar("weight_scale", mod.weight_scale, torch.cat(
+            scales if row_split else [sc[r0:r1] for sc, (r0, r1, _, _) in zip(scales, slices, strict=True)]))
+
+    def kernel(self, mod, xr, rows):
+        xq, xs = fp8_per_token(xr)
+        w, ws = rows_of(mod.weight, rows), mod.weight_scale.float()[rows.to(xr.device)]
+        try:
+            return scaled_mm(xq, w, xs, ws), "torch._scaled_mm (rowwise)", False
+        except (RuntimeError, NotImplementedError):
+            return (xq.float() * xs) @ (w.float() * ws.reshape(-1, 1)).T, "emulated (dequantized FP8, float32 GEMM)", True
+
+
+class _Fp8Block(_DenseKind):
+    threshold = THRESHOLDS[ModuleKind.FP8_BLOCK_LINEAR].kept
+
+    def quant(self, x):
+        return fp8_per_group_dequant(x)
+
+    def check(self, mod, slices, problems) -> None:
+        problems.expect_parts("weight", mod.weight, self.weights(slices))
+        k = self.shards[0].out_in[1]
+        problems.scalar("weight_scale", mod.weight_scale, torch.cat([
+            self.src.cpu(m.tensors[WEIGHT_SCALE].name).reshape(-1, k // 128)[r0 // 128:r1 // 128, c0 // 128:c1 // 128]
+            for m, (r0, r1, c0, c1) in zip(self.shards, slices, strict=True)]))
+
+    def kernel(self, mod, xr, rows):
+        dev_rows = rows.to(xr.device)
+        s = mod.weight_scale.float()[dev_rows // 128].repeat_interleave(128, 1)
+        return (fp8_per_group_dequant(xr) @ (rows_of(mod.weight, rows).float() * s).T,
+                "emulated (dequantized FP8 128x128 blocks, float32 GEMM)", True)
+
+
+class _Nvfp4Linear(_DenseKind):
+    def __init__(self, shards, src, rt) -> None:
+        super().__init__(shards, src, rt)
+        self.s2 = [src.scalar(m, WEIGHT_SCALE_2) for m in shards]
+        self.big_s2 = torch.stack(self.s2).max()
+        self.big_a = torch.stack([src.scalar(m, INPUT_SCALE) for m in shards]).max()
+        rescaled = any(float(x) != float(self.big_s2) for x in self.s2)
+        self.threshold = (THRESHOLDS[ModuleKind.NVFP4_LINEAR].unified if rescaled
+                          else THRESHOLDS[ModuleKind.NVFP4_LINEAR].kept)
+        self.x_scale = float(self.big_a) * 2688 / 4
+
+    def quant(self, x):
+        return nvfp4_quant(x, 1 / self.big_a) * self.big_a.to(x.device)
+
+    def check(self, mod, slices, problems) -> None:
+        layout, n, k = self.rt.layout, mod.n, mod.k
+        problems.scalar("weight_scale_2", mod.weight_scale_2, self.big_s2)
+        problems.scalar("input_scale", mod.input_scale, self.big_a)
+        problems.scalar("alpha", mod.alpha, self.big_a * self.big_s2)
+        problems.scalar("input_scale_inv", mod.input_scale_inv, torch.reciprocal(self.big_a))
+        self.w = layout.nvfp4_weight_decode(mod.weight, n, k, f"{mod.name}.weight")
+        self.bs = layout.nvfp4_scale_decode(mod.weight_scale, n, k // 16, f"{mod.name}.weight_scale")
+        problems.expect_parts("weight", self.w, [self.src.cpu(m.tensors[WEIGHT].name)[r0:r1, c0 // 2:c1 // 2]
+                                                 for m, (r0, r1, c0, c1) in zip(self.shards, slices, strict=True)])
+        problems.expect_parts("weight_scale (block scales)", self.bs, [
+            apply_table("rescale", self.src.cpu(m.tensors[WEIGHT_SCALE].name)[r0:r1, c0 // 16:c1 // 16], si, self.big_s2)
+            for m, si, (r0, r1, c0, c1) in zip(self.shards, self.s2, slices, strict=True)])
+
+    def kernel(self, mod, xr, rows):
+        if self.rt.fp4_kernels():
+            return flashinfer_args.run_mm_fp4(self.rt.fi, mod, xr)[:, rows.to(xr.device)], "flashinfer.mm_fp4", False
+        dev = xr.device
+        xa = nvfp4_quant(xr, mod.input_scale_inv)  # e2m1 * sf: exact in float32 and bf16
+        wb = scaled_e2m1(self.w[rows].to(dev), self.bs[rows].to(dev))
+        return gemm(xa, wb, self.rt) * mod.alpha.float(), "emulated NVFP4 (decoded layout, exact products)", True
+
+
+DENSE: dict[ModuleKind, type[_DenseKind]] = {
+    ModuleKind.FP8_LINEAR: _Fp8Linear, ModuleKind.FP8_CHANNEL_LINEAR: _Fp8Channel,
+    ModuleKind.FP8_BLOCK_LINEAR: _Fp8Block, ModuleKind.NVFP4_LINEAR: _Nvfp4Linear,
+}
+
+
+
+def _sample_rows(shards: list[Module], opts, name: str) -> torch.Tensor:
+    """Full-layer output rows that get GEMMs: each shard's first and last row plus seeded others."""
+    n = sum(m.out_in[0] for m in shards)
+    if n <= NUMERIC_ROWS:
+        return torch.arange(n)
+    edges = {e for off, m in zip(_offsets(shards), shards, strict=True) for e in (off, off + m.out_in[0] - 1)}
+    pick = torch.randperm(n, generator=gen(opts.seed, name + "/rows"))[: NUMERIC_ROWS - len(edges)]
+    return torch.tensor(sorted(edges | set(pick.tolist())))
+
+
+def check_dense(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheckpoint], src: Source, rt: Runtime,
+                opts, tp: int, heads) -> tuple[list[ModuleResult], CrossResult | None]:
+    """One dense module on every given rank, then (all ranks given) the column-concat / row-sum
+    property. Bytes are compared for every row; GEMMs run on up to NUMERIC_ROWS sampled rows."""
+    first = next(iter(infos.values()))
+    kind = ModuleKind(first["kind"])
+    shards = [src.module(n) for n in first["sources"]]
+    case = DENSE[kind](shards, src, rt)
+    k_full = shards[0].out_in[1]
+    x = (torch.randn(opts.tokens, k_full, generator=gen(opts.seed, name)) * case.x_scale).to(rt.device)
+    sample = _sample_rows(shards, opts, name)  # sorted full-layer rows
+    offsets = _offsets(shards)
+    parts = []
+    for m, off in zip(shards, offsets, strict=True):
+        local = sample[(sample >= off) & (sample < off + m.out_in[0])] - off
+        if len(local):
+            parts.append(src.dequant(m, local))
+    w_sample = torch.cat(parts)  # source weights of the sampled rows, float32 [S, K]
+    bias_full = torch.cat([src.cpu(m.tensors["bias"].name) for m in shards]).float() if "bias" in shards[0].tensors \
+        else None
+    results, outs = [], {}
+    for rank, info in infos.items():
+        t0 = time.perf_counter()
+        meta = info["meta"]
+        slices = meta.get("slices") or [[0, m.out_in[0], 0, m.out_in[1]] for m in shards]
+        split = meta.get("split", "replicated")
+        res = ModuleResult(name, rank, str(kind), info["scheme"], "", False,
+                           {k: v for k, v in meta.items() if isinstance(v, int)}, math.nan, case.threshold, False, 0.0,
+                           tensors=list(info["tensors"].values()))
+        problems = Problems()
+        expected = rule_slices(info, shards, tp, heads)
+        if expected is not None and expected != slices:
+            problems.append(f"the manifest's slices {slices} are not SEMANTICS §10's {expected}")
+        try:
+            mod = cks[rank].load_module(name, rt.device)
+            case.check(mod, slices, problems)
+            c0, c1 = slices[0][2], slices[0][3]
+            held = torch.cat([torch.arange(a, b) + off for (a, b, _, _), off in zip(slices, offsets, strict=True)])
+            keep = torch.isin(held, sample)
+            local_rows = keep.nonzero().reshape(-1)  # the rank's rows (local) that were sampled
+            global_rows = held[local_rows]
+            cols = torch.searchsorted(sample, global_rows)  # their place among the sampled rows
+            xr = x[:, c0:c1]
+            out, res.kernel, res.emulated = case.kernel(mod, xr, local_rows)
+            xq_r = case.quant(xr)
+            if split == "row":
+                ref = xq_r @ w_sample[:, c0:c1].to(xq_r.device).T
+            else:
+                ref = (case.quant(x) @ w_sample.to(x.device).T)[:, cols.to(x.device)]
+            if getattr(mod, "bias", None) is not None:
+                problems.expect_parts("bias", mod.bias, [src.cpu(m.tensors["bias"].name)[a:e]
+                                                         for m, (a, e, _, _) in zip(shards, slices, strict=True)])
+                # the engine adds a row-parallel bias once, after the all-reduce: rank 0 carries it here
+                if split != "row" or meta.get("tp_rank", 0) == 0:
+                    out = out + mod.bias.float()[local_rows.to(out.device)]
+                    ref = ref + bias_full.to(ref.device)[global_rows.to(ref.device)]
+            res.error = rel_error(out, ref)
+            outs[rank] = (split, cols, xq_r, out, meta.get("tp_rank", 0))
+        except (LayoutError, CorruptFileError) as e:
+            res.kernel = "layout check"
+            problems.insert(0, str(e))
+        results.append(finish(res, problems, t0))
+    cross = None
+    if len(outs) > 1 and len(outs) == len(infos):
+        cross = _dense_cross(name, outs, x, case, w_sample, None if bias_full is None else bias_full[sample])
+    return results, cross
+
+
+def _dense_cross(name, outs, x, case, w_sample, bias_sample) -> CrossResult:
+    """Combine the ranks' kernel outputs as the engine does and compare with the whole layer (on the
+    sampled rows). Ranks that share a tp rank (expert-parallel replicas) must agree and count once."""
+    split = next(iter(outs.values()))[0]
+    by_tp: dict[int, tuple] = {}
+    for rank in sorted(outs):
+        _, cols, xq, out, t = outs[rank]
+        if t in by_tp and not torch.equal(by_tp[t][2], out):
+            return CrossResult(name, "replica ranks agree", math.nan, 0.0, False,
+                               f"ranks holding tp rank {t} give different outputs")
+        by_tp.setdefault(t, (cols, xq, out))
+    w = w_sample.to(x.device)
+    if split == "row":
+        check = "row-parallel rank outputs sum to the full layer"
+        got = sum(out for _, _, out in by_tp.values())
+        # ranks hold consecutive column blocks in tp-rank order; their quantized inputs side by side
+        ref = torch.cat([by_tp[t][1] for t in sorted(by_tp)], dim=1) @ w.T
+    else:
+        check = ("column-parallel rank outputs concatenate to the full layer" if split == "column"
+                 else "replicated ranks each equal the full layer")
+        got = torch.full((x.shape[0], w.shape[0]), math.nan, device=w.device)
+        for cols, _, out in by_tp.values():
+            c = cols.to(got.device)
+            held = ~torch.isnan(got[:, c])
+            if bool(held.any()) and not torch.equal(got[:, c][held], out[held]):
+                return CrossResult(name, check, math.nan, case.threshold, False, "replicated rows differ between ranks")
+            got[:, c] = out
+        ref = case.quant(x) @ w.T
+    if bias_sample is not None:  # the ranks' outputs carry the bias (row-parallel: rank 0 only)
+        ref = ref + bias_sample.to(ref.device)
+    err = math.nan if bool(torch.isnan(got).any()) else rel_error(got, ref)
+    passed = not math.isnan(err) and err <= case.threshold
+    return CrossResult(name, check, err, case.threshold, passed, "" if passed else
+                       ("some rows are held by no rank" if math.isnan(err) else f"relative error {err:.3g} > "
+                        f"{case.threshold:g}"))
+
+
+def _offsets(shards: list[Module]) -> list[int]:
+    offs, off = [], 0
+    for m in shards:
+        offs.append(off)
+        off += m.out_in[0]
+    return offs
+

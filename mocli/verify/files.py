@@ -1,0 +1,93 @@
+"""Whole files and verbatim tensors: output digests against the record, the source against provenance,
+and tensors that must be the source's bytes."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from mocli.checkpoint import Checkpoint
+from mocli.errors import InputError
+from mocli.io.digests import sha256_file
+from mocli.verify.common import VerifyOptions
+
+
+class Hashes:
+    """Output files against their recorded SHA-256 and source shards against provenance, hashed on
+    every core in the background while the module checks run (hashlib drops the GIL)."""
+
+    def __init__(self, out: Path, wanted: dict[str, str] | None, recorded: dict[str, str], src: Checkpoint,
+                 opts: VerifyOptions, record_name: str = "mocli-layout.json") -> None:
+        self.out, self.src = out, src
+        self.problems: list[dict[str, str]] = []
+        self.wanted = wanted or {}
+        self.recorded = recorded
+        if wanted is None:
+            self.problems.append({"file": str(out / record_name),
+                                  "problem": "records no file digests (written by an older mocli); run it again"})
+        have = {h.path.name: h.path for h in src.files}
+        if opts.check_source_hash and set(self.recorded) != set(have):
+            raise InputError(f"{src.source.describe()}: source shards {sorted(have)} differ from those recorded at "
+                             f"conversion {sorted(self.recorded)}", hint="verify against the checkpoint that was converted")
+        jobs = [("out", rel, out / rel) for rel in self.wanted]
+        if opts.check_source_hash:
+            jobs += [("src", name, have[name]) for name in self.recorded]
+        jobs.sort(key=lambda j: -(j[2].stat().st_size if j[2].exists() else 0))
+        self.count = len(jobs)
+        self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
+        self.futures = [(job, self.pool.submit(self._one, job[2])) for job in jobs]
+
+    @staticmethod
+    def _one(path: Path) -> tuple[str | None, str | None]:
+        try:
+            return sha256_file(path), None
+        except OSError as e:
+            return None, e.strerror or str(e)
+
+    def result(self) -> list[dict[str, str]]:
+        """File problems of the output; raises InputError when the source changed since conversion."""
+        try:
+            for (kind, name, _), fut in self.futures:
+                digest, err = fut.result()
+                if kind == "out":
+                    if err is not None:
+                        self.problems.append({"file": name, "problem": f"cannot read: {err}"})
+                    elif digest != self.wanted[name]:
+                        self.problems.append({"file": name, "problem": "SHA-256 differs from the manifest: the file "
+                                              "changed after conversion"})
+                elif err is not None or digest != self.recorded[name]:
+                    raise InputError(f"{self.src.source.describe()}: {name} no longer matches the SHA-256 recorded at "
+                                     "conversion", hint="the source changed since conversion; convert again or pass "
+                                     "the original --source")
+        finally:
+            self.pool.shutdown(cancel_futures=True)
+        return self.problems
+
+
+def compare_bytes(entries: dict, src: Checkpoint, reader) -> list[dict[str, str]]:
+    """Each output entry equals the source tensor of the same name, byte for byte (chunked reads)."""
+    problems, chunk = [], 16 << 20
+    for name, e_out in entries.items():
+        e_src = src.tensors.get(name)
+        if e_src is None or (e_out.dtype, e_out.shape) != (e_src.dtype, e_src.shape):
+            problems.append({"tensor": name, "problem": "has no source tensor of that name, dtype and shape"})
+            continue
+        fo, fs = reader.fd(e_out.file), reader.fd(e_src.file)
+        for a in range(0, e_out.nbytes, chunk):
+            n = min(chunk, e_out.nbytes - a)
+            if os.pread(fo, n, e_out.start + a) != os.pread(fs, n, e_src.start + a):
+                problems.append({"tensor": name, "problem": f"differs from the source (bytes {a}..{a + n})"})
+                break
+    return problems
+
+
+def open_source(out: Path, provenance: dict, opts) -> Checkpoint:
+    """The checkpoint an output was made from: ``--source``, else what its provenance recorded."""
+    from mocli.checkpoint import open_checkpoint
+    from mocli.formats import source_spec
+
+    spec = source_spec(provenance, opts.source)
+    if spec is None:
+        raise InputError(f"{out}: provenance records no source", hint="pass --source MODEL")
+    return open_checkpoint(spec)

@@ -1,0 +1,357 @@
+"""Fused MoE layers of one converted output, per rank: every expert's bytes, every scale vector,
+stage-wise numerics on sampled experts, and the tensor-parallel cross-rank property (the checks
+``mocli.plan.moe`` answers to). What differs between FP8 and NVFP4 experts is one class per kind,
+in ``MOE``.
+
+MoE is checked stage by stage: GEMM1 (x @ [w3; w1]) against the source, GEMM2 fed with the kernel's
+own quantized intermediate, so saturation of the intermediate format (a property of the scales, not
+of the layout) cannot read as a fault.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from mocli.errors import CorruptFileError
+from mocli.kinds import ModuleKind, Role
+from mocli.loader import ConvertedCheckpoint
+from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+from mocli.targets.decode import LayoutError, unswizzle
+from mocli.verify import flashinfer_args
+from mocli.verify.common import (
+    FUSED_MOE_THRESHOLD,
+    THRESHOLDS,
+    CrossResult,
+    Kernels,
+    ModuleResult,
+    Problems,
+    Runtime,
+    Source,
+    finish,
+    gemm,
+    gen,
+    rel_error,
+    sample_experts,
+    scaled_e2m1,
+    scaled_mm,
+)
+from mocli.verify.expect import apply_table
+from mocli.verify.quant import FP8, fp8_static, nvfp4_quant
+
+
+class _Experts:
+    """One MoE kind: its scales, its activation format, its bytes and its kernel for one expert."""
+
+    kind: ModuleKind
+    scale: str  # the per-expert weight scale merged over w1/w3
+    act_max: float  # largest activation the input scale covers, in units of a13
+
+    def __init__(self, layer, src: Source, rt: Runtime) -> None:
+        self.layer, self.src, self.rt = layer, src, rt
+        self.limits = THRESHOLDS[self.kind]
+
+    def quant_input(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """Activations as the kernel quantizes them with the per-tensor input scale ``a``, dequantized."""
+        raise NotImplementedError
+
+    def consistency(self, mod, experts, a13, a2, problems: Problems) -> None:
+        """Every scale vector of the layer against SEMANTICS §4/§7 over the source's scales."""
+        s1, s3, s2 = (torch.stack([self.src.scalar(getattr(ex, p), self.scale) for ex in experts])
+                      for p in ("gate", "up", "down"))
+        w13 = torch.maximum(s1, s3)
+        for role, value in self.expected_scales(w13, s2, a13, a2, len(experts)).items():
+            got = getattr(mod, str(role), None)
+            if got is not None:
+                problems.scalar(str(role), got, value)
+
+    def expected_scales(self, w13, s2, a13, a2, e: int) -> dict[Role, torch.Tensor]:
+        raise NotImplementedError
+
+    def expert_bytes(self, mod, local: int, ex, i_slice: tuple[int, int], problems: Problems) -> None:
+        """One expert's weights (and block scales) after the target's inverse row orders, exactly; on the
+        device the module is on (the source's bytes go there, not the converted ones to the CPU)."""
+        raise NotImplementedError
+
+    def rows(self, m, role: str, a: int, b: int, dev) -> torch.Tensor:
+        return self.src.cpu(m.tensors[role].name)[a:b].to(dev)
+
+    def cols(self, m, role: str, a: int, b: int, dev) -> torch.Tensor:
+        return self.src.cpu(m.tensors[role].name)[:, a:b].to(dev)
+
+    def prepare(self, mod, sample: list[int], x: torch.Tensor):
+        """Work shared by the sampled experts of one rank (FP8 on CUDA: one grouped GEMM)."""
+        return None
+
+    def expert_gemms(self, mod, n: int, local: int, i: int, x: torch.Tensor, shared):
+        """(GEMM1 out, GEMM2 out, the kernel's intermediate dequantized, kernel, emulated, GEMM1 threshold)."""
+        raise NotImplementedError
+
+    def fused(self, mod, x, ids, w) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _Fp8Experts(_Experts):
+    kind, scale, act_max = ModuleKind.FP8_MOE, WEIGHT_SCALE, 448.0
+
+    def quant_input(self, x, a):
+        return fp8_static(x, a).float() * a
+
+    def expected_scales(self, w13, s2, a13, a2, e):
+        g1, g2 = w13 * a13, s2 * a2
+        return {Role.W13_WEIGHT_SCALE: w13, Role.W2_WEIGHT_SCALE: s2, Role.W13_INPUT_SCALE: a13,
+                Role.W2_INPUT_SCALE: a2, Role.W13_INPUT_SCALE_INV: torch.reciprocal(a13),
+                Role.W2_INPUT_SCALE_INV: torch.reciprocal(a2), Role.G1_ALPHAS: g1, Role.G2_ALPHAS: g2,
+                Role.OUTPUT1_SCALES_SCALAR: g1 * torch.reciprocal(a2), Role.OUTPUT1_SCALES_GATE_SCALAR: g1,
+                Role.OUTPUT2_SCALES_SCALAR: g2}
+
+    def expert_bytes(self, mod, local, ex, i_slice, problems):
+        layout, (i0, i1), dev = self.rt.layout, i_slice, mod.w13_weight.device
+        s1, s3 = self.src.scalar(ex.gate, WEIGHT_SCALE), self.src.scalar(ex.up, WEIGHT_SCALE)
+        big = torch.maximum(s1, s3)
+        name = f"expert {ex.index}"
+        w13 = layout.moe_rows_decode(mod.w13_weight[local], gated=True)
+        w2 = layout.moe_rows_decode(mod.w2_weight[local], gated=False)
+        problems.expect_equal(f"w13_weight ({name})", w13, torch.cat([
+            apply_table("requant", self.rows(ex.up, WEIGHT, i0, i1, dev), s3, big),
+            apply_table("requant", self.rows(ex.gate, WEIGHT, i0, i1, dev), s1, big)]))
+        problems.expect_equal(f"w2_weight ({name})", w2, self.cols(ex.down, WEIGHT, i0, i1, dev))
+
+    def prepare(self, mod, sample, x):
+        return _fp8_grouped(mod, sample, x, self.rt) if self.rt.cuda else None
+
+    def expert_gemms(self, mod, n, local, i, x, grouped):
+        if grouped is not None:
+            o1, o2, hq = (part[n] for part in grouped)
+            kernel = "torch._scaled_grouped_mm"
+        else:
+            o1, o2, hq = _fp8_expert(mod, local, x, self.rt)
+            kernel = "torch._scaled_mm per expert (CPU)"
+        return o1, o2, hq.float() * mod.w2_input_scale.float(), kernel, False, self.limits.kept
+
+    def fused(self, mod, x, ids, w):
+        return flashinfer_args.run_cutlass_fused_moe_fp8(self.rt.fi, mod, x, ids, w)
+
+
+class _Nvfp4Experts(_Experts):
+    kind, scale, act_max = ModuleKind.NVFP4_MOE, WEIGHT_SCALE_2, 448.0 * 6
+
+    def quant_input(self, x, a):
+        return nvfp4_quant(x, 1 / a) * a
+
+    def expected_scales(self, w13, s2, a13, a2, e):
+        g1, g2 = w13 * a13, s2 * a2
+        a13_v, a2_v = a13.expand(e), a2.expand(e)
+        return {Role.W13_WEIGHT_SCALE_2: w13, Role.W2_WEIGHT_SCALE_2: s2, Role.W13_INPUT_SCALE: a13_v,
+                Role.W2_INPUT_SCALE: a2_v, Role.G1_ALPHAS: g1, Role.G2_ALPHAS: g2,
+                Role.A1_GSCALE: torch.reciprocal(a13_v), Role.A2_GSCALE: torch.reciprocal(a2_v),
+                Role.OUTPUT1_SCALE_SCALAR: g1 * torch.reciprocal(a2_v), Role.OUTPUT1_SCALE_GATE_SCALAR: g1,
+                Role.OUTPUT2_SCALE_SCALAR: g2}
+
+    def expert_bytes(self, mod, local, ex, i_slice, problems):
+        layout, (i0, i1), dev = self.rt.layout, i_slice, mod.w13_weight.device
+        i, h = i1 - i0, mod.hidden
+        s1, s3 = self.src.scalar(ex.gate, WEIGHT_SCALE_2), self.src.scalar(ex.up, WEIGHT_SCALE_2)
+        big = torch.maximum(s1, s3)
+        name = f"expert {ex.index}"
+        w13 = layout.moe_rows_decode(mod.w13_weight[local], gated=True)
+        w2 = layout.moe_rows_decode(mod.w2_weight[local], gated=False)
+        problems.expect_equal(f"w13_weight ({name})", w13, torch.cat([self.rows(ex.up, WEIGHT, i0, i1, dev),
+                                                                      self.rows(ex.gate, WEIGHT, i0, i1, dev)]))
+        bs13 = layout.moe_rows_decode(unswizzle(mod.w13_weight_scale[local], 2 * i, h // 16,
+                                                f"{mod.name}.w13_weight_scale[{local}]"), gated=True)
+        problems.expect_equal(f"w13_weight_scale ({name})", bs13, torch.cat([
+            apply_table("rescale", self.rows(ex.up, WEIGHT_SCALE, i0, i1, dev), s3, big),
+            apply_table("rescale", self.rows(ex.gate, WEIGHT_SCALE, i0, i1, dev), s1, big)]))
+        problems.expect_equal(f"w2_weight ({name})", w2, self.cols(ex.down, WEIGHT, i0 // 2, i1 // 2, dev))
+        bs2 = layout.moe_rows_decode(unswizzle(mod.w2_weight_scale[local], h, i // 16,
+                                               f"{mod.name}.w2_weight_scale[{local}]"), gated=False)
+        problems.expect_equal(f"w2_weight_scale ({name})", bs2, self.cols(ex.down, WEIGHT_SCALE, i0 // 16, i1 // 16, dev))
+
+    def expert_gemms(self, mod, n, local, i, x, shared):
+        layout, rt, h = self.rt.layout, self.rt, mod.hidden
+        w13 = layout.moe_rows_decode(mod.w13_weight[local], gated=True)
+        bs13 = layout.moe_rows_decode(unswizzle(mod.w13_weight_scale[local], 2 * i, h // 16, "w13"), gated=True)
+        w2l = layout.moe_rows_decode(mod.w2_weight[local], gated=False)
+        bs2 = layout.moe_rows_decode(unswizzle(mod.w2_weight_scale[local], h, i // 16, "w2"), gated=False)
+        b13 = scaled_e2m1(w13.to(rt.device), bs13.to(rt.device))
+        b2 = scaled_e2m1(w2l.to(rt.device), bs2.to(rt.device))
+        o1 = gemm(nvfp4_quant(x, mod.a1_gscale[local]), b13, rt) * mod.g1_alphas[local].float()
+        act = F.silu(o1[:, i:]) * o1[:, :i]  # FlashInfer: act(second half) * first half
+        ha = nvfp4_quant(act, mod.a2_gscale[local])
+        o2 = gemm(ha, b2, rt) * mod.g2_alphas[local].float()
+        ex = self.layer.experts[mod.expert_offset + local]
+        rescaled = float(self.src.scalar(ex.gate, WEIGHT_SCALE_2)) != float(self.src.scalar(ex.up, WEIGHT_SCALE_2))
+        return (o1, o2, ha / mod.a2_gscale[local].float(), "emulated NVFP4 MoE (decoded layout, exact products)",
+                True, self.limits.unified if rescaled else self.limits.kept)
+
+    def fused(self, mod, x, ids, w):
+        return flashinfer_args.run_cutlass_fused_moe_nvfp4(self.rt.fi, mod, x, ids, w)
+
+
+MOE: dict[ModuleKind, type[_Experts]] = {ModuleKind.FP8_MOE: _Fp8Experts, ModuleKind.NVFP4_MOE: _Nvfp4Experts}
+
+
+def check_moe(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheckpoint], src: Source, rt: Runtime,
+              opts) -> tuple[list[ModuleResult], CrossResult | None]:
+    """One MoE layer on every given rank: bytes of every expert, consistency, stage-wise numerics on a
+    sample of experts; then (tensor parallel, all ranks) the concatenation / sum over ranks."""
+    kind = ModuleKind(next(iter(infos.values()))["kind"])
+    layer = src.layers[name]
+    case = MOE[kind](layer, src, rt)
+    every = [layer.experts[e] for e in sorted(layer.experts)]
+    a13 = torch.stack([torch.maximum(src.scalar(e.gate, INPUT_SCALE), src.scalar(e.up, INPUT_SCALE)) for e in every]).max()
+    a2 = torch.stack([src.scalar(e.down, INPUT_SCALE) for e in every]).max()
+    x = (torch.randn(opts.tokens, layer.hidden, generator=gen(opts.seed, name)) * (float(a13) * case.act_max / 4)
+         ).to(rt.device)
+    ref_in = case.quant_input(x, a13.to(rt.device))
+    weights: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def source(gid: int):  # dequantized w1, w3, w2 of a global expert, once per module
+        if gid not in weights:
+            ex = layer.experts[gid]
+            weights[gid] = (src.dequant(ex.gate), src.dequant(ex.up), src.dequant(ex.down))
+        return weights[gid]
+
+    results, per_rank = [], {}
+    for rank, info in infos.items():
+        t0 = time.perf_counter()
+        meta = info["meta"]
+        res = ModuleResult(name, rank, str(kind), info["scheme"], "", False,
+                           {k: v for k, v in meta.items() if isinstance(v, int)}, math.nan, 0.0, False, 0.0,
+                           tensors=list(info["tensors"].values()))
+        problems = Problems()
+        try:
+            mod = cks[rank].load_module(name, rt.device)
+            off = meta.get("expert_offset", 0)
+            i_slice = tuple(meta.get("intermediate_slice", [0, meta["intermediate"]]))
+            experts = [layer.experts[off + e] for e in range(mod.experts)]
+            case.consistency(mod, experts, a13, a2, problems)
+            for local, ex in enumerate(experts):
+                case.expert_bytes(mod, local, ex, i_slice, problems)
+            fp4 = kind is ModuleKind.NVFP4_MOE
+            if rt.fi is not None and rt.kernels is Kernels.FLASHINFER or (fp4 and rt.fp4_kernels()):
+                res.kernel, res.emulated, res.stages, (res.error, res.threshold) = _fused(
+                    case, mod, experts, x, ref_in, a2.to(rt.device), opts)
+            else:
+                res.kernel, res.emulated, res.stages, (res.error, res.threshold), outs = _stages(
+                    case, mod, off, i_slice, x, ref_in, source, opts)
+                per_rank[rank] = (i_slice, outs)
+        except (LayoutError, CorruptFileError) as e:
+            res.kernel = "layout check"
+            problems.insert(0, str(e))
+        results.append(finish(res, problems, t0))
+    cross = None
+    if len({i_slice for i_slice, _ in per_rank.values()}) > 1 and len(per_rank) == len(infos):
+        cross = _cross(name, case, per_rank, ref_in, source, layer.intermediate)
+    return results, cross
+
+
+def _stages(case: _Experts, mod, off: int, i_slice, x, ref_in, source, opts):
+    """GEMM1 against the source; GEMM2 on the kernel's own intermediate. Returns kernel, emulated,
+    stage errors, (error, threshold) of the worst stage relative to its threshold, per-expert outputs."""
+    (i0, i1), rt = i_slice, case.rt
+    i = i1 - i0
+    sample = sample_experts(mod.experts, rt, opts, mod.name)
+    stages = {"gemm1": 0.0, "gemm2": 0.0, "experts_numeric": len(sample)}
+    worst = (-1.0, math.nan, 1.0)
+    outs: dict[int, tuple] = {}
+    kernel, emulated = "", False
+    shared = case.prepare(mod, sample, x)
+    for n, local in enumerate(sample):
+        gid = off + local
+        w1, w3, w2 = source(gid)
+        ref1 = ref_in @ torch.cat([w3[i0:i1], w1[i0:i1]]).T  # [up | gate] (SEMANTICS §4)
+        o1, o2, h_true, kernel, emulated, t1 = case.expert_gemms(mod, n, local, i, x, shared)
+        ref2 = h_true @ w2[:, i0:i1].T
+        e1, e2 = rel_error(o1, ref1), rel_error(o2, ref2)
+        for stage, err, thr in (("gemm1", e1, t1), ("gemm2", e2, case.limits.gemm2)):
+            stages[stage] = math.nan if math.isnan(err) or math.isnan(stages[stage]) else max(stages[stage], err)
+            ratio = math.inf if math.isnan(err) else err / thr
+            if ratio > worst[0]:
+                worst = (ratio, err, thr)
+        outs[gid] = (o1, o2, h_true)
+    return kernel, emulated, stages, (worst[1], worst[2]), outs
+
+
+def _cross(name: str, case: _Experts, per_rank: dict, ref_in, source, inter: int) -> CrossResult:
+    """Tensor-parallel MoE: rank GEMM1 outputs concatenate to the full expert's, GEMM2 outputs sum to
+    the full down projection of the concatenated intermediate (SEMANTICS §10)."""
+    worst = 0.0
+    common = set.intersection(*(set(outs) for _, outs in per_rank.values()))
+    for gid in sorted(common):
+        w1, w3, w2 = source(gid)
+        full1 = ref_in @ torch.cat([w3, w1]).T
+        got1 = torch.empty_like(full1)
+        h_parts, total2 = [], 0
+        for rank in sorted(per_rank):
+            (i0, i1), outs = per_rank[rank]
+            o1, o2, h_true = outs[gid]
+            i = i1 - i0
+            got1[:, i0:i1], got1[:, inter + i0:inter + i1] = o1[:, :i], o1[:, i:]
+            h_parts.append(h_true)
+            total2 = total2 + o2
+        ref2 = torch.cat(h_parts, dim=1) @ w2.T
+        worst = max(worst, rel_error(got1, full1) / case.limits.unified, rel_error(total2, ref2) / case.limits.gemm2)
+    passed = worst <= 1.0
+    return CrossResult(name, "tensor-parallel experts: GEMM1 concatenates, GEMM2 sums over ranks", worst, 1.0, passed,
+                       "" if passed else f"error {worst:.3g}x the threshold")
+
+
+def _fp8_expert(mod, local: int, x: torch.Tensor, rt: Runtime):
+    layout, i = rt.layout, mod.intermediate
+    w13 = layout.moe_rows_decode(mod.w13_weight[local], gated=True)
+    w2 = layout.moe_rows_decode(mod.w2_weight[local], gated=False)
+    xq = (x.float() * mod.w13_input_scale_inv.float()).clamp(-448, 448).to(FP8)
+    one = torch.tensor(1.0, device=rt.device)
+    o1 = scaled_mm(xq, w13, one, mod.g1_alphas[local].float())
+    act = F.silu(o1[:, i:]) * o1[:, :i]
+    hq = (act * mod.w2_input_scale_inv.float()).clamp(-448, 448).to(FP8)
+    o2 = scaled_mm(hq, w2, one, mod.g2_alphas[local].float())
+    return o1, o2, hq
+
+
+def _fp8_grouped(mod, sample: list[int], x: torch.Tensor, rt: Runtime):
+    """All sampled experts in two torch._scaled_grouped_mm calls (SEMANTICS §9), the same tokens each."""
+    layout, i, h, t = rt.layout, mod.intermediate, mod.hidden, x.shape[0]
+    e = len(sample)
+    w13 = torch.stack([layout.moe_rows_decode(mod.w13_weight[s], gated=True) for s in sample])
+    w2 = torch.stack([layout.moe_rows_decode(mod.w2_weight[s], gated=False) for s in sample])
+    xq = (x.float() * mod.w13_input_scale_inv.float()).clamp(-448, 448).to(FP8).repeat(e, 1)
+    offs = torch.arange(1, e + 1, device=rt.device, dtype=torch.int32) * t
+    ones = torch.ones(xq.shape[0], device=rt.device)
+    g1 = mod.g1_alphas[sample].float()
+    g2 = mod.g2_alphas[sample].float()
+    o1 = torch._scaled_grouped_mm(xq, w13.transpose(-2, -1), ones, g1[:, None].expand(e, 2 * i).contiguous(),
+                                  offs=offs, out_dtype=torch.bfloat16).float()
+    act = F.silu(o1[:, i:]) * o1[:, :i]
+    hq = (act * mod.w2_input_scale_inv.float()).clamp(-448, 448).to(FP8)
+    o2 = torch._scaled_grouped_mm(hq, w2.transpose(-2, -1), ones, g2[:, None].expand(e, h).contiguous(),
+                                  offs=offs, out_dtype=torch.bfloat16).float()
+    return list(o1.split(t)), list(o2.split(t)), list(hq.split(t))
+
+
+def _fused(case: _Experts, mod, experts, x, ref_in, a2d, opts):
+    """FlashInfer's fused kernel gives only the layer output: one end-to-end check with routing."""
+    rt, src, t = case.rt, case.src, x.shape[0]
+    g = gen(opts.seed, mod.name + "/routing")
+    top_k = min(2, mod.experts)
+    ids = torch.stack([torch.randperm(mod.experts, generator=g)[:top_k] for _ in range(t)])
+    w = torch.softmax(torch.randn(t, top_k, generator=g), dim=-1)
+    ids, w = ids.to(rt.device), w.to(rt.device)
+    out = case.fused(mod, x, ids, w)
+    ref = torch.zeros(t, mod.hidden, device=rt.device)
+    for e in range(mod.experts):
+        sel = (ids == e).nonzero()
+        if not len(sel):
+            continue
+        ex = experts[e]
+        tok = sel[:, 0]
+        xt = ref_in[tok]
+        hmid = F.silu(xt @ src.dequant(ex.gate).T) * (xt @ src.dequant(ex.up).T)
+        ref.index_add_(0, tok, (case.quant_input(hmid, a2d) @ src.dequant(ex.down).T) * w[tok, sel[:, 1], None])
+    err = rel_error(out, ref)
+    return "flashinfer.cutlass_fused_moe", False, {"fused": err}, (err, FUSED_MOE_THRESHOLD)
