@@ -47,7 +47,7 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
     engine.check_output(out, overwrite, ckpt.path)
     progress.phase("planning")
     census = build_census(ckpt.tensors)
-    scales = read_scales(ckpt, census)
+    scales = read_scales(census)
     report = validate(ckpt, target, census, scales, parallel=parallel)
     if report.findings.errors:
         raise Refused(report.findings)

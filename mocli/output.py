@@ -82,7 +82,7 @@ class Output:
 
     @contextmanager
     def progress_bar(self, label: str) -> Iterator[Any]:
-        """A mocli.engine.Progress driving a rich bar on stderr (phase, bytes, units, ETA); silent in
+        """A mocli.progress.Progress driving a rich bar on stderr (phase, bytes, units, ETA); silent in
         JSON/quiet mode and in every torchrun process but the first."""
         import os
 
@@ -133,8 +133,8 @@ class Output:
 
     @contextmanager
     def module_progress(self, label: str) -> Iterator[Any]:
-        """A mocli.verify.Progress driving a rich bar over modules on stderr, with phases before it."""
-        from mocli.verify import Progress as Sink
+        """A mocli.progress.ModuleProgress driving a rich bar over modules on stderr, with phases before it."""
+        from mocli.progress import ModuleProgress as Sink
 
         if not self.show_progress:
             yield Sink()

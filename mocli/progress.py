@@ -14,3 +14,12 @@ class Progress:
     start: Callable[[int, int], None] = lambda total_bytes, total_units: None
     advance: Callable[..., None] = lambda nbytes, units=1: None
     phase: Callable[[str], None] = lambda label: None
+
+
+@dataclass
+class ModuleProgress:
+    """Modules checked (verify), with named phases before and after."""
+
+    start: Callable[[int], None] = lambda total: None
+    advance: Callable[[], None] = lambda: None
+    phase: Callable[[str], None] = lambda label: None

@@ -78,7 +78,7 @@ def plan_repair(ckpt: Checkpoint, progress=None) -> RepairPlan:
         raise Refused(_only(ckpt.config_findings) or _no_config(ckpt), verb="repair")
     ckpt.require_modelopt("repair")
     census = build_census(ckpt.tensors)
-    scales = read_scales(ckpt, census)
+    scales = read_scales(census)
     report = validate(ckpt, None, census, scales, deep=True, progress=progress)
     plan = RepairPlan()
     codes = {f.code for f in report.findings}

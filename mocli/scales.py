@@ -11,7 +11,6 @@ import os
 import numpy as np
 
 from mocli.census import Census
-from mocli.checkpoint import Checkpoint
 from mocli.errors import read_error
 from mocli.io.safetensors_file import TensorEntry
 from mocli.tables import SCALE_SUFFIXES
@@ -61,6 +60,6 @@ def read_f32(entries: list[TensorEntry]) -> dict[str, np.ndarray]:
     return out
 
 
-def read_scales(ckpt: Checkpoint, census: Census) -> dict[str, np.ndarray]:
+def read_scales(census: Census) -> dict[str, np.ndarray]:
     """tensor name -> float32 array, for every F32 scale of a quantized module and every KV scale."""
     return read_f32(scale_entries(census))

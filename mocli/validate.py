@@ -63,7 +63,7 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
     _check_mixed_layers(quant, census, findings)
     _check_exclusions(quant, census, declared, findings)
     _check_tensors(quant, census, declared, findings)
-    scales = scales if scales is not None else read_scales(ckpt, census)
+    scales = scales if scales is not None else read_scales(census)
     report.stats["scales"] = _check_scales(scales, census, findings)
     report.stats["scale_names"] = list(scales) if deep else []
     sliceable = _check_parallel(parallel, Heads.from_config(ckpt.config), census, findings)
@@ -214,7 +214,7 @@ def _check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool 
             if t.dtype != dtype:
                 findings.add("TNS002", t.name, f"is {t.dtype}, {scheme} stores {dtype}",
                              hint="the export is broken; re-export the checkpoint")
-            elif shape is not None and t.shape != shape and not _equivalent_shape(scheme, suffix, t.shape, shape):
+            elif shape is not None and t.shape != shape and not _equivalent_shape(scheme, t.shape, shape):
                 findings.add("TNS003", t.name, f"shape {list(t.shape)}, expected {list(shape)} for weight "
                              f"{list(w.shape)}", hint="the export is broken; re-export the checkpoint")
     for g in census.fused:
@@ -256,7 +256,7 @@ def _check_expert_input_scales(layer: MoELayer, missing: list[Module], findings:
                          hint="calibration never routed tokens to it; mocli repair fills it in (SEMANTICS §11)")
 
 
-def _equivalent_shape(scheme: Algo, suffix: str, got: tuple[int, ...], want: tuple[int, ...]) -> bool:
+def _equivalent_shape(scheme: Algo, got: tuple[int, ...], want: tuple[int, ...]) -> bool:
     # Exporters also write per-channel scales as [N, 1] and block scales without the unit dims.
     if scheme is Algo.FP8_PER_CHANNEL_PER_TOKEN:
         return got == (want[0], 1)

@@ -15,10 +15,10 @@ Never prints: progress goes through callbacks, errors are typed exceptions.
 """
 
 from mocli.engine.dist import Dist, TorchDist, dist_from_env
+from mocli.engine.job import Job, JobResult, run
 from mocli.engine.journal import fingerprint
 from mocli.engine.outdir import check_output, lock_path, partial_dir
 from mocli.engine.pool import BufferPool, UnitContext
-from mocli.engine.job import Job, JobResult, run
 from mocli.engine.units import BadData, Key, OutTensor, Piece, Plan, SourceRange, Unit, concat_pieces
 from mocli.progress import Progress
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -64,7 +63,6 @@ class JobResult:
     files: dict[str, str]  # relative path -> sha256
     bytes: int
     discarded_partial: int = 0  # bytes of a stale partial (other arguments) that was replaced
-    seconds: float = 0.0
 
 
 def _files(job: Job, root: Path) -> list[tuple[str, Path, ShardFile]]:
@@ -142,7 +140,6 @@ def _share(units: list[Unit], world: int, proc: int) -> list[Unit]:
 def run(job: Job) -> JobResult:
     """Run ``job``; on failure keep a resumable partial and say where (hint), or remove it when the
     input itself is at fault (nothing to resume)."""
-    t0 = time.perf_counter()
     dist = job.dist
     partial = partial_dir(job.out)
     lock = OutputLock(job.out, job.command) if dist.rank == 0 else None
@@ -178,7 +175,6 @@ def run(job: Job) -> JobResult:
         raise _failure(e, partial, dist) from e
     if lock is not None:
         lock.__exit__(None, None, None)
-    result.seconds = time.perf_counter() - t0
     return result
 
 

@@ -18,8 +18,6 @@ from mocli.io.safetensors_file import DTYPE_SIZES, TensorEntry
 if TYPE_CHECKING:
     import torch
 
-    from mocli.engine.pool import UnitContext
-
 Key = tuple[str, str]  # (group: "" or "rank-N", tensor name)
 # Verbatim copies are batched into units of about this many bytes or tensors.
 BATCH_BYTES = 64 << 20
@@ -95,7 +93,7 @@ class Unit:
     id: str
     inputs: list[TensorEntry]
     outputs: list[Key]
-    run: Callable[[UnitContext], list[Piece]]
+    run: Callable[..., list[Piece]]  # called with the engine's UnitContext (mocli.engine.pool)
 
     @property
     def input_bytes(self) -> int:

@@ -75,12 +75,6 @@ def gated_act_row_indices(m: int) -> torch.Tensor:
     return idx
 
 
-def invert_permutation(idx: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(idx)
-    inv[idx] = torch.arange(idx.numel(), device=idx.device)
-    return inv
-
-
 _device_index: dict[tuple[int, str], torch.Tensor] = {}
 
 

@@ -43,7 +43,7 @@ class _Dense:
     def slice_of(self, rank: int) -> RankSlice:
         return self.slices[self.pc.parallel.tp_rank(rank)]
 
-    def slice_transforms(self, rank: int) -> list[str]:
+    def slice_transforms(self) -> list[str]:
         if self.pc.parallel.single or self.split is Split.REPLICATED:
             return []
         return [f"{self.split}_parallel_slice"]
@@ -91,7 +91,7 @@ class _Dense:
         for r in self.ranks:
             s = self.slice_of(r)
             self.add(r, Role.BIAS, biases[0].dtype, (s.n,), [b.name for b in biases],
-                     self.fused + self.slice_transforms(r))
+                     self.fused + self.slice_transforms())
             for m in self.pc.plan.modules[-len(self.ranks):]:
                 if m.group == self.pc.parallel.group(r):
                     m.tensors[str(Role.BIAS)] = f"{self.prefix}.{Role.BIAS}"
@@ -128,7 +128,7 @@ class _Fp8Dense(_Dense):
             for r in self.ranks:
                 sl = self.slice_of(r)
                 self.add(r, Role.WEIGHT, "F8_E4M3", (sl.n, sl.k), [w.name for w in weights],
-                         self.fused + self.slice_transforms(r) + (["requantize_max_scale"] if any(requant) else []))
+                         self.fused + self.slice_transforms() + (["requantize_max_scale"] if any(requant) else []))
                 self.add(r, Role.WEIGHT_SCALE, "F32", (), self.sources(WEIGHT_SCALE), ["max"] if self.fused else [])
                 self.add(r, Role.INPUT_SCALE, "F32", (), self.sources(INPUT_SCALE), ["max"] if self.fused else [])
 
@@ -153,9 +153,9 @@ class _Fp8Dense(_Dense):
             sl = self.slice_of(r)
             sshape = (sl.n // 128, sl.k // 128) if block else (sl.n,)
             self.add(r, Role.WEIGHT, "F8_E4M3", (sl.n, sl.k), [w.name for w in weights],
-                     self.fused + self.slice_transforms(r))
+                     self.fused + self.slice_transforms())
             self.add(r, Role.WEIGHT_SCALE, "F32", sshape, [e.name for e in scale_entries],
-                     self.fused + self.slice_transforms(r) + (["reshape_blocks"] if block else []))
+                     self.fused + self.slice_transforms() + (["reshape_blocks"] if block else []))
         k_full = self.k_full
 
         def run(ctx: UnitContext) -> list[Piece]:
@@ -211,7 +211,7 @@ class _Nvfp4Dense(_Dense):
             n, k = sl.n, sl.k
             wshape = layout.nvfp4_weight_shape(n, k)
             shapes[r] = wshape
-            rows = self.slice_transforms(r)
+            rows = self.slice_transforms()
             self.add(r, Role.WEIGHT, "U8", wshape, [w.name for w in weights],
                      self.fused + rows + layout.nvfp4_weight_transforms(n, k))
             strans = (self.fused + rows + (["rescale_to_max_scale_2"] if any(rescaled) else [])

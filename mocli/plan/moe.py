@@ -61,7 +61,7 @@ class _Moe:
         a, b = self.inter[r]
         return b - a
 
-    def slice_transforms(self, r: int) -> list[str]:
+    def slice_transforms(self) -> list[str]:
         if self.pc.parallel.single:
             return []
         return ["expert_parallel_slice"] if self.pc.parallel.expert_parallel else ["intermediate_slice"]
@@ -148,7 +148,7 @@ class _Fp8Moe(_Moe):
         g1, g2 = w13_scale * a1, s2 * a2
         for r in self.ranks:
             e, i = self.local(r), self.i_r(r)
-            st = self.slice_transforms(r)
+            st = self.slice_transforms()
             self.add(r, Role.W13_WEIGHT, "F8_E4M3", (e, 2 * i, h), self.src("up", WEIGHT, r) + self.src("gate", WEIGHT, r),
                      ["stack_experts"] + st + ["requantize_max_scale", "rows_w3_w1"] + layout.moe_row_transforms(True))
             self.add(r, Role.W2_WEIGHT, "F8_E4M3", (e, h, i), self.src("down", WEIGHT, r),
@@ -220,7 +220,7 @@ class _Nvfp4Moe(_Moe):
         a2_gscale = torch.reciprocal(a2_v)
         for r in self.ranks:
             e, i = self.local(r), self.i_r(r)
-            st = self.slice_transforms(r)
+            st = self.slice_transforms()
             gated, plain = layout.moe_row_transforms(True), layout.moe_row_transforms(False)
             self.add(r, Role.W13_WEIGHT, "U8", (e, 2 * i, h // 2), self.src("up", WEIGHT, r) + self.src("gate", WEIGHT, r),
                      ["stack_experts"] + st + ["rows_w3_w1"] + gated)

@@ -5,7 +5,8 @@ modules of a ``mocli convert`` output (mirroring ``mocli.plan``), ``quantized`` 
 output; ``files`` checks whole files and verbatim tensors; ``expect`` derives what the bytes must be.
 """
 
-from mocli.verify.common import THRESHOLDS, Kernels, Progress, VerifyOptions
+from mocli.progress import ModuleProgress as Progress
+from mocli.verify.common import THRESHOLDS, Kernels, VerifyOptions
 from mocli.verify.runner import verify
 
 __all__ = ["THRESHOLDS", "Kernels", "Progress", "VerifyOptions", "verify"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import time
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,13 +34,6 @@ class VerifyOptions:
     seed: int = 0
     rank: int | None = None
     check_source_hash: bool = True
-
-
-@dataclass
-class Progress:
-    start: Callable[[int], None] = lambda total: None
-    advance: Callable[[], None] = lambda: None
-    phase: Callable[[str], None] = lambda label: None
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,7 @@ class _Nvfp4Linear(_DenseKind):
 
     def kernel(self, mod, xr, rows):
         if self.rt.fp4_kernels():
-            return flashinfer_args.run_mm_fp4(self.rt.fi, mod, xr)[:, rows.to(xr.device)], "flashinfer.mm_fp4", False
+            return flashinfer_args.run_mm_fp4(mod, xr)[:, rows.to(xr.device)], "flashinfer.mm_fp4", False
         dev = xr.device
         xa = nvfp4_quant(xr, mod.input_scale_inv)  # e2m1 * sf: exact in float32 and bf16
         wb = scaled_e2m1(self.w[rows].to(dev), self.bs[rows].to(dev))

@@ -50,14 +50,14 @@ def mm_fp4_args(mod: Nvfp4Linear, x_fp4: torch.Tensor, x_sf: torch.Tensor) -> di
             "alpha": mod.alpha.reshape(1).float(), "out_dtype": torch.bfloat16}
 
 
-def run_cutlass_fused_moe_fp8(fi, mod: Fp8MoE, x, topk_ids, topk_weights) -> torch.Tensor:  # pragma: no cover - GPU
+def run_cutlass_fused_moe_fp8(mod: Fp8MoE, x, topk_ids, topk_weights) -> torch.Tensor:  # pragma: no cover - GPU
     from flashinfer.fused_moe import cutlass_fused_moe
 
     out = cutlass_fused_moe(**cutlass_fused_moe_fp8_args(mod, x, topk_ids, topk_weights))
     return (out[0] if isinstance(out, list | tuple) else out).float()
 
 
-def run_cutlass_fused_moe_nvfp4(fi, mod: Nvfp4MoE, x, topk_ids, topk_weights) -> torch.Tensor:  # pragma: no cover
+def run_cutlass_fused_moe_nvfp4(mod: Nvfp4MoE, x, topk_ids, topk_weights) -> torch.Tensor:  # pragma: no cover
     from flashinfer import fp4_quantize
     from flashinfer.fused_moe import cutlass_fused_moe
 
@@ -66,7 +66,7 @@ def run_cutlass_fused_moe_nvfp4(fi, mod: Nvfp4MoE, x, topk_ids, topk_weights) ->
     return (out[0] if isinstance(out, list | tuple) else out).float()
 
 
-def run_mm_fp4(fi, mod: Nvfp4Linear, x) -> torch.Tensor:  # pragma: no cover - sm_100+
+def run_mm_fp4(mod: Nvfp4Linear, x) -> torch.Tensor:  # pragma: no cover - sm_100+
     from flashinfer import fp4_quantize, mm_fp4
 
     k = mod.padded_k

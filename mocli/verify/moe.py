@@ -133,7 +133,7 @@ class _Fp8Experts(_Experts):
         return o1, o2, hq.float() * mod.w2_input_scale.float(), kernel, False, self.limits.kept
 
     def fused(self, mod, x, ids, w):
-        return flashinfer_args.run_cutlass_fused_moe_fp8(self.rt.fi, mod, x, ids, w)
+        return flashinfer_args.run_cutlass_fused_moe_fp8(mod, x, ids, w)
 
 
 class _Nvfp4Experts(_Experts):
@@ -189,7 +189,7 @@ class _Nvfp4Experts(_Experts):
                 True, self.limits.unified if rescaled else self.limits.kept)
 
     def fused(self, mod, x, ids, w):
-        return flashinfer_args.run_cutlass_fused_moe_nvfp4(self.rt.fi, mod, x, ids, w)
+        return flashinfer_args.run_cutlass_fused_moe_nvfp4(mod, x, ids, w)
 
 
 MOE: dict[ModuleKind, type[_Experts]] = {ModuleKind.FP8_MOE: _Fp8Experts, ModuleKind.NVFP4_MOE: _Nvfp4Experts}

@@ -20,8 +20,9 @@ from mocli.errors import InputError
 from mocli.formats.layout import read_manifest
 from mocli.kinds import KINDS, ModuleKind
 from mocli.loader import open_converted
+from mocli.progress import ModuleProgress as Progress
 from mocli.targets import layout_of
-from mocli.verify.common import CrossResult, ModuleResult, Progress, Source, VerifyOptions, runtime
+from mocli.verify.common import CrossResult, ModuleResult, Source, VerifyOptions, runtime
 from mocli.verify.dense import check_dense
 from mocli.verify.expect import heads_of
 from mocli.verify.files import Hashes, compare_bytes, open_source
@@ -83,7 +84,7 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
                     ck.drop_pages()
         progress.phase("pass-through tensors")
         n_pass, pass_problems = _passthrough(out, manifest, src)
-        coverage = _coverage(cks, manifest, names, opts)
+        coverage = _coverage(cks, manifest, opts)
         progress.phase(f"hashing {hashes.count} files")
         file_problems = hashes.result()
     finally:
@@ -116,7 +117,7 @@ def _passthrough(out: Path, manifest: dict, src: Checkpoint) -> tuple[int, list[
         ck.close()
 
 
-def _coverage(cks: dict, manifest: dict, names: list[str], opts: VerifyOptions) -> dict[str, Any]:
+def _coverage(cks: dict, manifest: dict, opts: VerifyOptions) -> dict[str, Any]:
     """Every tensor in the checked files is either a module's (checked above) or pass-through."""
     passthrough = {n for n, t in manifest["tensors"].items() if t.get("role") == "passthrough"}
     total, unchecked = 0, []
