@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_MODEL ?= fixtures/real/qwen3_moe-nvfp4_kv
 DEMO_OUT ?= demo-out
 
-.PHONY: install install-flashinfer demo test test-gpu lint bench bench-gpu scale clean
+.PHONY: install install-flashinfer demo test test-fast test-gpu lint bench bench-gpu scale clean
 
 install:
 	$(PYTHON) -m pip install -qq "$(TORCH_SPEC)"
@@ -24,6 +24,10 @@ demo: install
 
 test: install
 	$(PYTHON) -m pytest
+
+# The suite without the tests that spawn processes (torchrun, kill -9, concurrent runs): for quick iterations.
+test-fast:
+	$(PYTHON) -m pytest -m "not slow"
 
 test-gpu:
 	$(PYTHON) -m pytest -m gpu -v

@@ -219,17 +219,12 @@ def convert_cmd(
             digests = SourceDigests([h.path for h in ckpt.files])  # hashing overlaps the torch import
             progress.phase("loading torch")
             from mocli.convert import convert
-            from mocli.engine.dist import dist_from_env
             from mocli.render import render_convert
 
-            dist = dist_from_env()
-            try:
-                summary = convert(ckpt, output, target, device=device.value, overwrite=overwrite,
-                                  max_shard_bytes=shard_bytes, progress=progress, tp=tp, ep=ep, digests=digests,
-                                  dist=dist)
-            finally:
-                dist.close()
-        if dist.rank == 0:
+            summary = _on_every_process(lambda dist: convert(
+                ckpt, output, target, device=device.value, overwrite=overwrite, max_shard_bytes=shard_bytes,
+                progress=progress, tp=tp, ep=ep, digests=digests, dist=dist))
+        if summary is not None:
             out.emit(summary, render_convert)
 
     _run(ctx, json_, body, quiet, verbose)
@@ -303,18 +298,13 @@ def quantize_cmd(
             ckpt = open_checkpoint(model)
             digests = SourceDigests([h.path for h in ckpt.files])
             progress.phase("loading torch")
-            from mocli.engine.dist import dist_from_env
             from mocli.quantize import quantize
             from mocli.render import render_quantize
 
-            dist = dist_from_env()
-            try:
-                summary = quantize(ckpt, output, scheme=scheme, exclude=exclude or [], device=device.value,
-                                   overwrite=overwrite, max_shard_bytes=shard_bytes, progress=progress,
-                                   digests=digests, dist=dist)
-            finally:
-                dist.close()
-        if dist.rank == 0:
+            summary = _on_every_process(lambda dist: quantize(
+                ckpt, output, scheme=scheme, exclude=exclude or [], device=device.value, overwrite=overwrite,
+                max_shard_bytes=shard_bytes, progress=progress, digests=digests, dist=dist))
+        if summary is not None:
             out.emit(summary, render_quantize)
 
     _run(ctx, json_, body, quiet, verbose)
@@ -365,6 +355,19 @@ def verify_cmd(
         return 0 if report["ok"] else EXIT_FINDINGS
 
     _run(ctx, json_, body, quiet, verbose)
+
+
+def _on_every_process(run: Callable[[Any], dict]) -> dict | None:
+    """Under torchrun every process runs the command (sharing its units); only process 0's summary is
+    printed. One process: just the command."""
+    from mocli.engine.dist import dist_from_env
+
+    dist = dist_from_env()
+    try:
+        summary = run(dist)
+    finally:
+        dist.close()
+    return summary if dist.rank == 0 else None
 
 
 def parse_size(text: str) -> int:

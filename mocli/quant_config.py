@@ -142,6 +142,19 @@ def _parse_layers(value: Any, where: str, findings: Findings) -> dict[str, Layer
     return layers
 
 
+def _producer(block: dict) -> dict[str, Any] | None:
+    return block.get("producer") if isinstance(block.get("producer"), dict) else None
+
+
+def _with_algo(cfg: QuantConfig, q: dict, where: str, key: str, findings: Findings) -> QuantConfig:
+    """``cfg`` with quant_algo parsed from ``q`` (CFG001 when missing: ``key`` is how the file spells it)."""
+    if "quant_algo" not in q:
+        findings.add("CFG001", where, f"{key} is missing")
+    else:
+        cfg.algo = _parse_algo(q["quant_algo"], where, "quant_algo", findings)
+    return cfg
+
+
 def parse_hf_quant_config(raw: Any, findings: Findings) -> QuantConfig | None:
     """``hf_quant_config.json``: {"producer", "quantization": {quant_algo, kv_cache_quant_algo, …}}."""
     where = HF_QUANT_CONFIG
@@ -155,11 +168,7 @@ def parse_hf_quant_config(raw: Any, findings: Findings) -> QuantConfig | None:
     if not isinstance(q, dict):
         findings.add("CFG002", where, "\"quantization\" must be an object")
         return None
-    cfg = QuantConfig(origin=where, producer=raw.get("producer") if isinstance(raw.get("producer"), dict) else None)
-    if "quant_algo" not in q:
-        findings.add("CFG001", where, "quantization.quant_algo is missing")
-    else:
-        cfg.algo = _parse_algo(q["quant_algo"], where, "quant_algo", findings)
+    cfg = _with_algo(QuantConfig(origin=where, producer=_producer(raw)), q, where, "quantization.quant_algo", findings)
     kv = q.get("kv_cache_quant_algo")
     if kv is not None and not isinstance(kv, str):
         findings.add("CFG002", where, "kv_cache_quant_algo must be a string or null")
@@ -212,11 +221,7 @@ def parse_config_json(raw: Any, findings: Findings) -> QuantConfig | None:
         findings.add("CFG005", where, f"quant_method is {method!r}, not a ModelOpt checkpoint",
                      hint="mocli handles checkpoints exported by NVIDIA ModelOpt")
         return None
-    cfg = QuantConfig(origin=CONFIG_JSON, producer=q.get("producer") if isinstance(q.get("producer"), dict) else None)
-    if "quant_algo" not in q:
-        findings.add("CFG001", where, "quant_algo is missing")
-    else:
-        cfg.algo = _parse_algo(q["quant_algo"], where, "quant_algo", findings)
+    cfg = _with_algo(QuantConfig(origin=CONFIG_JSON, producer=_producer(q)), q, where, "quant_algo", findings)
     if "kv_cache_quant_algo" in q:
         kv = q["kv_cache_quant_algo"]
         cfg.kv_cache_algo = kv.upper() if isinstance(kv, str) else None

@@ -160,7 +160,6 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
 
     from mocli import engine
     from mocli.devices import resolve_device
-    from mocli.engine.units import OutTensor, Plan, Unit
     from mocli.formats.fp8 import write_fp8
 
     t0 = time.perf_counter()
@@ -179,25 +178,7 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
     qp = plan_groups(census, exclude or [])
     digests = digests or SourceDigests([h.path for h in ckpt.files])
 
-    # Output order = unit order (files are appended front to back): groups and kept tensors in the
-    # model's natural order, runs of kept tensors batched into verbatim-copy units.
-    plan = Plan()
-    copies: list = []
-    for item in _natural_order(ckpt, qp):
-        if not isinstance(item, Group):
-            copies.append(item)
-            continue
-        plan.copy_units(copies)
-        copies = []
-        keys = []
-        for m in item.modules:
-            w = m.tensors[WEIGHT]
-            keys.append(("", plan.add(OutTensor(w.name, "F8_E4M3", w.shape, "weight", [w.name],
-                                                ["quantize_fp8_per_tensor"]))))
-            keys.append(("", plan.add(OutTensor(f"{m.name}.weight_scale", "F32", (), "weight_scale", [w.name],
-                                                ["amax / 448 over " + item.name]))))
-        plan.units.append(Unit(f"quant:{item.name}", [m.tensors[WEIGHT] for m in item.modules], keys, _group_run(item)))
-    plan.copy_units(copies)
+    plan = _plan(ckpt, qp)
     layouts = group_layouts(list(plan.tensors.values()), max_shard_bytes)
     ignored = sorted(set(qp.kept) | {m.name for m in census.modules.values() if m.kind is Kind.EMBEDDING},
                      key=_natural)
@@ -215,6 +196,31 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
             "groups": len(qp.groups), "ignored_layers": ignored, "notes": qp.notes, "tensors": len(plan.tensors),
             "bytes": result.bytes, "shards": len(result.files), "units": result.units,
             "resumed_units": result.resumed_units, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _plan(ckpt: Checkpoint, qp: QuantizePlan):
+    """Output order = unit order (files are appended front to back): groups and kept tensors in the
+    model's natural order, runs of kept tensors batched into verbatim-copy units."""
+    from mocli.engine.units import OutTensor, Plan, Unit
+
+    plan = Plan()
+    copies: list = []
+    for item in _natural_order(ckpt, qp):
+        if not isinstance(item, Group):
+            copies.append(item)
+            continue
+        plan.copy_units(copies)
+        copies = []
+        keys = []
+        for m in item.modules:
+            w = m.tensors[WEIGHT]
+            keys.append(("", plan.add(OutTensor(w.name, "F8_E4M3", w.shape, "weight", [w.name],
+                                                ["quantize_fp8_per_tensor"]))))
+            keys.append(("", plan.add(OutTensor(f"{m.name}.weight_scale", "F32", (), "weight_scale", [w.name],
+                                                ["amax / 448 over " + item.name]))))
+        plan.units.append(Unit(f"quant:{item.name}", [m.tensors[WEIGHT] for m in item.modules], keys, _group_run(item)))
+    plan.copy_units(copies)
+    return plan
 
 
 def _natural_order(ckpt: Checkpoint, qp: QuantizePlan) -> list:

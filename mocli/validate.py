@@ -167,56 +167,21 @@ def _check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool 
     no_input_scale: dict[str, list[Module]] = {}  # MoE layer -> experts' projections without one
     static_under_dynamic: list[str] = []
     for m in census.modules.values():
-        scheme = m.scheme
-        if scheme is None:
-            stray = sorted(set(m.tensors) & SCALE_SUFFIXES)
-            if stray and m.weight is None:
-                # scales without any weight: the weight is missing, not the scales stray
-                findings.add("TNS001", m.name, f"has {', '.join(stray)} but no weight",
-                             hint="the export is incomplete; re-export the checkpoint")
-            elif stray:
-                findings.add("TNS004", m.name, f"unquantized (weight {m.weight.dtype}) but has {', '.join(stray)}",
-                             hint="drop the scales or store the weight quantized")
+        if m.scheme is None:
+            _check_unquantized(m, findings)
             continue
-        w = m.tensors.get(WEIGHT)
-        if w is None or len(w.shape) != 2:
-            findings.add("TNS001", m.name, "has scales but no 2-D weight",
-                         hint="the export is incomplete; re-export the checkpoint")
+        w = _checked_weight(m, findings)
+        if w is None:
             continue
-        want_wdtype = "U8" if scheme is Algo.NVFP4 else "F8_E4M3"
-        if w.dtype != want_wdtype:
-            findings.add("TNS002", f"{m.name}.weight", f"is {w.dtype}, {scheme} stores {want_wdtype}",
-                         hint="the export is broken; re-export the checkpoint")
-            continue
-        if 0 in w.shape:
-            findings.add("TNS003", f"{m.name}.weight", f"quantized weight {list(w.shape)} has no elements",
-                         hint="an empty layer cannot be quantized or served; re-export the checkpoint")
-            continue
-        if quant.dynamic_activations and scheme is Algo.FP8 and INPUT_SCALE in m.tensors:
+        if quant.dynamic_activations and m.scheme is Algo.FP8 and INPUT_SCALE in m.tensors:
             static_under_dynamic.append(m.name)
         configured = quant.algo_for(m.name)
-        if declared.get(m.engine_name) and configured is not None and configured is not scheme:
-            findings.add("TNS005", m.name, f"stored as {scheme} but the config says {configured}",
+        if declared.get(m.engine_name) and configured is not None and configured is not m.scheme:
+            findings.add("TNS005", m.name, f"stored as {m.scheme} but the config says {configured}",
                          hint="the engine will build the wrong kernel for it")
-        if scheme is Algo.FP8_PB_WO and (w.shape[0] % 128 or w.shape[1] % 128):
-            findings.add("TNS003", f"{m.name}.weight", f"shape {list(w.shape)} is not a multiple of 128x128",
-                         hint="FP8_PB_WO needs N % 128 == K % 128 == 0")
-            continue
-        for suffix, (dtype, shape) in _expected(scheme, w.shape, quant.dynamic_activations).items():
-            t = m.tensors.get(suffix)
-            if t is None:
-                if suffix == INPUT_SCALE and m.kind is Kind.EXPERT:
-                    no_input_scale.setdefault(m.engine_name, []).append(m)
-                else:
-                    findings.add("TNS001", m.name, f"{scheme} module has no {suffix}",
-                                 hint="the export is incomplete; re-export the checkpoint")
-                continue
-            if t.dtype != dtype:
-                findings.add("TNS002", t.name, f"is {t.dtype}, {scheme} stores {dtype}",
-                             hint="the export is broken; re-export the checkpoint")
-            elif shape is not None and t.shape != shape and not _equivalent_shape(scheme, t.shape, shape):
-                findings.add("TNS003", t.name, f"shape {list(t.shape)}, expected {list(shape)} for weight "
-                             f"{list(w.shape)}", hint="the export is broken; re-export the checkpoint")
+        missing = _check_scale_tensors(m, w.shape, quant.dynamic_activations, findings)
+        if INPUT_SCALE in missing and m.kind is Kind.EXPERT:
+            no_input_scale.setdefault(m.engine_name, []).append(m)
     for g in census.fused:
         ks = {m.out_in[1] for m in g.shards if m.out_in}
         if len(ks) > 1:
@@ -233,6 +198,60 @@ def _check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool 
     for layer in census.moe:
         _check_moe_layer(layer, findings)
         _check_expert_input_scales(layer, no_input_scale.get(layer.name, []), findings)
+
+
+def _check_unquantized(m: Module, findings: Findings) -> None:
+    stray = sorted(set(m.tensors) & SCALE_SUFFIXES)
+    if stray and m.weight is None:
+        # scales without any weight: the weight is missing, not the scales stray
+        findings.add("TNS001", m.name, f"has {', '.join(stray)} but no weight",
+                     hint="the export is incomplete; re-export the checkpoint")
+    elif stray:
+        findings.add("TNS004", m.name, f"unquantized (weight {m.weight.dtype}) but has {', '.join(stray)}",
+                     hint="drop the scales or store the weight quantized")
+
+
+def _checked_weight(m: Module, findings: Findings):
+    """A quantized module's weight entry when it has the scheme's dtype and a usable shape, else None."""
+    w, scheme = m.tensors.get(WEIGHT), m.scheme
+    if w is None or len(w.shape) != 2:
+        findings.add("TNS001", m.name, "has scales but no 2-D weight",
+                     hint="the export is incomplete; re-export the checkpoint")
+        return None
+    want = "U8" if scheme is Algo.NVFP4 else "F8_E4M3"
+    if w.dtype != want:
+        findings.add("TNS002", f"{m.name}.weight", f"is {w.dtype}, {scheme} stores {want}",
+                     hint="the export is broken; re-export the checkpoint")
+        return None
+    if 0 in w.shape:
+        findings.add("TNS003", f"{m.name}.weight", f"quantized weight {list(w.shape)} has no elements",
+                     hint="an empty layer cannot be quantized or served; re-export the checkpoint")
+        return None
+    return w
+
+
+def _check_scale_tensors(m: Module, w_shape: tuple[int, ...], dynamic: bool, findings: Findings) -> set[str]:
+    """The scheme's scale tensors' dtypes and shapes; returns the suffixes that are missing (an
+    expert's missing input_scale is judged per layer, not here)."""
+    scheme, missing = m.scheme, set()
+    if scheme is Algo.FP8_PB_WO and (w_shape[0] % 128 or w_shape[1] % 128):
+        findings.add("TNS003", f"{m.name}.weight", f"shape {list(w_shape)} is not a multiple of 128x128",
+                     hint="FP8_PB_WO needs N % 128 == K % 128 == 0")
+        return missing
+    for suffix, (dtype, shape) in _expected(scheme, w_shape, dynamic).items():
+        t = m.tensors.get(suffix)
+        if t is None:
+            missing.add(suffix)
+            if not (suffix == INPUT_SCALE and m.kind is Kind.EXPERT):
+                findings.add("TNS001", m.name, f"{scheme} module has no {suffix}",
+                             hint="the export is incomplete; re-export the checkpoint")
+        elif t.dtype != dtype:
+            findings.add("TNS002", t.name, f"is {t.dtype}, {scheme} stores {dtype}",
+                         hint="the export is broken; re-export the checkpoint")
+        elif shape is not None and t.shape != shape and not _equivalent_shape(scheme, t.shape, shape):
+            findings.add("TNS003", t.name, f"shape {list(t.shape)}, expected {list(shape)} for weight "
+                         f"{list(w_shape)}", hint="the export is broken; re-export the checkpoint")
+    return missing
 
 
 def _check_expert_input_scales(layer: MoELayer, missing: list[Module], findings: Findings) -> None:
@@ -296,6 +315,12 @@ def _check_moe_layer(layer: MoELayer, findings: Findings) -> None:
 
 def _check_scales(values: dict[str, np.ndarray], census: Census, findings: Findings) -> dict[str, Any]:
     """NaN/Inf/non-positive scales, FP8 shard spread, NVFP4 weight_scale_2 mismatch. Returns stats."""
+    _check_scale_values(values, findings)
+    return _check_merged_scales(values, census, findings)
+
+
+def _check_scale_values(values: dict[str, np.ndarray], findings: Findings) -> None:
+    """SCL001/SCL002: every scale finite and positive."""
     names = list(values)
     if names:
         # One vectorized pass over every scale, then a look at the few arrays that failed it.
@@ -311,6 +336,10 @@ def _check_scales(values: dict[str, np.ndarray], census: Census, findings: Findi
             else:
                 findings.add("SCL002", names[i], f"has a non-positive value ({float(v.min()):.3g})",
                              hint="dequant scales must be > 0")
+
+
+def _check_merged_scales(values: dict[str, np.ndarray], census: Census, findings: Findings) -> dict[str, Any]:
+    """SCL004/SCL005 over the shards an engine merges into one scale (fused groups, an expert's w1/w3)."""
 
     def scalar(m: Module | None, suffix: str) -> float | None:
         t = m.tensors.get(suffix) if m else None
@@ -391,87 +420,101 @@ def _check_parallel(par: ParallelLayout, heads: Heads | None, census: Census, fi
     dense = _dense_units(census)
     if par.single:
         return {n for n, _, _ in dense}
-    tp, ep = par.tp, par.ep
-    at = f"tp {tp}" + (f", ep {ep}" if ep > 1 else "")
-    if ep > 1 and ep % tp:
-        findings.add("PAR002", "parallel layout", f"ep {ep} is not a multiple of tp {tp}",
+    at = f"tp {par.tp}" + (f", ep {par.ep}" if par.ep > 1 else "")
+    if par.ep > 1 and par.ep % par.tp:
+        findings.add("PAR002", "parallel layout", f"ep {par.ep} is not a multiple of tp {par.tp}",
                      hint="expert parallel spans tp x dp ranks (vLLM); choose ep = tp x dp")
-    ok: set[str] = set()
     attention = [m for _, shards, _ in dense for m in shards if m.name.rpartition(".")[2] in HEAD_SPLIT]
-    head_fault = False
-    if attention and tp > 1:
-        if heads is None:
-            findings.add("PAR005", "config.json", "no num_attention_heads / num_key_value_heads / head_dim",
-                         hint="q/k/v are split on whole heads at tp > 1; add the counts to config.json")
-            head_fault = True
-        else:
-            if heads.heads % tp:
-                findings.add("PAR001", "config.json", f"{heads.heads} attention heads do not divide among {tp} ranks",
-                             hint="choose a tp that divides num_attention_heads")
-                head_fault = True
-            kv = heads.kv_heads
-            if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
-                findings.add("PAR001", "config.json", f"{kv} kv heads neither divide among nor replicate evenly over "
-                             f"{tp} ranks", hint="tp must divide num_key_value_heads, or be a multiple of it")
-                head_fault = True
-            for m in attention:
-                want = (heads.heads if HEAD_SPLIT[m.name.rpartition(".")[2]] == "q" else kv) * heads.head_dim
-                if m.out_in[0] != want:
-                    findings.add("PAR005", m.name, f"has {m.out_in[0]} rows but config.json's heads x head_dim "
-                                 f"says {want}", hint="fix num_attention_heads / num_key_value_heads / head_dim")
-                    head_fault = True
+    head_fault = _check_heads(par.tp, heads, attention, findings)
+    ok: set[str] = set()
     for name, shards, scheme in dense:
-        split = split_of(shards[0].name)
-        if split is None:
+        if split_of(shards[0].name) is None:
             findings.add("PAR004", name, f"mocli does not know how engines split '{name.rpartition('.')[2]}' "
                          f"across ranks ({at})", hint="convert at tp 1, or exclude the layer from quantization")
             continue
-        faults = []
-        k = shards[0].out_in[1]
-        if split is Split.COLUMN:
-            for m in shards:
-                n = m.out_in[0]
-                if m.name.rpartition(".")[2] in HEAD_SPLIT:
-                    if head_fault:
-                        faults.append("heads")
-                    continue
-                if n % tp:
-                    faults.append(f"{m.name.rpartition('.')[2]} has {n} rows, not divisible by tp {tp}")
-            if scheme is Algo.FP8_PB_WO and not faults:
-                sl = rank_slices(par, heads, shards)[0]
-                for m, (a, b) in zip(shards, sl.rows, strict=True):
-                    if (b - a) % 128:
-                        faults.append(f"{m.name.rpartition('.')[2]}: {b - a} rows per rank is not a whole "
-                                      "128-row FP8 block")
-        elif split is Split.ROW:
-            if k % tp:
-                faults.append(f"K = {k} is not divisible by tp {tp}")
-            elif scheme is Algo.NVFP4 and (k // tp) % 16:
-                faults.append(f"K / tp = {k // tp} is not a whole number of 16-element NVFP4 blocks")
-            elif scheme is Algo.FP8_PB_WO and (k // tp) % 128:
-                faults.append(f"K / tp = {k // tp} is not a whole 128-column FP8 block")
+        faults = _dense_split_faults(par, heads, shards, scheme, head_fault)
         for f in faults:
             if f != "heads":
                 findings.add("PAR003", name, f"{f} ({at})", hint="choose a tp that splits this layer evenly")
         if not faults:
             ok.add(name)
     for layer in census.moe:
-        if not (layer.schemes - {None}) or layer.intermediate is None:
-            continue
-        e = layer.num_experts
-        if ep > 1:
-            if e % ep:
-                findings.add("PAR002", layer.name, f"{e} experts do not divide among {ep} expert-parallel ranks",
-                             hint="choose an ep that divides the number of experts")
-        else:
-            i = layer.intermediate
-            if i % tp:
-                findings.add("PAR003", layer.name, f"intermediate size {i} is not divisible by tp {tp}",
-                             hint="choose a tp that divides I, or use --ep")
-            elif Algo.NVFP4 in layer.schemes and (i // tp) % 16:
-                findings.add("PAR003", layer.name, f"I / tp = {i // tp} is not a whole number of 16-element "
-                             "NVFP4 blocks", hint="choose a smaller tp, or use --ep")
+        _check_moe_split(par, layer, findings)
     return ok
+
+
+def _check_heads(tp: int, heads: Heads | None, attention: list[Module], findings: Findings) -> bool:
+    """PAR001/PAR005: q/k/v split on whole heads (kv heads divided or replicated). True on a fault."""
+    if not attention or tp == 1:
+        return False
+    if heads is None:
+        findings.add("PAR005", "config.json", "no num_attention_heads / num_key_value_heads / head_dim",
+                     hint="q/k/v are split on whole heads at tp > 1; add the counts to config.json")
+        return True
+    fault = False
+    if heads.heads % tp:
+        findings.add("PAR001", "config.json", f"{heads.heads} attention heads do not divide among {tp} ranks",
+                     hint="choose a tp that divides num_attention_heads")
+        fault = True
+    kv = heads.kv_heads
+    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        findings.add("PAR001", "config.json", f"{kv} kv heads neither divide among nor replicate evenly over "
+                     f"{tp} ranks", hint="tp must divide num_key_value_heads, or be a multiple of it")
+        fault = True
+    for m in attention:
+        want = (heads.heads if HEAD_SPLIT[m.name.rpartition(".")[2]] == "q" else kv) * heads.head_dim
+        if m.out_in[0] != want:
+            findings.add("PAR005", m.name, f"has {m.out_in[0]} rows but config.json's heads x head_dim "
+                         f"says {want}", hint="fix num_attention_heads / num_key_value_heads / head_dim")
+            fault = True
+    return fault
+
+
+def _dense_split_faults(par: ParallelLayout, heads: Heads | None, shards: list[Module], scheme: Algo,
+                        head_fault: bool) -> list[str]:
+    """Why one dense module cannot be split over par.tp ranks ("heads": a PAR001/PAR005 already said)."""
+    tp, faults = par.tp, []
+    k = shards[0].out_in[1]
+    split = split_of(shards[0].name)
+    if split is Split.COLUMN:
+        for m in shards:
+            if m.name.rpartition(".")[2] in HEAD_SPLIT:
+                if head_fault:
+                    faults.append("heads")
+            elif m.out_in[0] % tp:
+                faults.append(f"{m.name.rpartition('.')[2]} has {m.out_in[0]} rows, not divisible by tp {tp}")
+        if scheme is Algo.FP8_PB_WO and not faults:
+            sl = rank_slices(par, heads, shards)[0]
+            for m, (a, b) in zip(shards, sl.rows, strict=True):
+                if (b - a) % 128:
+                    faults.append(f"{m.name.rpartition('.')[2]}: {b - a} rows per rank is not a whole 128-row "
+                                  "FP8 block")
+    elif split is Split.ROW:
+        if k % tp:
+            faults.append(f"K = {k} is not divisible by tp {tp}")
+        elif scheme is Algo.NVFP4 and (k // tp) % 16:
+            faults.append(f"K / tp = {k // tp} is not a whole number of 16-element NVFP4 blocks")
+        elif scheme is Algo.FP8_PB_WO and (k // tp) % 128:
+            faults.append(f"K / tp = {k // tp} is not a whole 128-column FP8 block")
+    return faults
+
+
+def _check_moe_split(par: ParallelLayout, layer: MoELayer, findings: Findings) -> None:
+    """PAR002/PAR003: experts over ep ranks, or I over tp ranks (whole NVFP4 blocks)."""
+    if not (layer.schemes - {None}) or layer.intermediate is None:
+        return
+    if par.ep > 1:
+        if layer.num_experts % par.ep:
+            findings.add("PAR002", layer.name, f"{layer.num_experts} experts do not divide among {par.ep} "
+                         "expert-parallel ranks", hint="choose an ep that divides the number of experts")
+        return
+    i, tp = layer.intermediate, par.tp
+    if i % tp:
+        findings.add("PAR003", layer.name, f"intermediate size {i} is not divisible by tp {tp}",
+                     hint="choose a tp that divides I, or use --ep")
+    elif Algo.NVFP4 in layer.schemes and (i // tp) % 16:
+        findings.add("PAR003", layer.name, f"I / tp = {i // tp} is not a whole number of 16-element "
+                     "NVFP4 blocks", hint="choose a smaller tp, or use --ep")
 
 
 # --- target constraints, on each rank's shapes ---------------------------------------------------------

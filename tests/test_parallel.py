@@ -251,6 +251,7 @@ def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_match_one(cli, tmp_path):
     src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4", shards=2, heads=4, kv_heads=2,
                           head_dim=32, moe_intermediate=256)
@@ -261,6 +262,7 @@ def test_torchrun_two_processes_match_one(cli, tmp_path):
     assert not list(tmp_path.glob(".two.mocli-*"))
 
 
+@pytest.mark.slow
 def test_torchrun_resumes_a_single_process_partial(cli, tmp_path, monkeypatch):
     """A partial from an interrupted one-process run is finished by a torchrun run, byte-identically."""
     from mocli.io.shard_writer import ShardWriter

@@ -190,6 +190,7 @@ def test_refusals(cli, tmp_path):
     assert r.exit_code == 2
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_is_byte_identical(tmp_path):
     src = make_checkpoint(tmp_path / "src", arch="mixtral", algo="BF16", kv_cache=False, experts=8, shards=2)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

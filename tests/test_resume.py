@@ -75,6 +75,7 @@ def test_partial_with_a_damaged_shard_starts_over(cli, tmp_path, moe_src, monkey
     assert digest_tree(out) == digest_tree(tmp_path / "clean")
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume(tmp_path, moe_src):
     out = tmp_path / "o"
     args = ["-q", "convert", str(moe_src), "-o", str(out), "--target", "flashinfer-cutlass"]

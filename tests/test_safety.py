@@ -157,6 +157,7 @@ def _mocli(*args: str, delay: float = 0.0) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_second_run_on_the_same_output_is_refused_naming_the_first(tmp_path, src):
     out = tmp_path / "o"
     args = ["convert", str(src), "-o", str(out), "--target", TARGET]
@@ -176,6 +177,7 @@ def test_second_run_on_the_same_output_is_refused_naming_the_first(tmp_path, src
     assert digest_tree(out) == digest_tree(tmp_path / "clean")
 
 
+@pytest.mark.slow
 def test_runs_started_together_end_in_one_clean_output(tmp_path, src):
     for i in range(3):
         out = tmp_path / f"o{i}"

@@ -249,6 +249,7 @@ def test_not_a_converted_directory(cli):
     assert r.exit_code == 2 and "not a mocli-converted" in r.stderr
 
 
+@pytest.mark.slow
 def test_changed_source_is_refused(cli, tmp_path, real_copy):
     src = real_copy("llama-fp8_kv")
     out = tmp_path / "o"

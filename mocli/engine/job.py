@@ -207,60 +207,31 @@ def _failure(e: BaseException, partial: Path, dist: Dist) -> BaseException:
 
 
 def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> JobResult:
+    """This process's units streamed into the partial directory; then digests, and (process 0) publish."""
     dist, plan = job.dist, job.plan
     files = _files(job, partial)
-    keys: dict[Key, int] = {}
-    for i, (g, _, f) in enumerate(files):
-        for t in f.tensors:
-            keys[(g, t.name)] = i
+    keys = {(g, t.name): i for i, (g, _, f) in enumerate(files) for t in f.tensors}
+    rel = {i: _relpath(g, f) for i, (g, _, f) in enumerate(files)}
     todo_all = [u for u in plan.units if u.id not in done]
     mine = _interleave(_share(todo_all, dist.world, dist.rank), keys)
     # Buffers on loan: a unit's inputs go back as soon as it has run, so what waits for the writer is
     # outputs, about what a unit reads (FP8 quantize: half); room for every writer lane's unit and the
     # one being computed bounds memory by the largest unit.
     largest = max((u.input_bytes for u in mine), default=0)
-    pool = BufferPool(pin=job.device.type == "cuda",
-                      limit=max(64 << 20, (writer_lanes(len(files)) + 1) * largest))
+    pool = BufferPool(pin=job.device.type == "cuda", limit=max(64 << 20, (writer_lanes(len(files)) + 1) * largest))
     # One process writes every file front to back, so the digests are taken as bytes go out; with
     # several processes the files are hashed once all are written.
-    rel = {i: _relpath(g, f) for i, (g, _, f) in enumerate(files)}
     hasher = (OrderedHasher(files, pool, {i: ends[r] for i, r in rel.items() if r in ends})
               if dist.world == 1 else None)
-    writer = ShardWriter([(p, f) for _, p, f in files], keys)
-    total = sum(u.input_bytes for u in (mine if dist.world > 1 else plan.units))
-    job.progress.start(total, len(mine) if dist.world > 1 else len(plan.units))
-    if dist.world == 1 and done:
-        job.progress.advance(sum(u.input_bytes for u in plan.units if u.id in done), len(plan.units) - len(mine))
-    written: dict[Key, int] = {}
-    error: BaseException | None = None
-    threads = torch.get_num_threads()
-    if job.device.type == "cpu":
-        # The writer and hash threads each keep a core busy; intra-op threads beyond the rest only
-        # contend with them (measured: 1 compute thread on 2 cores is 18% faster than 2).
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 2))
-    try:
-        with TensorReader() as reader, open(partial / journal_name(dist.rank), "a") as journal, \
-                Writer(writer, journal, pool, hasher, written, rel) as sink:
-            if dist.rank and journal.tell() == 0:
-                journal.write(json.dumps({"fingerprint": job.fingerprint}) + "\n")
-                journal.flush()
-            ctx = UnitContext(reader, job.device, pool)
-            for unit in mine:
-                pieces = unit.run(ctx)
-                if job.device.type == "cuda":
-                    pieces = _to_host(pieces, ctx)
-                sink.put(unit, pieces, ctx.release(pieces))
-                job.progress.advance(unit.input_bytes)
-    except BaseException as e:  # reported after the other processes have been told
-        error = e
-    finally:
-        writer.close()
-        torch.set_num_threads(threads)
     if dist.world > 1:
-        statuses = dist.gather(None if error is None else f"{type(error).__name__}: {error}")
-        failed = [s for s in statuses if s is not None]
-        if error is None and failed:
-            error = RuntimeError(f"another process failed: {failed[0]}")
+        job.progress.start(sum(u.input_bytes for u in mine), len(mine))
+    else:
+        job.progress.start(sum(u.input_bytes for u in plan.units), len(plan.units))
+        if done:
+            job.progress.advance(sum(u.input_bytes for u in plan.units if u.id in done), len(plan.units) - len(mine))
+    written: dict[Key, int] = {}
+    error = _stream(job, partial, mine, ShardWriter([(p, f) for _, p, f in files], keys), pool, hasher, written, rel)
+    error = _agree(dist, error)
     if error is not None:
         if hasher is not None:
             hasher.close()
@@ -273,28 +244,76 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
     if dist.rank == 0:
         for g, lay in job.layouts.items():
             finish_shards(partial / g if g else partial, lay)
-    if hasher is not None:
-        digests = {rel[i]: d for i, d in hasher.digests().items()}
-    else:
-        dist.barrier()
-        # this process's share of the files, on this process's share of the cores (hashlib drops the
-        # GIL): one thread hashing 19 files took 13 of 35 s in a 38 GB torchrun convert on 2 GPUs
-        ids = [i for i in range(len(files)) if i % dist.world == dist.rank]
-        with ThreadPoolExecutor(max(1, min(len(ids), (os.cpu_count() or 1) // dist.world))) as ex:
-            mine_files = dict(zip((rel[i] for i in ids), ex.map(lambda i: sha256_file(files[i][1]), ids), strict=True))
-        digests = {}
-        for part in dist.gather(mine_files):
-            digests |= part
+    digests = ({rel[i]: d for i, d in hasher.digests().items()} if hasher is not None
+               else _hash_shared(dist, {rel[i]: path for i, (_, path, _) in enumerate(files)}))
     if dist.rank == 0:
-        job.progress.phase("publishing")
-        job.finish(partial, digests)
-        publish(partial, job.out, job.overwrite)
-        # Journals go only once OUT is in place: a refused publish leaves a partial a re-run resumes.
-        for path in job.out.glob(f"{JOURNAL_NAME}*"):
-            path.unlink()
+        _publish(job, partial, digests)
     dist.barrier()
-    total_bytes = sum(f.size for _, _, f in files)
-    return JobResult(len(plan.units) - len(todo_all), len(plan.units), digests, total_bytes)
+    return JobResult(len(plan.units) - len(todo_all), len(plan.units), digests, sum(f.size for _, _, f in files))
+
+
+def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, pool: BufferPool,
+            hasher: OrderedHasher | None, written: dict[Key, int], rel: dict[int, str]) -> BaseException | None:
+    """Run ``units`` one after another, their pieces written (and journalled) by the writer lanes.
+    Returns the error that stopped it, so the other processes can be told before it is raised."""
+    dist = job.dist
+    threads = torch.get_num_threads()
+    if job.device.type == "cpu":
+        # The writer and hash threads each keep a core busy; intra-op threads beyond the rest only
+        # contend with them (measured: 1 compute thread on 2 cores is 18% faster than 2).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 2))
+    try:
+        with TensorReader() as reader, open(partial / journal_name(dist.rank), "a") as journal, \
+                Writer(writer, journal, pool, hasher, written, rel) as sink:
+            if dist.rank and journal.tell() == 0:
+                journal.write(json.dumps({"fingerprint": job.fingerprint}) + "\n")
+                journal.flush()
+            ctx = UnitContext(reader, job.device, pool)
+            for unit in units:
+                pieces = unit.run(ctx)
+                if job.device.type == "cuda":
+                    pieces = _to_host(pieces, ctx)
+                sink.put(unit, pieces, ctx.release(pieces))
+                job.progress.advance(unit.input_bytes)
+    except BaseException as e:  # reported after the other processes have been told
+        return e
+    finally:
+        writer.close()
+        torch.set_num_threads(threads)
+    return None
+
+
+def _agree(dist: Dist, error: BaseException | None) -> BaseException | None:
+    """Every process learns whether any failed: a run only publishes when all of them succeeded."""
+    if dist.world == 1:
+        return error
+    statuses = dist.gather(None if error is None else f"{type(error).__name__}: {error}")
+    failed = [s for s in statuses if s is not None]
+    return error if error is not None or not failed else RuntimeError(f"another process failed: {failed[0]}")
+
+
+def _hash_shared(dist: Dist, paths: dict[str, Path]) -> dict[str, str]:
+    """Several processes: each hashes its share of the finished files on its share of the cores
+    (hashlib drops the GIL): one thread hashing 19 files took 13 of 35 s in a 38 GB torchrun convert
+    on 2 GPUs. Returns every file's digest, to every process."""
+    dist.barrier()
+    names = sorted(paths)
+    mine = names[dist.rank::dist.world]
+    with ThreadPoolExecutor(max(1, min(len(mine), (os.cpu_count() or 1) // dist.world))) as ex:
+        part = dict(zip(mine, ex.map(lambda n: sha256_file(paths[n]), mine), strict=True))
+    digests: dict[str, str] = {}
+    for p in dist.gather(part):
+        digests |= p
+    return digests
+
+
+def _publish(job: Job, partial: Path, digests: dict[str, str]) -> None:
+    job.progress.phase("publishing")
+    job.finish(partial, digests)
+    publish(partial, job.out, job.overwrite)
+    # Journals go only once OUT is in place: a refused publish leaves a partial a re-run resumes.
+    for path in job.out.glob(f"{JOURNAL_NAME}*"):
+        path.unlink()
 
 
 def _to_host(pieces: list[Piece], ctx: UnitContext) -> list[Piece]:

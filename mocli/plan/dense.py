@@ -113,40 +113,57 @@ def check_fp8(t: torch.Tensor, entry: TensorEntry) -> None:
         raise BadData(entry.name, "FP8 bytes encode NaN (0x7F or 0xFF)")
 
 
-class _Fp8Dense(_Dense):
-    """The three FP8 kinds: per-tensor (requantized to the max scale), per-channel, 128x128 blocks."""
+def _weight_pieces(dense: _Dense, whole: list[torch.Tensor]) -> list[Piece]:
+    """Every rank's slice of the (fused) FP8 weight: its rows of each shard, its columns, concatenated."""
+    pieces = []
+    for r in dense.ranks:
+        sl = dense.slice_of(r)
+        c0, c1 = sl.cols
+        parts = [q[a:b, c0:c1] if (c0, c1) != (0, q.shape[1]) else q[a:b] for q, (a, b) in zip(whole, sl.rows, strict=True)]
+        pieces += concat_pieces(dense.key(r, Role.WEIGHT), parts)
+    return pieces
+
+
+class _Fp8TensorDense(_Dense):
+    """FP8 per-tensor: shards requantized to the max weight scale, max input scale (SEMANTICS §3)."""
 
     def plan(self) -> None:
         pc, shards = self.pc, self.shards
         weights = [m.tensors[WEIGHT] for m in shards]
-        if self.kind is ModuleKind.FP8_LINEAR:
-            s = [pc.scale(m, WEIGHT_SCALE) for m in shards]
-            a = [pc.scale(m, INPUT_SCALE) for m in shards]
-            big_s, big_a = torch.stack(s).max(), torch.stack(a).max()
-            requant = [bool(si != big_s) for si in s]
-            pc.plan.unified_scales["fp8_requantized_shards"] += sum(requant)
+        s = [pc.scale(m, WEIGHT_SCALE) for m in shards]
+        big_s = torch.stack(s).max()
+        big_a = torch.stack([pc.scale(m, INPUT_SCALE) for m in shards]).max()
+        requant = [bool(si != big_s) for si in s]
+        pc.plan.unified_scales["fp8_requantized_shards"] += sum(requant)
+        for r in self.ranks:
+            sl = self.slice_of(r)
+            self.add(r, Role.WEIGHT, "F8_E4M3", (sl.n, sl.k), [w.name for w in weights],
+                     self.fused + self.slice_transforms() + (["requantize_max_scale"] if any(requant) else []))
+            self.add(r, Role.WEIGHT_SCALE, "F32", (), self.sources(WEIGHT_SCALE), ["max"] if self.fused else [])
+            self.add(r, Role.INPUT_SCALE, "F32", (), self.sources(INPUT_SCALE), ["max"] if self.fused else [])
+
+        def run(ctx: UnitContext) -> list[Piece]:
+            whole = []
+            for w, si in zip(weights, s, strict=True):
+                q = ctx.load(w)
+                check_fp8(q, w)
+                whole.append(requantize_fp8(q, si, big_s, out=ctx.out(q)))
+            pieces = _weight_pieces(self, whole)
             for r in self.ranks:
-                sl = self.slice_of(r)
-                self.add(r, Role.WEIGHT, "F8_E4M3", (sl.n, sl.k), [w.name for w in weights],
-                         self.fused + self.slice_transforms() + (["requantize_max_scale"] if any(requant) else []))
-                self.add(r, Role.WEIGHT_SCALE, "F32", (), self.sources(WEIGHT_SCALE), ["max"] if self.fused else [])
-                self.add(r, Role.INPUT_SCALE, "F32", (), self.sources(INPUT_SCALE), ["max"] if self.fused else [])
+                pieces += [Piece(self.key(r, Role.WEIGHT_SCALE), 0, scalar(big_s)),
+                           Piece(self.key(r, Role.INPUT_SCALE), 0, scalar(big_a))]
+            return pieces + self.bias_pieces(ctx)
 
-            def run(ctx: UnitContext) -> list[Piece]:
-                whole = []
-                for w, si in zip(weights, s, strict=True):
-                    q = ctx.load(w)
-                    check_fp8(q, w)
-                    whole.append(requantize_fp8(q, si, big_s, out=ctx.out(q)))
-                pieces = self._weight_pieces(whole)
-                for r in self.ranks:
-                    pieces += [Piece(self.key(r, Role.WEIGHT_SCALE), 0, scalar(big_s)),
-                               Piece(self.key(r, Role.INPUT_SCALE), 0, scalar(big_a))]
-                return pieces + self.bias_pieces(ctx)
+        self.finish(lambda r: {}, weights, run)
 
-            self.finish(lambda r: {}, weights, run)
-            return
 
+class _Fp8ScaledDense(_Dense):
+    """FP8 per-channel ([N] scales) and 128x128 blocks ([N/128, K/128]): bytes kept, scales sliced
+    with their rows (SEMANTICS §8, §10)."""
+
+    def plan(self) -> None:
+        pc, shards = self.pc, self.shards
+        weights = [m.tensors[WEIGHT] for m in shards]
         scale_entries = [m.tensors[WEIGHT_SCALE] for m in shards]
         block = self.kind is ModuleKind.FP8_BLOCK_LINEAR
         for r in self.ranks:
@@ -156,7 +173,9 @@ class _Fp8Dense(_Dense):
                      self.fused + self.slice_transforms())
             self.add(r, Role.WEIGHT_SCALE, "F32", sshape, [e.name for e in scale_entries],
                      self.fused + self.slice_transforms() + (["reshape_blocks"] if block else []))
-        k_full = self.k_full
+        # FP8_PB_WO [N/128, 1, K/128, 1] -> [N/128, K/128] (SEMANTICS §8); per-channel [N] or [N, 1] -> [N]
+        sc = [pc.scales[e.name].reshape(-1, self.k_full // 128) if block else pc.scales[e.name].reshape(-1)
+              for e in scale_entries]
 
         def run(ctx: UnitContext) -> list[Piece]:
             whole = []
@@ -164,74 +183,55 @@ class _Fp8Dense(_Dense):
                 q = ctx.load(w)
                 check_fp8(q, w)
                 whole.append(q)
-            pieces = self._weight_pieces(whole)
-            # FP8_PB_WO [N/128, 1, K/128, 1] -> [N/128, K/128] (SEMANTICS §8); per-channel [N] or [N, 1] -> [N]
-            sc = [pc.scales[e.name].reshape(-1, k_full // 128) if block else pc.scales[e.name].reshape(-1)
-                  for e in scale_entries]
+            pieces = _weight_pieces(self, whole)
             for r in self.ranks:
-                sl = self.slice_of(r)
-                if block:
-                    parts = [x[a // 128:b // 128, sl.cols[0] // 128:sl.cols[1] // 128] for x, (a, b) in zip(sc, sl.rows, strict=True)]
-                elif self.split is Split.ROW:
-                    parts = sc  # per-channel scales follow output rows: whole on every row-parallel rank
-                else:
-                    parts = [x[a:b] for x, (a, b) in zip(sc, sl.rows, strict=True)]
-                pieces += concat_pieces(self.key(r, Role.WEIGHT_SCALE), [p.contiguous() for p in parts])
+                pieces += concat_pieces(self.key(r, Role.WEIGHT_SCALE), self._rank_scales(sc, r, block))
             return pieces + self.bias_pieces(ctx)
 
         self.finish(lambda r: {}, weights, run)
 
-    def _weight_pieces(self, whole: list[torch.Tensor]) -> list[Piece]:
-        pieces = []
-        for r in self.ranks:
-            sl = self.slice_of(r)
-            c0, c1 = sl.cols
-            parts = [q[a:b, c0:c1] if (c0, c1) != (0, q.shape[1]) else q[a:b]
-                     for q, (a, b) in zip(whole, sl.rows, strict=True)]
-            pieces += concat_pieces(self.key(r, Role.WEIGHT), parts)
-        return pieces
+    def _rank_scales(self, sc: list[torch.Tensor], r: int, block: bool) -> list[torch.Tensor]:
+        sl = self.slice_of(r)
+        if block:
+            c0, c1 = sl.cols[0] // 128, sl.cols[1] // 128
+            return [x[a // 128:b // 128, c0:c1].contiguous() for x, (a, b) in zip(sc, sl.rows, strict=True)]
+        if self.split is Split.ROW:
+            return [x.contiguous() for x in sc]  # per-channel scales follow output rows: whole on row-parallel ranks
+        return [x[a:b].contiguous() for x, (a, b) in zip(sc, sl.rows, strict=True)]
 
 
 class _Nvfp4Dense(_Dense):
+    """NVFP4: block scales rescaled to the max weight_scale_2, then the target's weight layout and
+    128x4 swizzle per rank; alpha and 1/input_scale precomputed (SEMANTICS §6)."""
+
     def plan(self) -> None:
         pc, shards, layout = self.pc, self.shards, self.pc.layout
         s2 = [pc.scale(m, WEIGHT_SCALE_2) for m in shards]
-        a = [pc.scale(m, INPUT_SCALE) for m in shards]
-        big_s2, big_a = torch.stack(s2).max(), torch.stack(a).max()
-        rescaled = [bool(x != big_s2) for x in s2]
-        pc.plan.unified_scales["nvfp4_rescaled_shards"] += sum(rescaled)
-        if any(rescaled):
-            ratio = float(big_s2 / torch.stack(s2).min())
-            pc.plan.unified_scales["nvfp4_worst_scale_2_ratio"] = max(pc.plan.unified_scales["nvfp4_worst_scale_2_ratio"], ratio)
+        big_s2 = self._unify(s2)
+        big_a = torch.stack([pc.scale(m, INPUT_SCALE) for m in shards]).max()
         weights = [m.tensors[WEIGHT] for m in shards]
         bscales = [m.tensors[WEIGHT_SCALE] for m in shards]
         shapes = {}
         for r in self.ranks:
             sl = self.slice_of(r)
             n, k = sl.n, sl.k
-            wshape = layout.nvfp4_weight_shape(n, k)
-            shapes[r] = wshape
+            shapes[r] = layout.nvfp4_weight_shape(n, k)
             rows = self.slice_transforms()
-            self.add(r, Role.WEIGHT, "U8", wshape, [w.name for w in weights],
+            self.add(r, Role.WEIGHT, "U8", shapes[r], [w.name for w in weights],
                      self.fused + rows + layout.nvfp4_weight_transforms(n, k))
-            strans = (self.fused + rows + (["rescale_to_max_scale_2"] if any(rescaled) else [])
+            strans = (self.fused + rows + (["rescale_to_max_scale_2"] if any(x != big_s2 for x in s2) else [])
                       + (["shuffle_matrix_a_128"] if layout.nvfp4_weight_rows(n) is not None else []) + ["swizzle_128x4"])
             self.add(r, Role.WEIGHT_SCALE, "F8_E4M3", swizzled_shape(n, k // 16), [b.name for b in bscales], strans)
             self.add(r, Role.WEIGHT_SCALE_2, "F32", (), self.sources(WEIGHT_SCALE_2), ["max"])
             self.add(r, Role.INPUT_SCALE, "F32", (), self.sources(INPUT_SCALE), ["max"])
             self.add(r, Role.ALPHA, "F32", (), [], ["input_scale * weight_scale_2"])
             self.add(r, Role.INPUT_SCALE_INV, "F32", (), [], ["1 / input_scale"])
-        alpha, inv = big_a * big_s2, torch.reciprocal(big_a)
+        scalars = {Role.WEIGHT_SCALE_2: big_s2, Role.INPUT_SCALE: big_a, Role.ALPHA: big_a * big_s2,
+                   Role.INPUT_SCALE_INV: torch.reciprocal(big_a)}
 
         def run(ctx: UnitContext) -> list[Piece]:
             pieces: list[Piece] = []
             loaded: dict[int, torch.Tensor] = {}  # shard -> packed weight, read only when a rank needs the bytes
-
-            def weight(i: int) -> torch.Tensor:
-                if i not in loaded:
-                    loaded[i] = ctx.load(weights[i])
-                return loaded[i]
-
             bs = []
             for b, si in zip(bscales, s2, strict=True):
                 raw = ctx.load(b)
@@ -239,38 +239,50 @@ class _Nvfp4Dense(_Dense):
                 bs.append(rescale_block_scales(raw, si, big_s2, out=ctx.out(raw)))
             for t, sl in self.slices.items():
                 ranks = [r for r in self.ranks if self.pc.parallel.tp_rank(r) == t]
-                n, k = sl.n, sl.k
-                wshape = shapes[ranks[0]]
+                wparts = self._rank_weight(ctx, sl, shapes[ranks[0]], weights, loaded)
                 c0, c1 = sl.cols
-                # Weight bytes no transform touches are copied by the kernel, never read into Python.
-                copy = wshape == (n, k // 2) and layout.nvfp4_weight_rows(n) is None and (c0, c1) == (0, self.k_full)
-                if copy:
-                    wparts: list = [SourceRange(w, 0, w.nbytes).rows(a, bnd) for w, (a, bnd) in zip(weights, sl.rows, strict=True)]
-                else:
-                    wparts = [weight(i)[a:bnd, c0 // 2:c1 // 2] for i, (a, bnd) in enumerate(sl.rows)]
-                    rank_w = torch.cat(wparts) if len(wparts) > 1 or not wparts[0].is_contiguous() else wparts[0]
-                    idx = layout.nvfp4_weight_rows(n)
-                    if idx is not None:
-                        rank_w = permute_rows(rank_w, idx, ctx.out(rank_w))
-                    wparts = [pad_2d(rank_w, *wshape)]
                 rank_bs = torch.cat([x[a:bnd, c0 // 16:c1 // 16] for x, (a, bnd) in zip(bs, sl.rows, strict=True)])
-                rank_bs = permute_rows(rank_bs, layout.nvfp4_weight_rows(n))
-                swz = swizzle_block_scales(rank_bs)
+                swz = swizzle_block_scales(permute_rows(rank_bs, layout.nvfp4_weight_rows(sl.n)))
                 for r in ranks:
                     pieces += concat_pieces(self.key(r, Role.WEIGHT), wparts)
-                    pieces += [Piece(self.key(r, Role.WEIGHT_SCALE), 0, swz),
-                               Piece(self.key(r, Role.WEIGHT_SCALE_2), 0, scalar(big_s2)),
-                               Piece(self.key(r, Role.INPUT_SCALE), 0, scalar(big_a)),
-                               Piece(self.key(r, Role.ALPHA), 0, scalar(alpha)),
-                               Piece(self.key(r, Role.INPUT_SCALE_INV), 0, scalar(inv))]
+                    pieces.append(Piece(self.key(r, Role.WEIGHT_SCALE), 0, swz))
+                    pieces += [Piece(self.key(r, role), 0, scalar(v)) for role, v in scalars.items()]
             return pieces + self.bias_pieces(ctx)
 
-        self.finish(lambda r: {"padded_n": shapes[r][0], "padded_k": shapes[r][1] * 2},
-                    weights + bscales, run)
+        self.finish(lambda r: {"padded_n": shapes[r][0], "padded_k": shapes[r][1] * 2}, weights + bscales, run)
+
+    def _unify(self, s2: list[torch.Tensor]) -> torch.Tensor:
+        """S2 = max over the shards (mocli policy, SEMANTICS §6); the shards below it are counted."""
+        big = torch.stack(s2).max()
+        rescaled = sum(bool(x != big) for x in s2)
+        counts = self.pc.plan.unified_scales
+        counts["nvfp4_rescaled_shards"] += rescaled
+        if rescaled:
+            counts["nvfp4_worst_scale_2_ratio"] = max(counts["nvfp4_worst_scale_2_ratio"], float(big / torch.stack(s2).min()))
+        return big
+
+    def _rank_weight(self, ctx: UnitContext, sl: RankSlice, wshape: tuple[int, int], weights: list[TensorEntry],
+                     loaded: dict[int, torch.Tensor]) -> list:
+        """One tp rank's packed weight in the target layout: source bytes the kernel copies when no
+        transform touches them, else its rows and columns permuted and padded here."""
+        layout, n, k = self.pc.layout, sl.n, sl.k
+        c0, c1 = sl.cols
+        idx = layout.nvfp4_weight_rows(n)
+        if wshape == (n, k // 2) and idx is None and (c0, c1) == (0, self.k_full):
+            return [SourceRange(w, 0, w.nbytes).rows(a, b) for w, (a, b) in zip(weights, sl.rows, strict=True)]
+        parts = []
+        for i, (a, b) in enumerate(sl.rows):
+            if i not in loaded:
+                loaded[i] = ctx.load(weights[i])
+            parts.append(loaded[i][a:b, c0 // 2:c1 // 2])
+        rank_w = torch.cat(parts) if len(parts) > 1 or not parts[0].is_contiguous() else parts[0]
+        if idx is not None:
+            rank_w = permute_rows(rank_w, idx, ctx.out(rank_w))
+        return [pad_2d(rank_w, *wshape)]
 
 
 # Planner per dense kind (mocli.plan.PLANNERS joins it with the MoE one).
 DENSE_PLANNERS: dict[ModuleKind, type[_Dense]] = {
-    ModuleKind.FP8_LINEAR: _Fp8Dense, ModuleKind.FP8_CHANNEL_LINEAR: _Fp8Dense,
-    ModuleKind.FP8_BLOCK_LINEAR: _Fp8Dense, ModuleKind.NVFP4_LINEAR: _Nvfp4Dense,
+    ModuleKind.FP8_LINEAR: _Fp8TensorDense, ModuleKind.FP8_CHANNEL_LINEAR: _Fp8ScaledDense,
+    ModuleKind.FP8_BLOCK_LINEAR: _Fp8ScaledDense, ModuleKind.NVFP4_LINEAR: _Nvfp4Dense,
 }

@@ -53,35 +53,16 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
     wanted = None if not isinstance(files, dict) else {
         rel: info.get("sha256") for rel, info in files.items() if (rel.split("/", 1)[0] if "/" in rel else "") in groups}
     hashes = Hashes(out, wanted, (manifest.get("provenance") or {}).get("source_shards") or {}, src, opts)
-    census = build_census(src.tensors)
     rt = runtime(opts, layout_of(manifest["target"]))
-    heads = heads_of(src.config)
     cks = {r: open_converted(out, rank=r if manifest.get("ranks") else None) for r in ranks}
     names = [m["name"] for m in cks[ranks[0]]._module_info.values()]
     names = [n for n in names if opts.layers is None or fnmatchcase(n, opts.layers)]
     if not names:
         raise InputError(f"--layers {opts.layers!r} matches no converted module",
                          hint="names look like model.layers.0.self_attn.qkv_proj; use * wildcards")
-    results: list[ModuleResult] = []
-    cross: list[CrossResult] = []
     progress.start(len(names) * len(ranks))
     try:
-        with src.reader() as reader:
-            source = Source(src, census, reader, rt.device)
-            for name in names:
-                infos = {r: cks[r].module_info(name) for r in ranks}
-                kind = ModuleKind(next(iter(infos.values()))["kind"])
-                check = check_moe if KINDS[kind].moe else check_dense
-                args = (name, infos, cks, source, rt, opts) + (() if KINDS[kind].moe else (parallel["tp"], heads))
-                res, cr = check(*args)
-                results += res
-                if cr is not None:
-                    cross.append(cr)
-                for _ in res:
-                    progress.advance()
-                reader.drop_pages()  # RSS: one module's mapped bytes at a time, not the model's
-                for ck in cks.values():
-                    ck.drop_pages()
+        results, cross = _check_modules(names, cks, src, rt, opts, parallel["tp"], progress)
         progress.phase("pass-through tensors")
         n_pass, pass_problems = _passthrough(out, manifest, src)
         coverage = _coverage(cks, manifest, opts)
@@ -105,6 +86,31 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
         + len(pass_problems) + len(coverage["unchecked"]),
         "ok": ok, "seconds": round(time.perf_counter() - t_all, 3),
     }
+
+
+def _check_modules(names: list[str], cks: dict, src: Checkpoint, rt, opts: VerifyOptions, tp: int,
+                   progress: Progress) -> tuple[list[ModuleResult], list[CrossResult]]:
+    """Every named module on every rank of ``cks``, by its kind's check; one module's pages at a time."""
+    census, heads = build_census(src.tensors), heads_of(src.config)
+    results: list[ModuleResult] = []
+    cross: list[CrossResult] = []
+    with src.reader() as reader:
+        source = Source(src, census, reader, rt.device)
+        for name in names:
+            infos = {r: ck.module_info(name) for r, ck in cks.items()}
+            if KINDS[ModuleKind(next(iter(infos.values()))["kind"])].moe:
+                res, cr = check_moe(name, infos, cks, source, rt, opts)
+            else:
+                res, cr = check_dense(name, infos, cks, source, rt, opts, tp, heads)
+            results += res
+            if cr is not None:
+                cross.append(cr)
+            for _ in res:
+                progress.advance()
+            reader.drop_pages()  # RSS: one module's mapped bytes at a time, not the model's
+            for ck in cks.values():
+                ck.drop_pages()
+    return results, cross
 
 
 def _passthrough(out: Path, manifest: dict, src: Checkpoint) -> tuple[int, list[dict[str, str]]]:
