@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mocli.errors import CorruptFileError, InputError
+from mocli.errors import InputError
 from mocli.findings import Findings
 from mocli.formats import CONFIG_JSON, HF_QUANT_CONFIG, INDEX_NAME, SINGLE_NAME
+from mocli.formats.index import read_index
 from mocli.formats.layout import is_layout
 from mocli.io.bulk import paused_gc
 from mocli.io.jsonfile import read_json
@@ -68,9 +69,8 @@ def _open(spec: str | Path) -> Checkpoint:
     if is_layout(root):
         raise InputError(f"{root}: this is a mocli-converted checkpoint (kernel layout), not a ModelOpt export",
                          hint="inspect/validate/convert its source; check it with mocli verify")
-    index_path = root / INDEX_NAME
-    if index_path.exists():
-        files, tensors = _read_sharded(root, index_path)
+    if (root / INDEX_NAME).exists():
+        files, tensors = read_index(root)
         sharded = True
     else:
         single = root / SINGLE_NAME
@@ -99,59 +99,3 @@ def _open(spec: str | Path) -> Checkpoint:
                      hint="is this a ModelOpt export?")
     quant = reconcile(hf_quant, config_quant, findings)
     return Checkpoint(source, files, tensors, config, hf_quant, config_quant, quant, findings, sharded)
-
-
-def _read_sharded(root: Path, index_path: Path) -> tuple[list[SafetensorsHeader], dict[str, TensorEntry]]:
-    index = read_json(index_path, walk=False)  # fixed structure: weight_map is checked right here
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CorruptFileError(f"{index_path}: no \"weight_map\" object of tensor -> file name",
-                               hint="the index is corrupt; download it again or delete it for a single-file checkpoint")
-    headers: dict[str, SafetensorsHeader] = {}
-    for fname in sorted(set(weight_map.values())):
-        # Containment is judged on the names, not on where links point: a Hugging Face cache
-        # snapshot is made of symlinks into ../../blobs/, and those are fine.
-        parts = Path(fname).parts
-        if not fname or Path(fname).is_absolute() or ".." in parts or "\0" in fname:
-            raise InputError(f"{index_path}: weight_map entry {fname!r} points outside the model directory",
-                             hint="shard names must be plain file names inside the checkpoint directory")
-        fpath = root / fname
-        if not fpath.is_file():
-            why = "is a dangling or looping link" if fpath.is_symlink() else "does not exist"
-            raise InputError(f"{index_path}: shard {fname!r} {why}",
-                             hint="the download is incomplete; fetch the missing shard again")
-        headers[fname] = read_header(fpath)
-    # Fast path: per shard, the names the index maps to it equal the names in its header (set
-    # comparisons in C); only a disagreement walks name by name to say which tensor is wrong.
-    mapped: dict[str, list[str]] = {}
-    for name, fname in weight_map.items():
-        mapped.setdefault(fname, []).append(name)
-    tensors: dict[str, TensorEntry] = {}
-    for header in headers.values():
-        tensors.update(header.tensors)
-    if len(tensors) == len(weight_map) == sum(len(h.tensors) for h in headers.values()) and all(
-            header.tensors.keys() == set(mapped.get(fname, ())) for fname, header in headers.items()):
-        return list(headers.values()), tensors
-    _explain_index_mismatch(root, index_path, headers, weight_map)
-    raise AssertionError("unreachable: the index and the shards disagree")
-
-
-def _explain_index_mismatch(root: Path, index_path: Path, headers: dict[str, SafetensorsHeader],
-                            weight_map: dict[str, str]) -> None:
-    owner: dict[str, str] = {}
-    for fname, header in headers.items():
-        for name in header.tensors:
-            if name in owner:
-                raise InputError(f"{root}: tensor '{name}' is stored in both {owner[name]} and {fname}",
-                                 hint="the shards overlap; re-export the checkpoint")
-            owner[name] = fname
-    for name, fname in weight_map.items():
-        if owner.get(name) != fname:
-            where = f"is in {owner[name]}" if name in owner else "is in no shard"
-            raise InputError(f"{index_path}: tensor '{name}' is mapped to {fname} but {where}",
-                             hint="the index and the shards disagree")
-    unmapped = set(owner) - set(weight_map)
-    name = min(unmapped)
-    raise InputError(f"{index_path}: tensor '{name}' in {owner[name]} is missing from the weight_map"
-                     + (f" (and {len(unmapped) - 1} more)" if len(unmapped) > 1 else ""),
-                     hint="the index and the shards disagree")

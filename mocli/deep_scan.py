@@ -8,6 +8,7 @@ NVFP4's packed e2m1 codes have neither, so U8 weights are skipped.
 from __future__ import annotations
 
 import os
+from itertools import groupby
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from mocli.checkpoint import Checkpoint
 from mocli.errors import read_error
 from mocli.findings import Findings
+from mocli.io.paths import open_regular
 from mocli.io.safetensors_file import TensorEntry
 
 CHUNK = 4 << 20
@@ -43,26 +45,23 @@ def scan(ckpt: Checkpoint, findings: Findings, skip: set[str] = frozenset(), pro
         progress.start(total, len(entries))
     buf = np.empty(CHUNK, dtype=np.uint8)
     tmp = np.empty(CHUNK, dtype=np.uint8)
-    fds: dict = {}
-    try:
-        for e in entries:
-            if _bad_entry(e, buf, tmp, fds):
-                what = "NaN (0x7F/0xFF)" if e.dtype == "F8_E4M3" else "NaN or Inf"
-                findings.add("DAT001", e.name, f"{e.dtype} bytes encode {what}",
-                             hint="the export is broken; re-export or re-download the checkpoint")
-            if progress is not None:
-                progress.advance(e.nbytes)
-    finally:
-        for fd in fds.values():
+    for path, group in groupby(entries, key=lambda e: e.file):  # one file open at a time
+        fd = open_regular(path)
+        try:
+            for e in group:
+                if _bad_entry(fd, e, buf, tmp):
+                    what = "NaN (0x7F/0xFF)" if e.dtype == "F8_E4M3" else "NaN or Inf"
+                    findings.add("DAT001", e.name, f"{e.dtype} bytes encode {what}",
+                                 hint="the export is broken; re-export or re-download the checkpoint")
+                if progress is not None:
+                    progress.advance(e.nbytes)
+        finally:
             os.close(fd)
     return {"tensors": len(entries), "bytes": total}
 
 
-def _bad_entry(e: TensorEntry, buf: np.ndarray, tmp: np.ndarray, fds: dict) -> bool:
+def _bad_entry(fd: int, e: TensorEntry, buf: np.ndarray, tmp: np.ndarray) -> bool:
     try:
-        fd = fds.get(e.file)
-        if fd is None:
-            fd = fds[e.file] = os.open(e.file, os.O_RDONLY)
         width = 1 if e.dtype == "F8_E4M3" else _FLOAT[e.dtype][0]().itemsize
         done = 0
         while done < e.nbytes:

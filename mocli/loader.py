@@ -22,6 +22,7 @@ import torch
 
 from mocli.errors import CorruptFileError
 from mocli.formats.layout import rank_entries, rank_view, read_manifest
+from mocli.io.paths import open_regular
 from mocli.io.safetensors_file import TensorEntry, TensorReader, tensor_bytes_view, torch_dtypes
 from mocli.kinds import ModuleKind
 
@@ -225,7 +226,7 @@ def open_converted(path: str | Path, rank: int | None = None) -> ConvertedCheckp
     manifest = read_manifest(path)
     _, modules, _ = rank_view(manifest, rank)
     entries = rank_entries(path, manifest, rank)
-    return ConvertedCheckpoint(path, manifest, rank, {}, TensorReader(), entries, {m["name"]: m for m in modules})
+    return ConvertedCheckpoint(path, manifest, rank, {}, TensorReader(follow=False), entries, {m["name"]: m for m in modules})
 
 
 def load_converted(path: str | Path, device: str | torch.device = "cpu", modules: list[str] | None = None,
@@ -288,7 +289,7 @@ def load_tensors(entries: list[TensorEntry], device: str | torch.device = "cpu")
 
 
 def _pread_into(path: Path, offset: int, view: memoryview) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path, follow=False)
     try:
         done = 0
         while done < len(view):

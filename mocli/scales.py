@@ -12,6 +12,7 @@ import numpy as np
 
 from mocli.census import Census
 from mocli.errors import read_error
+from mocli.io.paths import open_regular
 from mocli.io.safetensors_file import TensorEntry
 from mocli.tables import SCALE_SUFFIXES
 
@@ -33,10 +34,7 @@ def read_f32(entries: list[TensorEntry]) -> dict[str, np.ndarray]:
         by_file.setdefault(e.file, []).append(e)
     for path, es in by_file.items():
         es.sort(key=lambda e: e.start)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as err:
-            raise read_error(path, err) from None
+        fd = open_regular(path)
         try:
             i = 0
             while i < len(es):

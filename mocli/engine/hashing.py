@@ -12,6 +12,7 @@ import torch
 
 from mocli.engine.pool import BufferPool
 from mocli.io.digests import hash_range
+from mocli.io.paths import open_regular
 from mocli.io.safetensors_file import tensor_bytes_view
 from mocli.io.shard_writer import ShardFile
 
@@ -77,7 +78,7 @@ class OrderedHasher:
     def _fd(self, i: int) -> int:
         with self.fd_lock:
             if i not in self.fds:
-                self.fds[i] = os.open(self.files[i][1], os.O_RDONLY)
+                self.fds[i] = open_regular(self.files[i][1], follow=False)
             return self.fds[i]
 
     def _read_back(self, i: int, a: int, b: int) -> None:

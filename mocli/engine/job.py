@@ -19,7 +19,15 @@ import torch
 from mocli.engine.dist import Dist
 from mocli.engine.hashing import OrderedHasher
 from mocli.engine.journal import JOURNAL_NAME, journal_name, read_journals
-from mocli.engine.outdir import OutputLock, check_output, disk_usage, partial_dir, partial_hint, publish
+from mocli.engine.outdir import (
+    OutputLock,
+    check_output,
+    check_partial,
+    disk_usage,
+    partial_dir,
+    partial_hint,
+    publish,
+)
 from mocli.engine.pool import BufferPool, UnitContext
 from mocli.engine.units import BadData, Key, Piece, Plan, Unit
 from mocli.engine.writer import Writer, writer_lanes
@@ -83,6 +91,7 @@ def _prepare(job: Job) -> tuple[set[str], dict[str, int], int]:
         if not partial.is_dir() or partial.is_symlink() or not any(partial.glob(f"{JOURNAL_NAME}*")):
             raise InputError(f"{partial}: exists but is not a mocli partial output",
                              hint="move or delete it; mocli does not remove what it did not create")
+        check_partial(partial)
         state = read_journals(partial, job.fingerprint)
         # The journal only counts if the bytes it vouches for are still there.
         intact = state is not None and all(

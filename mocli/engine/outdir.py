@@ -39,7 +39,13 @@ class OutputLock:
 
     def __enter__(self) -> OutputLock:
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:  # never through a link: the lock file is truncated and rewritten
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except OSError as e:
+                if e.errno != 40:  # ELOOP: it is a link
+                    raise
+                raise InputError(f"{self.path}: is a symbolic link", hint="remove it; mocli's lock file is a plain "
+                                 "file it creates itself") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -118,3 +124,25 @@ def publish(partial: Path, out: Path, overwrite: bool) -> None:
             raise InputError(f"{out}: appeared while mocli ran and is not an empty directory; nothing was "
                              "replaced", hint=partial_hint(partial) + " (use --overwrite or another -o)") from None
         raise
+
+
+def check_partial(partial: Path) -> None:
+    """A partial directory about to be resumed holds only what mocli writes there: regular files, and
+    ``rank-N`` directories of regular files. A link (or a FIFO, device, other directory) is refused,
+    naming it: resuming would write through it, outside OUT."""
+    import stat
+
+    def walk(d: Path, depth: int) -> None:
+        for entry in os.scandir(d):
+            path = Path(entry.path)
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode):
+                raise InputError(f"{path}: is a symbolic link inside a partial output",
+                                 hint=f"mocli never writes links there; delete {partial} to start over")
+            if stat.S_ISDIR(mode) and depth == 0 and entry.name.startswith("rank-"):
+                walk(path, depth + 1)
+            elif not stat.S_ISREG(mode):
+                raise InputError(f"{path}: is not a file mocli writes in a partial output",
+                                 hint=f"delete {partial} to start over")
+
+    walk(partial, 0)

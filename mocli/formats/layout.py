@@ -13,6 +13,7 @@ from typing import Any
 
 from mocli.errors import CorruptFileError, InputError
 from mocli.formats import INDEX_NAME, write_index, write_json
+from mocli.io.paths import entry_path
 
 MANIFEST_NAME = "mocli-layout.json"
 FORMAT = "mocli-layout"
@@ -59,26 +60,139 @@ def write_layout(directory: Path, body: dict[str, Any], layouts: dict, digests: 
 
 
 # --- reading ---------------------------------------------------------------------------------------
+# A converted directory may have been downloaded or edited: every field is checked for its type
+# before anything uses it, every name read from it resolves inside OUT (io.paths), and a rank's
+# tensors are exactly what its index names (no file outside the index, no tensor twice).
 
 def is_layout(path: Path) -> bool:
     return (Path(path) / MANIFEST_NAME).exists()
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of a converted directory, its structure checked (CorruptFileError naming the field)."""
     from mocli.io.jsonfile import read_json
 
     mpath = Path(path) / MANIFEST_NAME
-    if not mpath.exists():
+    if not mpath.exists() and not mpath.is_symlink():
         raise InputError(f"{path}: no {MANIFEST_NAME}; not a mocli-converted checkpoint",
                          hint="run mocli convert first")
-    manifest = read_json(mpath)
+    manifest = read_json(mpath, follow=False)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CorruptFileError(f"{mpath}: not a mocli layout manifest", hint="the file is damaged; convert again")
     if manifest.get("layout_version") not in READABLE_VERSIONS:
-        raise InputError(f"{mpath}: layout_version {manifest.get('layout_version')} is not supported "
+        raise InputError(f"{mpath}: layout_version {manifest.get('layout_version')!r} is not supported "
                          f"(this mocli reads {', '.join(map(str, sorted(READABLE_VERSIONS)))})",
                          hint="convert again with this mocli version")
+    _check_manifest(manifest, mpath)
     return manifest
+
+
+def _bad(where: str, what: str) -> CorruptFileError:
+    return CorruptFileError(f"{where}: {what}", hint="the manifest is damaged or hostile; convert again")
+
+
+def _is_int(v: Any, low: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _expect(value: Any, kind: type | tuple, where: str, what: str) -> Any:
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise _bad(where, f"{what} must be {getattr(kind, '__name__', kind)}, not {type(value).__name__}")
+    return value
+
+
+def _str_list(value: Any, where: str, what: str) -> None:
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise _bad(where, f"{what} must be a list of strings")
+
+
+# meta keys the loader and verify read, with their types
+_META_INTS = {"experts", "intermediate", "hidden", "n", "k", "padded_n", "padded_k", "expert_offset", "tp_rank",
+              "experts_total", "intermediate_total"}
+_META_INT_LISTS = {"shard_rows", "intermediate_slice"}
+
+
+def _check_module(m: Any, where: str) -> None:
+    from mocli.kinds import ModuleKind
+
+    _expect(m, dict, where, "a module")
+    name = _expect(m.get("name"), str, where, "name")
+    at = f"{where} ({name})"
+    if m.get("kind") not in {k.value for k in ModuleKind}:
+        raise _bad(at, f"kind {m.get('kind')!r} is not one this mocli knows")
+    _expect(m.get("scheme"), str, at, "scheme")
+    tensors = _expect(m.get("tensors"), dict, at, "tensors")
+    if not all(isinstance(v, str) for v in tensors.values()):
+        raise _bad(at, "tensors must map roles to tensor names")
+    _str_list(m.get("sources"), at, "sources")
+    meta = _expect(m.get("meta"), dict, at, "meta")
+    for key, v in meta.items():
+        if key in _META_INTS and not _is_int(v):
+            raise _bad(at, f"meta.{key} must be a non-negative integer")
+        if key in _META_INT_LISTS and not (isinstance(v, list) and all(_is_int(x) for x in v)):
+            raise _bad(at, f"meta.{key} must be a list of non-negative integers")
+        if key == "slices" and not (isinstance(v, list) and all(
+                isinstance(x, list) and len(x) == 4 and all(_is_int(y) for y in x) for x in v)):
+            raise _bad(at, "meta.slices must be [row0, row1, col0, col1] per shard")
+        if key == "full" and not (isinstance(v, dict) and all(_is_int(v.get(d)) for d in ("n", "k"))):
+            raise _bad(at, "meta.full must be {n, k}")
+        if key in ("naming", "split") and not isinstance(v, str):
+            raise _bad(at, f"meta.{key} must be a string")
+
+
+def _check_tensors(tensors: Any, where: str) -> None:
+    from mocli.io.safetensors_file import DTYPE_SIZES
+
+    _expect(tensors, dict, where, "tensors")
+    for name, t in tensors.items():
+        at = f"{where}.{name}"
+        _expect(t, dict, at, "a tensor entry")
+        if t.get("dtype") not in DTYPE_SIZES:
+            raise _bad(at, f"dtype {t.get('dtype')!r} is not a safetensors dtype")
+        if not isinstance(t.get("shape"), list) or not all(_is_int(d) for d in t["shape"]):
+            raise _bad(at, "shape must be a list of non-negative integers")
+        _expect(t.get("role"), str, at, "role")
+        _str_list(t.get("sources"), at, "sources")
+        _str_list(t.get("transforms"), at, "transforms")
+
+
+def _check_manifest(m: dict[str, Any], where: Path) -> None:
+    at = str(where)
+    _expect(m.get("target"), str, at, "target")
+    par = _expect(m.get("parallel"), dict, at, "parallel")
+    for key in ("tp", "ep", "ranks"):
+        if not _is_int(par.get(key), 1):
+            raise _bad(at, f"parallel.{key} must be a positive integer")
+    ranks = m.get("ranks")
+    if par["ranks"] == 1:
+        if ranks is not None:
+            raise _bad(at, "ranks[] is only written when parallel.ranks > 1")
+        sections = [(m, f"{at}: ")]
+    else:
+        if not isinstance(ranks, list) or len(ranks) != par["ranks"]:
+            raise _bad(at, f"parallel.ranks is {par['ranks']} but ranks[] lists "
+                           f"{len(ranks) if isinstance(ranks, list) else 'none'}")
+        for r, entry in enumerate(ranks):
+            _expect(entry, dict, f"{at}: ranks[{r}]", "a rank entry")
+            if entry.get("rank") != r or not _is_int(entry.get("tp_rank")) or entry.get("dir") != f"rank-{r}":
+                raise _bad(f"{at}: ranks[{r}]", f"must be rank {r} in directory rank-{r} "
+                                                f"(found rank {entry.get('rank')!r}, dir {entry.get('dir')!r})")
+        sections = [(m, f"{at}: ")] + [(e, f"{at}: ranks[{r}].") for r, e in enumerate(ranks)]
+    for section, prefix in sections:
+        modules = section.get("modules", [])
+        _expect(modules, list, prefix + "modules", "modules")
+        for i, mod in enumerate(modules):
+            _check_module(mod, f"{prefix}modules[{i}]")
+        _check_tensors(section.get("tensors", {}), prefix + "tensors")
+    files = m.get("files")
+    if files is not None:
+        _expect(files, dict, at, "files")
+        for name, info in files.items():
+            ok = isinstance(info, dict) and _is_int(info.get("size")) and isinstance(info.get("sha256"), str)
+            if not ok:
+                raise _bad(f"{at}: files[{name!r}]", "must be {size, sha256}")
+    if not isinstance(m.get("provenance", {}), dict):
+        raise _bad(at, "provenance must be an object")
 
 
 def rank_view(manifest: dict[str, Any], rank: int | None) -> tuple[str, list[dict], dict[str, Any]]:
@@ -97,29 +211,33 @@ def rank_view(manifest: dict[str, Any], rank: int | None) -> tuple[str, list[dic
     return r["dir"], r["modules"], r["tensors"]
 
 
-def group_entries(directory: Path) -> dict:
-    """name -> TensorEntry of one output group, from its index and the headers of the shards it names."""
-    from mocli.io.jsonfile import read_json
-    from mocli.io.safetensors_file import read_header
+def group_entries(root: Path, group: str) -> dict:
+    """name -> TensorEntry of one output group (the top level "" or "rank-R"), exactly as its index says:
+    every shard the index names (inside the group's directory, no link), each tensor in the one shard
+    the index maps it to, and nothing else in those shards."""
+    from mocli.formats.index import read_index
 
-    index_path = directory / INDEX_NAME
-    index = read_json(index_path)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
-        raise CorruptFileError(f"{index_path}: no weight_map", hint="the output is damaged; convert again")
-    entries: dict = {}
-    for fname in sorted(set(weight_map.values())):
-        if not isinstance(fname, str) or "/" in fname or fname.startswith("."):
-            raise CorruptFileError(f"{index_path}: bad shard name {fname!r}", hint="the output is damaged; convert again")
-        entries |= read_header(directory / fname).tensors
-    return entries
+    directory = entry_path(root, group, MANIFEST_NAME) if group else Path(root)
+    _, tensors = read_index(directory, follow=False)
+    return tensors
 
 
 def rank_entries(path: Path, manifest: dict[str, Any], rank: int | None) -> dict:
-    """The tensors of one rank: the shared top-level ones plus the rank directory's, by name."""
+    """The tensors of one rank: the shared top-level ones plus the rank directory's, by name. A name
+    in both is refused: a rank never redefines a shared tensor."""
     group, _, _ = rank_view(manifest, rank)
     path = Path(path)
-    entries = group_entries(path) if (path / INDEX_NAME).exists() else {}
+    entries = group_entries(path, "") if (path / INDEX_NAME).exists() or (path / INDEX_NAME).is_symlink() else {}
     if group:
-        entries |= group_entries(path / group)
+        own = group_entries(path, group)
+        twice = sorted(set(own) & set(entries))
+        if twice:
+            raise CorruptFileError(f"{path / group}: tensor '{twice[0]}' is also in the top-level shards",
+                                   hint="the output is damaged; convert again")
+        entries |= own
     return entries
+
+
+def file_path(root: Path, name: str) -> Path:
+    """An entry of the manifest's ``files`` as a path inside ``root`` (InputError otherwise)."""
+    return entry_path(root, name, f"{Path(root) / MANIFEST_NAME}: files")

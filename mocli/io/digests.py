@@ -49,11 +49,16 @@ def hash_range(h, fd: int, a: int, b: int) -> None:
         a = end
 
 
-def sha256_file(path: Path) -> str:
-    """SHA-256 of a file (see ``hash_range``)."""
+def sha256_file(path: Path, follow: bool = True) -> str:
+    """SHA-256 of a regular file (see ``hash_range``; ``follow``: whether ``path`` may be a link)."""
+    from mocli.io.paths import open_regular
+
     h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        hash_range(h, f.fileno(), 0, os.fstat(f.fileno()).st_size)
+    fd = open_regular(path, follow)
+    try:
+        hash_range(h, fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
     return h.hexdigest()
 
 

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mocli.errors import CorruptFileError, read_error
+from mocli.errors import CorruptFileError
 
 # No checkpoint file nests anywhere near this deep; deeper input is hostile or broken, and would
 # otherwise surface later as a RecursionError in whatever walks it.
@@ -68,10 +68,9 @@ def _check_text(s: str, path: Path, what: str) -> None:
                                hint="names must be valid UTF-8; re-export the file") from None
 
 
-def read_json(path: Path, walk: bool = True) -> Any:
-    """Read and parse a JSON file; OSError becomes a one-line error too (``walk``: see parse_json_bytes)."""
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise read_error(path, e) from None
-    return parse_json_bytes(raw, path, walk=walk)
+def read_json(path: Path, walk: bool = True, follow: bool = True) -> Any:
+    """Read and parse a JSON file; OSError becomes a one-line error too (``walk``: see parse_json_bytes;
+    ``follow``: whether ``path`` may be a symbolic link, see io.paths)."""
+    from mocli.io.paths import read_regular
+
+    return parse_json_bytes(read_regular(path, follow), path, walk=walk)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from mocli.errors import CorruptFileError, read_error
 from mocli.io.jsonfile import parse_json_bytes
+from mocli.io.paths import open_regular
 
 # Bytes per element for every safetensors dtype string (safetensors `Dtype`).
 DTYPE_SIZES: dict[str, int] = {
@@ -76,11 +77,13 @@ class SafetensorsHeader:
     header_sha256: str  # of the raw JSON header: identifies layout and offsets without rereading
 
 
-def read_header(path: Path) -> SafetensorsHeader:
-    """Parse and check one safetensors header; raise CorruptFileError naming the fault."""
+def read_header(path: Path, follow: bool = True) -> SafetensorsHeader:
+    """Parse and check one safetensors header; raise CorruptFileError naming the fault. ``follow``:
+    whether ``path`` may be a symbolic link (a source in the Hugging Face cache), see io.paths."""
+    fd = open_regular(path, follow)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        size = os.fstat(fd).st_size
+        with os.fdopen(fd, "rb", closefd=False) as f:
             head = f.read(8)
             if len(head) < 8:
                 raise CorruptFileError(f"{path}: file is {size} bytes, too short for a safetensors header",
@@ -93,6 +96,8 @@ def read_header(path: Path) -> SafetensorsHeader:
             raw = f.read(n)
     except OSError as e:
         raise read_error(path, e) from None
+    finally:
+        os.close(fd)
     header = parse_json_bytes(raw, path, "header", walk=False)
     if not isinstance(header, dict):
         raise CorruptFileError(f"{path}: header is not a JSON object", hint="the file is not a safetensors file")
@@ -174,17 +179,25 @@ def tensor_bytes_view(t: torch.Tensor) -> memoryview:
 
 
 class TensorReader:
-    """Reads single tensors by offset; keeps file handles open. Not thread-safe."""
+    """Reads single tensors by offset. Keeps the most recently used files open (at most ``MAX_OPEN``:
+    checkpoints with over a thousand shards exist, past any open-file limit). Not thread-safe.
+    ``follow``: whether files may be symbolic links (see io.paths; mocli's own outputs may not)."""
 
-    def __init__(self) -> None:
-        self._files: dict[Path, int] = {}
+    MAX_OPEN = 64
+
+    def __init__(self, follow: bool = True) -> None:
+        self._files: dict[Path, int] = {}  # in order of last use
         self._maps: dict[Path, object] = {}
+        self.follow = follow
 
     def fd(self, path: Path) -> int:
-        fd = self._files.get(path)
+        fd = self._files.pop(path, None)
         if fd is None:
-            fd = os.open(path, os.O_RDONLY)
-            self._files[path] = fd
+            if len(self._files) >= self.MAX_OPEN:
+                oldest = next(iter(self._files))
+                os.close(self._files.pop(oldest))
+            fd = open_regular(path, self.follow)
+        self._files[path] = fd
         return fd
 
     def read_range(self, entry: TensorEntry, start: int, view: memoryview) -> None:
@@ -240,9 +253,12 @@ class TensorReader:
                                    "that torch cannot represent", hint="mocli cannot process this tensor")
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=dtypes[entry.dtype])
-        mm = self._maps.get(entry.file)
+        mm = self._maps.pop(entry.file, None)
         if mm is None:
-            mm = self._maps[entry.file] = mmap.mmap(self.fd(entry.file), 0, access=mmap.ACCESS_COPY)
+            if len(self._maps) >= self.MAX_OPEN:  # a map holds a descriptor of its own until it is unmapped
+                del self._maps[next(iter(self._maps))]  # unmapped once no tensor views it any more
+            mm = mmap.mmap(self.fd(entry.file), 0, access=mmap.ACCESS_COPY)
+        self._maps[entry.file] = mm
         if entry.start + entry.nbytes > len(mm):
             raise CorruptFileError(f"{entry.file}: unexpected end of file reading '{entry.name}'",
                                    hint="the file was truncated after it was opened; download it again")

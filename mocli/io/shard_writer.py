@@ -95,17 +95,24 @@ def layout_shards(specs: list[TensorSpec], max_shard_bytes: int = DEFAULT_MAX_SH
 def shards_intact(directory: Path, layout: ShardLayout, required: dict[str, int] | None = None) -> bool:
     """Every planned shard exists with its planned header and at least the bytes a resumed run
     relies on (``required``: file name -> bytes written by finished units)."""
+    from mocli.errors import MocliError
+    from mocli.io.paths import open_regular
+
     for f in layout.files:
-        path = directory / f.name
         try:
-            size = path.stat().st_size
+            fd = open_regular(directory / f.name, follow=False)
+        except MocliError:
+            return False
+        try:
+            size = os.fstat(fd).st_size
             if size > f.size or size < max(len(f.header), (required or {}).get(f.name, 0)):
                 return False
-            with open(path, "rb") as fh:
-                if fh.read(len(f.header)) != f.header:
-                    return False
+            if os.pread(fd, len(f.header), 0) != f.header:
+                return False
         except OSError:
             return False
+        finally:
+            os.close(fd)
     return True
 
 
@@ -115,7 +122,7 @@ def create_shards(directory: Path, layout: ShardLayout) -> None:
     time on ext4). ``finish_shards`` sets the exact size at the end."""
     directory.mkdir(parents=True, exist_ok=True)
     for f in layout.files:
-        fd = os.open(directory / f.name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(directory / f.name, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         try:
             os.pwrite(fd, f.header, 0)
         finally:
@@ -134,7 +141,10 @@ class ShardWriter:
     """
 
     def __init__(self, files: list[tuple[Path, ShardFile]], keys: dict[tuple[str, str], int]) -> None:
-        self.fds = [os.open(path, os.O_RDWR) for path, _ in files]
+        from mocli.io.paths import open_regular
+
+        # never through a link: a partial directory is ours, and writes must land in it
+        self.fds = [open_regular(path, follow=False, flags=os.O_RDWR) for path, _ in files]
         self.where: dict[tuple[str, str], tuple[int, int, int]] = {}
         self.file_index = keys
         for key, idx in keys.items():
