@@ -13,7 +13,7 @@ from typing import Any
 
 from mocli.checkpoint import Checkpoint
 from mocli.errors import InputError, Refused
-from mocli.formats import copy_configs, provenance_block
+from mocli.formats import provenance_block
 from mocli.io.digests import SourceDigests
 from mocli.io.shard_writer import DEFAULT_MAX_SHARD_BYTES, group_layouts
 from mocli.parallel import Heads, ParallelLayout
@@ -64,8 +64,7 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
         provenance = provenance_block(ckpt.source, digests.result(), target=str(target),
                                       layout_version=layout.LAYOUT_VERSION, layout=layout.MANIFEST_NAME,
                                       parallel=parallel.to_dict())
-        layout.write_layout(partial, body, layouts, files, provenance)
-        copy_configs(ckpt.path, partial, provenance)
+        layout.write_layout(partial, ckpt.path, body, layouts, files, provenance)
 
     job = engine.Job("convert", out, ckpt.path, plan, layouts, fp, finish, overwrite, dev, progress, dist)
     result = engine.run(job)

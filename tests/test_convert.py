@@ -223,13 +223,23 @@ def test_output_files_index_manifest_provenance(cli, tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(load_out(out))
     manifest = json.loads((out / "mocli-layout.json").read_text())
-    assert manifest["layout_version"] == 1 and manifest["target"] == "flashinfer-trtllm"
+    assert manifest["layout_version"] == 2 and manifest["target"] == "flashinfer-trtllm"
     w13 = manifest["tensors"]["model.layers.0.mlp.experts.w13_weight"]
     assert w13["role"] == "w13_weight" and "rows_w3_w1" in w13["transforms"] and len(w13["sources"]) == 8
-    prov = json.loads((out / "hf_quant_config.json").read_text())["mocli"]
-    assert prov == json.loads((out / "config.json").read_text())["quantization_config"]["mocli"]
+    # config.json declares the layout, not ModelOpt: an engine without mocli's plugin refuses it
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert q["quant_method"] == "mocli" and q["layout_version"] == 2 and q["target"] == "flashinfer-trtllm"
+    assert q["source_quantization_config"]["quant_method"] == "modelopt"
+    assert q["source_hf_quant_config"] == json.loads((src / "hf_quant_config.json").read_text())
+    assert not (out / "hf_quant_config.json").exists()
+    prov = q["mocli"]
+    assert prov == manifest["provenance"]
     assert prov["source_shards"] == {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
                                      for p in sorted(src.glob("*.safetensors"))}
+    # every file but the manifest is covered by a digest
+    on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"mocli-layout.json"}
+    assert set(manifest["files"]) == on_disk
+    assert all(manifest["files"][f]["sha256"] == hashlib.sha256((out / f).read_bytes()).hexdigest() for f in on_disk)
 
 
 def test_reruns_are_byte_identical_and_input_untouched(cli, tmp_path):

@@ -134,7 +134,7 @@ def test_parallel_writer_lanes_give_the_same_bytes_and_resume(cli, tmp_path, moe
     assert tree(tmp_path / "many") == tree(tmp_path / "one")
     manifest = json.loads((tmp_path / "many" / "mocli-layout.json").read_text())
     assert {k: v["sha256"] for k, v in manifest["files"].items()} == \
-        {k: v for k, v in tree(tmp_path / "many").items() if k.endswith(".safetensors")}
+        {k: v for k, v in tree(tmp_path / "many").items() if k != "mocli-layout.json"}
     _interrupt_after(monkeypatch, 40)  # of 68 (tp 1) or 172 (tp 2) writes
     assert cli("convert", moe_src, "-o", tmp_path / "resumed", *args).exit_code == 130
     monkeypatch.setattr(ShardWriter, "write", _REAL_WRITE)

@@ -62,12 +62,13 @@ def source_spec(provenance: dict[str, Any], override: str | None = None) -> str 
 
 
 def copy_configs(src: Path, dest: Path, provenance: dict[str, Any], key: str = "mocli",
-                 edit: Callable[[str, dict], None] | None = None) -> None:
-    """Both config files with the provenance block under ``key`` (and ``edit`` applied), other small
-    files (tokenizer, generation config) as they are."""
+                 edit: Callable[[str, dict], None] | None = None, only_config_json: bool = False) -> None:
+    """Both config files with the provenance block under ``key`` (and ``edit`` applied; with
+    ``only_config_json`` hf_quant_config.json is left out), other small files (tokenizer, generation
+    config) as they are."""
     from mocli.io.jsonfile import read_json
 
-    if (src / HF_QUANT_CONFIG).exists():
+    if (src / HF_QUANT_CONFIG).exists() and not only_config_json:
         hq = read_json(src / HF_QUANT_CONFIG)
         if isinstance(hq, dict):
             if edit is not None:
@@ -79,7 +80,7 @@ def copy_configs(src: Path, dest: Path, provenance: dict[str, Any], key: str = "
         if isinstance(cfg, dict):
             if edit is not None:
                 edit(CONFIG_JSON, cfg)
-            if isinstance(cfg.get("quantization_config"), dict):
+            if isinstance(cfg.get("quantization_config"), dict) and key not in cfg["quantization_config"]:
                 cfg["quantization_config"][key] = provenance
         write_json(dest / CONFIG_JSON, cfg)
     skip = {INDEX_NAME, HF_QUANT_CONFIG, CONFIG_JSON}

@@ -17,8 +17,12 @@ from mocli.io.paths import entry_path
 
 MANIFEST_NAME = "mocli-layout.json"
 FORMAT = "mocli-layout"
-LAYOUT_VERSION = 1  # any change to names, dtypes, shapes or byte order bumps it
-READABLE_VERSIONS = frozenset({1})
+# Any change to names, dtypes, shapes or byte order bumps it. 2: config.json declares quant_method
+# "mocli" (an engine without mocli's plugin refuses the directory instead of mis-loading it), no
+# hf_quant_config.json, and ``files`` covers every file but the manifest itself.
+LAYOUT_VERSION = 2
+READABLE_VERSIONS = frozenset({1, 2})
+QUANT_METHOD = "mocli"  # config.json quantization_config.quant_method of a converted directory
 
 
 def rank_dir(parallel, rank: int) -> str:
@@ -46,16 +50,42 @@ def manifest_body(plan, target: str, parallel) -> dict[str, Any]:
     return body
 
 
-def write_layout(directory: Path, body: dict[str, Any], layouts: dict, digests: dict[str, str],
+def quantization_config(body: dict[str, Any], source_config: Any, source_hf_quant: Any,
+                        provenance: dict[str, Any]) -> dict[str, Any]:
+    """config.json's ``quantization_config`` of a converted directory: the method engines dispatch on
+    (``mocli``: only mocli's plugin loads it), what the layout is, and the source's ModelOpt settings."""
+    return {"quant_method": QUANT_METHOD, "layout": MANIFEST_NAME, "layout_version": body["layout_version"],
+            "target": body["target"], "parallel": body["parallel"],
+            "source_quantization_config": source_config, "source_hf_quant_config": source_hf_quant,
+            "mocli": provenance}
+
+
+def write_layout(directory: Path, source_dir: Path, body: dict[str, Any], layouts: dict, digests: dict[str, str],
                  provenance: dict[str, Any]) -> None:
-    """Every group's index and the manifest, with each shard's size and digest (relative path -> digest)."""
-    sizes = {}
+    """Everything around the shards: every group's index, config.json marked as a mocli layout, the
+    source's other small files (tokenizer, generation config), then the manifest with the size and
+    digest of every file in the directory but itself (shards: ``digests``, taken as they were written)."""
+    from mocli.formats import CONFIG_JSON, HF_QUANT_CONFIG, copy_configs
+    from mocli.io.digests import sha256_file
+    from mocli.io.jsonfile import read_json
+
     for group, lay in layouts.items():
         d = directory / group if group else directory
         write_index(d, lay.weight_map(), sum(t.nbytes for f in lay.files for t in f.tensors),
                     mocli_layout=MANIFEST_NAME)
-        sizes |= {(f"{group}/{f.name}" if group else f.name): f.size for f in lay.files}
-    files = {name: {"size": sizes[name], "sha256": digests[name]} for name in sorted(digests)}
+    hq = read_json(source_dir / HF_QUANT_CONFIG) if (source_dir / HF_QUANT_CONFIG).exists() else None
+
+    def mark(name: str, data: dict) -> None:
+        if name == CONFIG_JSON:
+            data["quantization_config"] = quantization_config(body, data.get("quantization_config"), hq, provenance)
+
+    copy_configs(source_dir, directory, provenance, edit=mark, only_config_json=True)
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        rel = str(path.relative_to(directory))
+        if rel == MANIFEST_NAME:  # an earlier finish of a resumed run wrote one: it is rewritten below
+            continue
+        files[rel] = {"size": path.stat().st_size, "sha256": digests.get(rel) or sha256_file(path, follow=False)}
     write_json(directory / MANIFEST_NAME, {**body, "files": files, "provenance": provenance})
 
 
