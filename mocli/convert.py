@@ -66,7 +66,8 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
                                       parallel=parallel.to_dict())
         layout.write_layout(partial, ckpt.path, body, layouts, files, provenance)
 
-    job = engine.Job("convert", out, ckpt.path, plan, layouts, fp, finish, overwrite, dev, progress, dist)
+    job = engine.Job("convert", out, ckpt.path, plan, layouts, fp, finish, overwrite, dev, progress, dist, digests,
+                     {"--target": target, "--tp": tp, "--ep": ep, "--max-shard-size": max_shard_bytes})
     result = engine.run(job)
     return {
         "output": str(out), "target": str(target), "device": str(dev), "tensors": len(plan.tensors),

@@ -190,7 +190,8 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
                                 output_shards={n: {"sha256": d} for n, d in sorted(files.items())})
         write_fp8(partial, ckpt.path, layouts[""], ignored, prov)
 
-    job = engine.Job("quantize", out, ckpt.path, plan, layouts, fp, finish, overwrite, dev, progress, dist)
+    job = engine.Job("quantize", out, ckpt.path, plan, layouts, fp, finish, overwrite, dev, progress, dist, digests,
+                     {"--scheme": scheme, "--exclude": sorted(exclude or []), "--max-shard-size": max_shard_bytes})
     result = engine.run(job)
     return {"output": str(out), "scheme": scheme, "device": str(dev), "quantized_modules": sum(len(g.modules) for g in qp.groups),
             "groups": len(qp.groups), "ignored_layers": ignored, "notes": qp.notes, "tensors": len(plan.tensors),

@@ -170,9 +170,11 @@ def render_quantize(summary: dict[str, Any], out: Output) -> None:
 def render_verify(report: dict[str, Any], out: Output) -> None:
     multi = len(report["ranks"]) > 1 or report["parallel"].get("ranks", 1) > 1
     par = report["parallel"]
-    t = Table(title=f"verify {escape(report['output'])} ({report['target']}"
-                    + (f", tp {par['tp']} ep {par['ep']}" if multi else "")
-                    + f", {report['device']}, {report['tokens']} tokens, seed {report['seed']})", title_justify="left")
+    # the heading is a line of its own: as a table title it would wrap at the table's width
+    out.stdout.print(f"verify {escape(report['output'])} ({report['target']}"
+                     + (f", tp {par['tp']} ep {par['ep']}" if multi else "")
+                     + f", {report['device']}, {report['tokens']} tokens, seed {report['seed']})", soft_wrap=True)
+    t = Table()
     cols = ["module"] + (["rank"] if multi else []) + ["kernel", "rel. error", "threshold", "result"]
     for col in cols:
         t.add_column(col, overflow="fold")
@@ -190,6 +192,8 @@ def render_verify(report: dict[str, Any], out: Output) -> None:
         out.stdout.print(f"[bold red]FAIL[/] file {escape(p['file'])}: {escape(p['problem'])}")
     for p in report["passthrough"]["problems"]:
         out.stdout.print(f"[bold red]FAIL[/] pass-through {escape(p['tensor'])}: {escape(p['problem'])}")
+    for p in report.get("completeness", {}).get("problems", []):
+        out.stdout.print(f"[bold red]FAIL[/] {escape(p['module'])}: {escape(p['problem'])}")
     for n in report["coverage"]["unchecked"]:
         out.stdout.print(f"[bold red]FAIL[/] {escape(n)}: in the output but checked by nothing")
     verdict = "[bold green]OK[/]" if report["ok"] else "[bold red]FAILED[/]"

@@ -293,7 +293,7 @@ def repair(ckpt: Checkpoint, out: Path | None, dry_run: bool = False, overwrite:
         write_modelopt(partial, ckpt.path, layouts[""], ckpt.sharded, plan.config_fields, provenance)
 
     job = engine.Job("repair", Path(out), ckpt.path, job_plan, layouts, fp, finish, overwrite,
-                     progress=progress, dist=dist or engine.Dist())
+                     progress=progress, dist=dist or engine.Dist(), source_digests=digests)
     result = engine.run(job)
     summary.update(bytes=result.bytes, tensors=len(job_plan.tensors), resumed_units=result.resumed_units,
                    units=result.units, seconds=round(time.perf_counter() - t0, 3))

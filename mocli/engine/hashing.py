@@ -22,9 +22,13 @@ class OrderedHasher:
     from there (no read-back), ranges copied file to file or landing ahead of the hash position are
     read back (through a memory map: no copy) once the bytes before them are in. Files are spread
     over ``threads`` hashing threads (hashlib drops the GIL), one per four cores; each unit's pooled
-    buffers go back to the pool when every thread is done with them."""
+    buffers go back to the pool when every thread is done with them.
 
-    def __init__(self, files: list[tuple[str, Path, ShardFile]], pool: BufferPool, resumed: dict[int, int],
+    Files an earlier, interrupted run wrote to (``skip``) are not hashed here: their finished parts are
+    not always a prefix (under torchrun another process may have written further in while this one's
+    earlier units were lost), so the caller hashes them whole once they are complete."""
+
+    def __init__(self, files: list[tuple[str, Path, ShardFile]], pool: BufferPool, skip: set[int],
                  threads: int | None = None) -> None:
         self.files, self.pool = files, pool
         self.sha = [hashlib.sha256() for _ in files]
@@ -36,12 +40,10 @@ class OrderedHasher:
         self.pending: dict[int, list] = {}  # feed id -> [threads still holding it, borrowed buffers]
         self.pending_lock = threading.Lock()
         self.fed = 0
+        self.skip = skip
         for i, (_, _, f) in enumerate(files):
-            if i in resumed:  # a resumed file: its finished prefix is on disk
-                self.ahead[i][0] = resumed[i]
-            else:
-                self.sha[i].update(f.header)
-                self.pos[i] = len(f.header)
+            self.sha[i].update(f.header)
+            self.pos[i] = len(f.header)
         n = max(1, min(len(files), threads or (os.cpu_count() or 1) // 4))
         self.queues: list[queue.Queue] = [queue.Queue(maxsize=2) for _ in range(n)]
         self.threads = [threading.Thread(target=self._loop, args=(q,), daemon=True) for q in self.queues]
@@ -55,7 +57,8 @@ class OrderedHasher:
         n = len(self.queues)
         parts: dict[int, list] = {}
         for item in items:
-            parts.setdefault(item[0] % n, []).append(item)
+            if item[0] not in self.skip:
+                parts.setdefault(item[0] % n, []).append(item)
         if not parts:
             self.pool.give(borrowed)
             return
@@ -135,13 +138,14 @@ class OrderedHasher:
             if self.error is not None:
                 raise self.error
             for i, (_, _, f) in enumerate(self.files):
-                self._read_back_rest(i, f.size)
+                if i not in self.skip:
+                    self._read_back_rest(i, f.size)
         finally:
             self._close_files()
-        return {i: s.hexdigest() for i, s in enumerate(self.sha)}
+        return {i: s.hexdigest() for i, s in enumerate(self.sha) if i not in self.skip}
 
     def _read_back_rest(self, i: int, size: int) -> None:
-        """Whatever is left (zero-length tails, resumed prefixes never followed by writes)."""
+        """Whatever is left (zero-length tails)."""
         self._drain(i)
         if self.pos[i] < size:
             self._read_back(i, self.pos[i], size)

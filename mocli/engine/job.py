@@ -18,7 +18,14 @@ import torch
 
 from mocli.engine.dist import Dist
 from mocli.engine.hashing import OrderedHasher
-from mocli.engine.journal import JOURNAL_NAME, journal_name, read_journals
+from mocli.engine.journal import (
+    JOURNAL_NAME,
+    SOURCE_RECORD,
+    journal_name,
+    read_journals,
+    record_source,
+    recorded_source,
+)
 from mocli.engine.outdir import (
     OutputLock,
     check_output,
@@ -62,6 +69,11 @@ class Job:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     progress: Progress = field(default_factory=Progress)
     dist: Dist = field(default_factory=Dist)
+    # the source's digests, taken in the background (io.digests.SourceDigests): recorded in the partial
+    # once known, and compared before anything an interrupted run wrote is trusted
+    source_digests: Any = None
+    # the command's arguments that shape the output, by name (torchrun processes must agree on them)
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,11 +105,12 @@ def _prepare(job: Job) -> tuple[set[str], dict[str, int], int]:
                              hint="move or delete it; mocli does not remove what it did not create")
         check_partial(partial)
         state = read_journals(partial, job.fingerprint)
-        # The journal only counts if the bytes it vouches for are still there.
+        # The journal only counts if the bytes it vouches for are still there, and were made from these
+        # source bytes (the fingerprint only covers the source's headers).
         intact = state is not None and all(
             shards_intact(partial / g if g else partial, lay,
                           {f.name: state[1].get(_relpath(g, f), 0) for f in lay.files})
-            for g, lay in job.layouts.items())
+            for g, lay in job.layouts.items()) and _same_source(job, partial, state[0])
         if not intact:
             discarded = disk_usage(partial)
             shutil.rmtree(partial)  # a partial of ours from other arguments, or damaged: start over
@@ -109,6 +122,37 @@ def _prepare(job: Job) -> tuple[set[str], dict[str, int], int]:
         (partial / JOURNAL_NAME).write_text(json.dumps({"fingerprint": job.fingerprint}) + "\n")
         state = (set(), {})
     return state[0], state[1], discarded
+
+
+def _agree_on_plan(job: Job) -> None:
+    """torchrun processes started with different arguments (another -o, --tp, source) would each write
+    their own plan into one directory: they compare theirs first, and all refuse (exit 2) naming the
+    first difference, before anything is created."""
+    dist = job.dist
+    mine = {"command": job.command, "output": str(job.out.resolve()), "source": str(job.source_path.resolve()),
+            **{k: str(v) for k, v in job.args.items()}, "plan": job.fingerprint}
+    try:
+        every = dist.gather(mine)
+    except RuntimeError:  # gloo: a peer left (it failed on its own, before this point)
+        raise InputError("another torchrun process stopped before the processes agreed on the plan",
+                         hint="see that process's error; start every process with the same command line") from None
+    for proc, other in enumerate(every):
+        diff = [k for k in mine if other.get(k) != mine[k]]
+        if diff:
+            k = diff[0]
+            what = ("the plan (source bytes or mocli version differ)" if k == "plan"
+                    else f"{k} {other.get(k)!r} where process {dist.rank} has {mine[k]!r}")
+            raise InputError(f"torchrun processes disagree: process {proc} has {what}",
+                             hint="start every process with the same command line; nothing was written")
+
+
+def _same_source(job: Job, partial: Path, done: set[str]) -> bool:
+    """True when nothing is resumed, or the source digests recorded by the interrupted run equal the
+    source's now (waiting for them: a resume reads the source once before it trusts the partial)."""
+    if not done or job.source_digests is None:
+        return True
+    recorded = recorded_source(partial)
+    return recorded is not None and recorded == job.source_digests.result()
 
 
 def _interleave(units: list[Unit], keys: dict[Key, int]) -> list[Unit]:
@@ -150,6 +194,8 @@ def run(job: Job) -> JobResult:
     """Run ``job``; on failure keep a resumable partial and say where (hint), or remove it when the
     input itself is at fault (nothing to resume)."""
     dist = job.dist
+    if dist.world > 1:
+        _agree_on_plan(job)
     partial = partial_dir(job.out)
     lock = OutputLock(job.out, job.command) if dist.rank == 0 else None
     prep: Any = None
@@ -230,8 +276,8 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
     pool = BufferPool(pin=job.device.type == "cuda", limit=max(64 << 20, (writer_lanes(len(files)) + 1) * largest))
     # One process writes every file front to back, so the digests are taken as bytes go out; with
     # several processes the files are hashed once all are written.
-    hasher = (OrderedHasher(files, pool, {i: ends[r] for i, r in rel.items() if r in ends})
-              if dist.world == 1 else None)
+    resumed = {i for i, r in rel.items() if r in ends}  # files an interrupted run wrote to: hashed whole at the end
+    hasher = OrderedHasher(files, pool, resumed) if dist.world == 1 else None
     if dist.world > 1:
         job.progress.start(sum(u.input_bytes for u in mine), len(mine))
     else:
@@ -253,8 +299,11 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
     if dist.rank == 0:
         for g, lay in job.layouts.items():
             finish_shards(partial / g if g else partial, lay)
-    digests = ({rel[i]: d for i, d in hasher.digests().items()} if hasher is not None
-               else _hash_shared(dist, {rel[i]: path for i, (_, path, _) in enumerate(files)}))
+    if hasher is not None:
+        digests = {rel[i]: d for i, d in hasher.digests().items()}
+        digests |= {rel[i]: sha256_file(files[i][1], follow=False) for i in sorted(resumed)}
+    else:
+        digests = _hash_shared(dist, {rel[i]: path for i, (_, path, _) in enumerate(files)})
     if dist.rank == 0:
         _publish(job, partial, digests)
     dist.barrier()
@@ -278,12 +327,18 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
                 journal.write(json.dumps({"fingerprint": job.fingerprint}) + "\n")
                 journal.flush()
             ctx = UnitContext(reader, job.device, pool)
+            recorded = job.source_digests is None or dist.rank != 0
             for unit in units:
+                if not recorded and job.source_digests.done():
+                    record_source(partial, job.source_digests.result())
+                    recorded = True
                 pieces = unit.run(ctx)
                 if job.device.type == "cuda":
                     pieces = _to_host(pieces, ctx)
                 sink.put(unit, pieces, ctx.release(pieces))
                 job.progress.advance(unit.input_bytes)
+            if not recorded:  # publishing waits for the digests anyway
+                record_source(partial, job.source_digests.result())
     except BaseException as e:  # reported after the other processes have been told
         return e
     finally:
@@ -309,7 +364,7 @@ def _hash_shared(dist: Dist, paths: dict[str, Path]) -> dict[str, str]:
     names = sorted(paths)
     mine = names[dist.rank::dist.world]
     with ThreadPoolExecutor(max(1, min(len(mine), (os.cpu_count() or 1) // dist.world))) as ex:
-        part = dict(zip(mine, ex.map(lambda n: sha256_file(paths[n]), mine), strict=True))
+        part = dict(zip(mine, ex.map(lambda n: sha256_file(paths[n], follow=False), mine), strict=True))
     digests: dict[str, str] = {}
     for p in dist.gather(part):
         digests |= p
@@ -321,8 +376,8 @@ def _publish(job: Job, partial: Path, digests: dict[str, str]) -> None:
     job.finish(partial, digests)
     publish(partial, job.out, job.overwrite)
     # Journals go only once OUT is in place: a refused publish leaves a partial a re-run resumes.
-    for path in job.out.glob(f"{JOURNAL_NAME}*"):
-        path.unlink()
+    for path in [*job.out.glob(f"{JOURNAL_NAME}*"), job.out / SOURCE_RECORD]:
+        path.unlink(missing_ok=True)
 
 
 def _to_host(pieces: list[Piece], ctx: UnitContext) -> list[Piece]:

@@ -10,6 +10,8 @@ from typing import Any
 from mocli import __version__
 
 JOURNAL_NAME = ".mocli-journal"
+# The source's digests as an interrupted run saw them: a resume must prove it reads the same bytes.
+SOURCE_RECORD = ".mocli-source"
 
 
 def journal_name(proc: int) -> str:
@@ -38,6 +40,20 @@ def read_journals(partial: Path, fingerprint: str) -> tuple[set[str], dict[str, 
                 rel, _, end = mark.rpartition("=")
                 ends[rel] = max(ends.get(rel, 0), int(end))
     return (done, ends) if found else None
+
+
+def record_source(partial: Path, digests: dict[str, str]) -> None:
+    tmp = partial / (SOURCE_RECORD + ".tmp")
+    tmp.write_text(json.dumps(digests, sort_keys=True))
+    tmp.replace(partial / SOURCE_RECORD)
+
+
+def recorded_source(partial: Path) -> dict[str, str] | None:
+    try:
+        data = json.loads((partial / SOURCE_RECORD).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def fingerprint(command: str, source_files: list, layouts: dict, extra: dict[str, Any]) -> str:

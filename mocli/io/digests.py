@@ -90,6 +90,9 @@ class SourceDigests:
             except OSError as e:
                 self.errors.append(e)
 
+    def done(self) -> bool:
+        return not any(t.is_alive() for t in self.threads)
+
     def result(self) -> dict[str, str]:
         for t in self.threads:
             t.join()

@@ -32,7 +32,7 @@ def open_regular(path: Path, follow: bool = True, flags: int = os.O_RDONLY) -> i
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise not_regular(path, _kind(mode))
+            raise not_regular(path, kind_of(mode))
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)
@@ -57,7 +57,7 @@ def not_regular(path: Path, what: str) -> CorruptFileError:
                             hint="mocli reads only regular files there; replace it with the real file")
 
 
-def _kind(mode: int) -> str:
+def kind_of(mode: int) -> str:
     for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISLNK, "a symbolic link")):

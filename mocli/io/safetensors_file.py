@@ -183,7 +183,7 @@ class TensorReader:
     checkpoints with over a thousand shards exist, past any open-file limit). Not thread-safe.
     ``follow``: whether files may be symbolic links (see io.paths; mocli's own outputs may not)."""
 
-    MAX_OPEN = 64
+    MAX_OPEN = 8
 
     def __init__(self, follow: bool = True) -> None:
         self._files: dict[Path, int] = {}  # in order of last use

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mocli.checkpoint import Checkpoint
-from mocli.errors import InputError
+from mocli.errors import InputError, MocliError
 from mocli.io.digests import sha256_file
 from mocli.verify.common import VerifyOptions
 
@@ -23,7 +24,7 @@ class Hashes:
         self.problems: list[dict[str, str]] = []
         self.wanted = wanted or {}
         self.recorded = recorded
-        if wanted is None:
+        if wanted is None and record_name:
             self.problems.append({"file": str(out / record_name),
                                   "problem": "records no file digests (written by an older mocli); run it again"})
         have = {h.path.name: h.path for h in src.files}
@@ -36,14 +37,15 @@ class Hashes:
         jobs.sort(key=lambda j: -(j[2].stat().st_size if j[2].exists() else 0))
         self.count = len(jobs)
         self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
-        self.futures = [(job, self.pool.submit(self._one, job[2])) for job in jobs]
+        # the output's files are read as they are (no link); the source may be a Hugging Face cache of links
+        self.futures = [(job, self.pool.submit(self._one, job[2], job[0] == "src")) for job in jobs]
 
     @staticmethod
-    def _one(path: Path) -> tuple[str | None, str | None]:
+    def _one(path: Path, follow: bool = True) -> tuple[str | None, str | None]:
         try:
-            return sha256_file(path), None
-        except OSError as e:
-            return None, e.strerror or str(e)
+            return sha256_file(path, follow), None
+        except (OSError, MocliError) as e:
+            return None, getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
 
     def result(self) -> list[dict[str, str]]:
         """File problems of the output; raises InputError when the source changed since conversion."""
@@ -91,3 +93,55 @@ def open_source(out: Path, provenance: dict, opts) -> Checkpoint:
     if spec is None:
         raise InputError(f"{out}: provenance records no source", hint="pass --source MODEL")
     return open_checkpoint(spec)
+
+
+@dataclass
+class Inventory:
+    """What an output directory holds against what its manifest declares."""
+
+    wanted: dict[str, str] | None  # relative path -> recorded digest, for the files of the checked groups
+    problems: list[dict[str, str]] = field(default_factory=list)
+    broken_ranks: set[int] = field(default_factory=set)  # ranks with a file missing or not regular
+
+
+def inventory(out: Path, manifest: dict, ranks: list[int]) -> Inventory:
+    """Every declared file present and regular, every declared rank's directory there, and (layout 2)
+    nothing in OUT that the manifest does not cover. Names that leave OUT or pass through a link are
+    refused (exit 2) before anything is read."""
+    from mocli.formats.layout import MANIFEST_NAME, file_path
+    from mocli.io.paths import kind_of
+
+    files = manifest.get("files")
+    declared_ranks = manifest.get("ranks") or []
+    groups = {""} | {declared_ranks[r]["dir"] for r in ranks if declared_ranks}
+    inv = Inventory(None if files is None else {})
+    if files is None:
+        inv.problems.append({"file": str(out / MANIFEST_NAME),
+                             "problem": "records no file digests (written by an older mocli); convert again"})
+        return inv
+    rank_of = {e["dir"]: e["rank"] for e in declared_ranks}
+    for rel, info in files.items():
+        path = file_path(out, rel)
+        group = rel.split("/", 1)[0] if "/" in rel else ""
+        if not path.is_file() or path.is_symlink():
+            inv.problems.append({"file": rel, "problem": "declared by the manifest but missing" if not path.exists()
+                                 else f"declared by the manifest but {kind_of(os.lstat(path).st_mode)}"})
+            if group in rank_of:
+                inv.broken_ranks.add(rank_of[group])
+            elif group == "":
+                inv.broken_ranks.update(range(max(1, len(declared_ranks))))
+        elif group in groups:
+            inv.wanted[rel] = info["sha256"]
+    for entry in declared_ranks:
+        if not (out / entry["dir"]).is_dir():
+            inv.problems.append({"file": entry["dir"], "problem": f"rank {entry['rank']}'s directory is missing"})
+            inv.broken_ranks.add(entry["rank"])
+    if manifest.get("layout_version", 1) >= 2:
+        for path in sorted(out.rglob("*")):
+            rel = str(path.relative_to(out))
+            if path.is_symlink():
+                raise InputError(f"{path}: a symbolic link inside a mocli output",
+                                 hint="a mocli output holds no links; restore it from the original or convert again")
+            if path.is_file() and rel != MANIFEST_NAME and rel not in files:
+                inv.problems.append({"file": rel, "problem": "not covered by the manifest (added after conversion?)"})
+    return inv

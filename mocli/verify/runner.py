@@ -23,9 +23,10 @@ from mocli.loader import open_converted
 from mocli.progress import ModuleProgress as Progress
 from mocli.targets import layout_of
 from mocli.verify.common import CrossResult, ModuleResult, Source, VerifyOptions, runtime
+from mocli.verify.complete import completeness
 from mocli.verify.dense import check_dense
 from mocli.verify.expect import heads_of
-from mocli.verify.files import Hashes, compare_bytes, open_source
+from mocli.verify.files import Hashes, compare_bytes, inventory, open_source
 from mocli.verify.moe import check_moe
 
 
@@ -42,62 +43,66 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
 
         return verify_quantized(out, opts, progress)
     manifest = read_manifest(out)
-    parallel = manifest.get("parallel") or {"tp": 1, "ep": 1, "ranks": 1}
+    parallel = manifest["parallel"]
     n_ranks = len(manifest.get("ranks") or [None])
     if opts.rank is not None and not 0 <= opts.rank < n_ranks:
         raise InputError(f"--rank {opts.rank}: {out} has ranks 0..{n_ranks - 1}", hint="pick an existing rank")
     ranks = [opts.rank] if opts.rank is not None else list(range(n_ranks))
-    groups = [""] + ([manifest["ranks"][r]["dir"] for r in ranks] if manifest.get("ranks") else [])
+    inv = inventory(out, manifest, ranks)
     src = open_source(out, manifest.get("provenance") or {}, opts)
-    files = manifest.get("files")
-    wanted = None if not isinstance(files, dict) else {
-        rel: info.get("sha256") for rel, info in files.items() if (rel.split("/", 1)[0] if "/" in rel else "") in groups}
-    hashes = Hashes(out, wanted, (manifest.get("provenance") or {}).get("source_shards") or {}, src, opts)
+    hashes = Hashes(out, inv.wanted, (manifest.get("provenance") or {}).get("source_shards") or {}, src, opts,
+                    record_name="")
+    census = build_census(src.tensors)
+    complete = completeness(manifest, census, ranks)
     rt = runtime(opts, layout_of(manifest["target"]))
-    cks = {r: open_converted(out, rank=r if manifest.get("ranks") else None) for r in ranks}
-    names = [m["name"] for m in cks[ranks[0]]._module_info.values()]
+    intact = [r for r in ranks if r not in inv.broken_ranks]
+    cks = {r: open_converted(out, rank=r if manifest.get("ranks") else None) for r in intact}
+    names = sorted({m["name"] for ck in cks.values() for m in ck._module_info.values()},
+                   key=lambda n: [int(t) if t.isdigit() else t for t in n.replace(".", " . ").split()])
     names = [n for n in names if opts.layers is None or fnmatchcase(n, opts.layers)]
-    if not names:
+    if not names and opts.layers is not None:
         raise InputError(f"--layers {opts.layers!r} matches no converted module",
                          hint="names look like model.layers.0.self_attn.qkv_proj; use * wildcards")
-    progress.start(len(names) * len(ranks))
+    progress.start(len(names) * len(intact))
     try:
-        results, cross = _check_modules(names, cks, src, rt, opts, parallel["tp"], progress)
+        results, cross = _check_modules(names, cks, src, census, rt, opts, parallel["tp"], progress)
         progress.phase("pass-through tensors")
-        n_pass, pass_problems = _passthrough(out, manifest, src)
+        top_missing = any("/" not in p["file"] for p in inv.problems if "missing" in p["problem"])
+        n_pass, pass_problems = (0, []) if top_missing else _passthrough(out, manifest, src)
         coverage = _coverage(cks, manifest, opts)
         progress.phase(f"hashing {hashes.count} files")
-        file_problems = hashes.result()
+        file_problems = inv.problems + hashes.result()
     finally:
         hashes.pool.shutdown(cancel_futures=True)
         for ck in cks.values():
             ck.close()
     failed = [r for r in results if not r.passed]
     failed_cross = [c for c in cross if not c.passed]
-    ok = not (failed or failed_cross or file_problems or pass_problems or coverage["unchecked"])
+    ok = not (failed or failed_cross or file_problems or pass_problems or coverage["unchecked"] or complete)
     return {
         "output": str(out), "source": src.source.describe(), "target": manifest["target"],
         "parallel": parallel, "ranks": ranks, "device": str(rt.device), "tokens": opts.tokens, "seed": opts.seed,
-        "files": {"checked": len([1 for f in (manifest.get("files") or {})
-                                  if (f.split("/", 1)[0] if "/" in f else "") in groups]), "problems": file_problems},
+        "files": {"checked": len(inv.wanted or {}), "problems": file_problems},
         "modules": [r.to_dict() for r in results], "cross_rank": [c.to_dict() for c in cross],
         "passthrough": {"checked": n_pass, "problems": pass_problems}, "coverage": coverage,
+        "completeness": {"problems": complete},
         "passed": len(results) - len(failed), "failed": len(failed) + len(failed_cross) + len(file_problems)
-        + len(pass_problems) + len(coverage["unchecked"]),
+        + len(pass_problems) + len(coverage["unchecked"]) + len(complete),
         "ok": ok, "seconds": round(time.perf_counter() - t_all, 3),
     }
 
 
-def _check_modules(names: list[str], cks: dict, src: Checkpoint, rt, opts: VerifyOptions, tp: int,
+def _check_modules(names: list[str], cks: dict, src: Checkpoint, census, rt, opts: VerifyOptions, tp: int,
                    progress: Progress) -> tuple[list[ModuleResult], list[CrossResult]]:
-    """Every named module on every rank of ``cks``, by its kind's check; one module's pages at a time."""
-    census, heads = build_census(src.tensors), heads_of(src.config)
+    """Every named module on every rank of ``cks`` that holds it, by its kind's check; one module's pages
+    at a time (a module missing on a rank is completeness's finding, not a crash here)."""
+    heads = heads_of(src.config)
     results: list[ModuleResult] = []
     cross: list[CrossResult] = []
     with src.reader() as reader:
         source = Source(src, census, reader, rt.device)
         for name in names:
-            infos = {r: ck.module_info(name) for r, ck in cks.items()}
+            infos = {r: ck.module_info(name) for r, ck in cks.items() if name in ck._module_info}
             if KINDS[ModuleKind(next(iter(infos.values()))["kind"])].moe:
                 res, cr = check_moe(name, infos, cks, source, rt, opts)
             else:
@@ -115,12 +120,16 @@ def _check_modules(names: list[str], cks: dict, src: Checkpoint, rt, opts: Verif
 
 def _passthrough(out: Path, manifest: dict, src: Checkpoint) -> tuple[int, list[dict[str, str]]]:
     """Top-level pass-through tensors are the source's bytes, compared in chunks."""
-    ck = open_converted(out, rank=0 if manifest.get("ranks") else None)
+    from mocli.formats import INDEX_NAME
+    from mocli.formats.layout import group_entries
+    from mocli.io.safetensors_file import TensorReader
+
     names = [n for n, t in manifest["tensors"].items() if t.get("role") == "passthrough"]
-    try:
-        return len(names), compare_bytes({n: ck.entry(n) for n in names}, src, ck._reader)
-    finally:
-        ck.close()
+    entries = group_entries(out, "") if (out / INDEX_NAME).exists() else {}
+    missing = [{"tensor": n, "problem": "declared by the manifest but in no top-level shard"} for n in names
+               if n not in entries]
+    with TensorReader(follow=False) as reader:
+        return len(names), missing + compare_bytes({n: entries[n] for n in names if n in entries}, src, reader)
 
 
 def _coverage(cks: dict, manifest: dict, opts: VerifyOptions) -> dict[str, Any]:
