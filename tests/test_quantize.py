@@ -107,7 +107,8 @@ def _mutate(out, fn):
     raise AssertionError("nothing mutated")
 
 
-@pytest.mark.parametrize("fault", ["scale x2", "experts exchanged", "shard from another layer", "kept tensor"])
+@pytest.mark.parametrize("fault", ["scale x2", "experts exchanged", "shard from another layer", "kept tensor",
+                                   "lm_head removed"])
 def test_verify_catches_planted_faults(cli, tmp_path, fault):
     src = make_checkpoint(tmp_path / "src", arch="mixtral", algo="BF16", kv_cache=False)
     out = tmp_path / "out"
@@ -121,16 +122,24 @@ def test_verify_catches_planted_faults(cli, tmp_path, fault):
             t[f"{p}.0.w2.weight"], t[f"{p}.1.w2.weight"] = t[f"{p}.1.w2.weight"], t[f"{p}.0.w2.weight"]
         elif fault == "shard from another layer":
             t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.1.self_attn.k_proj.weight"].clone()
+        elif fault == "lm_head removed":
+            del t["lm_head.weight"]
         else:
             t["model.norm.weight"] = t["model.norm.weight"] * 2
         return True
 
     _mutate(out, mutate)
+    if fault == "lm_head removed":  # and from the index, as a careful attacker would
+        idx = json.loads((out / "model.safetensors.index.json").read_text())
+        del idx["weight_map"]["lm_head.weight"]
+        (out / "model.safetensors.index.json").write_text(json.dumps(idx))
     r = cli("--json", "verify", out)
     assert r.exit_code == 1
     assert r.json["files"]["problems"]  # the shard no longer matches its recorded SHA-256
     bad = [m["module"] for m in r.json["modules"] if not m["passed"]] + [x["tensor"] for x in r.json["passthrough"]["problems"]]
     assert bad, r.json
+    if fault == "lm_head removed":  # completeness: a source tensor the output lacks is named
+        assert "lm_head.weight" in bad
 
 
 def test_exclusions_keep_whole_groups(cli, tmp_path):

@@ -103,6 +103,9 @@ def verify_quantized(out: Path, opts, progress) -> dict[str, Any]:
         progress.phase("kept tensors")
         kept = {n: e for n, e in ckpt.tensors.items() if n not in checked}
         pass_problems = compare_bytes(kept, src, ro)
+    # completeness: every source tensor is in the output (quantized weights keep their names)
+    pass_problems += [{"tensor": n, "problem": "in the source but not in the output"}
+                      for n in sorted(set(src.tensors) - set(ckpt.tensors)) if opts.layers is None]
     unchecked = [] if opts.layers else sorted(n for n in ckpt.tensors if n not in checked and n not in kept)
     progress.phase(f"hashing {hashes.count} files")
     file_problems = hashes.result()
