@@ -29,8 +29,16 @@ from mocli.tables import WEIGHT
 
 FP8_MAX = 448.0
 QUANTIZABLE_DTYPES = {"BF16", "F16", "F32"}
-# Routers stay in the source dtype (vLLM builds them as ReplicatedLinear outside the quant method).
+# Routers stay in the source dtype (SEMANTICS §12).
 ROUTERS = ("mlp.gate", "block_sparse_moe.gate")
+# Where the engine's online path differs from §12, per architecture and version (measured, not assumed):
+# vLLM 0.32.0 builds Qwen3-MoE's router as GateLinear(quant_config=quant_config) (models/qwen3_moe.py),
+# so `--quantization fp8_per_tensor` (`fp8` is its deprecated alias there) quantizes mlp.gate online;
+# Mixtral's gate gets no quant config (models/mixtral.py). This output keeps every router in BF16 and
+# lists it in ignored_layers, so an engine serving it routes in BF16.
+ONLINE_QUANTIZED_ROUTERS: dict[str, str] = {
+    "Qwen3MoeForCausalLM": "vLLM 0.32.0 quantizes it online (GateLinear with the quant config)",
+}
 # Vision towers and projectors of VLMs (vLLM quantizes only the language model's linears).
 VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision_encoder|multi_modal_projector|mm_projector)(\.|$)")
 
@@ -193,7 +201,11 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
     job = engine.Job("quantize", out, ckpt.path, plan, layouts, fp, finish, overwrite, dev, progress, dist, digests,
                      {"--scheme": scheme, "--exclude": sorted(exclude or []), "--max-shard-size": max_shard_bytes})
     result = engine.run(job)
+    online = ONLINE_QUANTIZED_ROUTERS.get(ckpt.architecture or "")
+    deviations = [{"layer": n, "here": "kept in the source dtype (SEMANTICS §12)", "engine_online": online}
+                  for n in ignored if online and any(n.endswith("." + r) for r in ROUTERS)]
     return {"output": str(out), "scheme": scheme, "device": str(dev), "quantized_modules": sum(len(g.modules) for g in qp.groups),
+            "deviations_from_online": deviations,
             "groups": len(qp.groups), "ignored_layers": ignored, "notes": qp.notes, "tensors": len(plan.tensors),
             "bytes": result.bytes, "shards": len(result.files), "units": result.units,
             "resumed_units": result.resumed_units, "seconds": round(time.perf_counter() - t0, 3)}

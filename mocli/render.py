@@ -164,6 +164,10 @@ def render_quantize(summary: dict[str, Any], out: Output) -> None:
     c.print(f"kept unquantized ({len(kept)}): " + escape(", ".join(kept[:6]) + (f" (+{len(kept) - 6})" if len(kept) > 6 else "")))
     for note in summary["notes"]:
         out.warn(note)
+    dev = summary.get("deviations_from_online") or []
+    if dev:
+        c.print(f"note: {len(dev)} router(s) kept in BF16 (SEMANTICS §12) where {dev[0]['engine_online']}: served "
+                "outputs differ from the online path in the routers only")
     c.print("serve it as it is: the config says quant_method fp8, so no --quantization flag is needed")
 
 

@@ -223,3 +223,20 @@ def test_cuda_is_byte_identical_to_cpu(cli, tmp_path):
     r = cli("--json", "verify", tmp_path / "cuda", "--device", "cuda")
     assert r.exit_code == 0
     assert all(m["kernel"].startswith("torch._scaled_mm") for m in r.json["modules"] if "bytes" not in m["kind"])
+
+
+@pytest.mark.parametrize("arch,routers", [("qwen3_moe", 2), ("mixtral", 0)])
+def test_routers_stay_bf16_and_the_difference_from_vllm_online_is_stated(cli, tmp_path, arch, routers):
+    """SEMANTICS §12 keeps routers in BF16; vLLM 0.32.0's online fp8_per_tensor quantizes Qwen3-MoE's
+    router (GateLinear with the quant config) but not Mixtral's: the summary says so per layer."""
+    src = make_checkpoint(tmp_path / "src", arch=arch, algo="BF16", kv_cache=False)
+    summary = quantized(cli, src, tmp_path / "out")
+    gate = "mlp.gate" if arch == "qwen3_moe" else "block_sparse_moe.gate"
+    o, s = load_tensors(tmp_path / "out"), load_tensors(src)
+    for i in range(2):
+        name = f"model.layers.{i}.{gate}.weight"
+        assert o[name].dtype == torch.bfloat16 and torch.equal(o[name], s[name])
+        assert f"model.layers.{i}.{gate}" in summary["ignored_layers"]
+    dev = summary["deviations_from_online"]
+    assert [d["layer"] for d in dev] == ([f"model.layers.{i}.{gate}" for i in range(2)] if routers else [])
+    assert all("vLLM 0.32.0" in d["engine_online"] for d in dev)
