@@ -1,20 +1,23 @@
 # mocli: the README's two set-up commands are `make demo` and `make test`.
 PYTHON ?= python3
 # torch is pinned only here, for the CPU machines we build on: 2.13.0 is the local CPU wheel,
-# any other spec would pull gigabytes of CUDA packages.
+# any other spec would pull gigabytes of CUDA packages. It is installed only where no torch is: an
+# environment that has one (vLLM's, SGLang's, a CUDA build) keeps it.
 TORCH_SPEC ?= torch==2.13.0
+HAVE_TORCH = $(PYTHON) -c "import torch" >/dev/null 2>&1
 DEMO_MODEL ?= fixtures/real/qwen3_moe-nvfp4_kv
 DEMO_OUT ?= demo-out
 
 .PHONY: install install-flashinfer demo test test-fast test-gpu lint bench bench-gpu scale clean
 
 install:
-	$(PYTHON) -m pip install -qq "$(TORCH_SPEC)"
+	$(HAVE_TORCH) || $(PYTHON) -m pip install -qq "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -qq -e ".[dev]"
 
 # Optional: FlashInfer's pure-torch layout helpers, used as cross-checks by some tests (~1 min on CPU).
 install-flashinfer:
-	$(PYTHON) -m pip install -qq "flashinfer-python==0.7.2" "$(TORCH_SPEC)"
+	$(HAVE_TORCH) || $(PYTHON) -m pip install -qq "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install -qq "flashinfer-python==0.7.2"
 
 demo: install
 	$(PYTHON) -m mocli inspect $(DEMO_MODEL)

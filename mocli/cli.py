@@ -9,6 +9,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,6 +21,7 @@ from mocli.errors import (
     EXIT_BROKEN_PIPE,
     EXIT_FINDINGS,
     EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
     EXIT_UNUSABLE,
     InputError,
     MocliError,
@@ -28,23 +30,84 @@ from mocli.errors import (
 from mocli.output import Output
 from mocli.targets import Target
 
+EXIT_CODES = ("Exit codes: 0 ok; 1 findings (validation or verification failed, nothing written); 2 usage "
+              "error or unusable input; 3 internal error (a mocli bug: MOCLI_DEBUG=1 prints the traceback); 130 "
+              "interrupted (convert, repair, quantize resume when run again); 141 stdout closed.")
+
+
+class OutputFormat(StrEnum):
+    FULL = "full"
+    CONCISE = "concise"
+
+
+def _no_type(param):
+    """typer writes a type after each name (``<str>``, ``<bool>``): an option's metavar, or nothing, reads
+    better (an argument's name is already its metavar)."""
+    is_option = isinstance(param, typer.core.TyperOption)
+    param.display_type_rich = lambda ctx: (param.metavar or None) if is_option else None
+    return param
+
+
+class _Command(typer.core.TyperCommand):
+    """Help as other CLIs write it: ``mocli convert [OPTIONS] MODEL`` (typer writes ``{MODEL}``), and no
+    ``<bool>`` after flags."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if isinstance(param, typer.core.TyperArgument):
+                _no_type(param)
+
+    def collect_usage_pieces(self, ctx):
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)]
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        return option if option is None else _no_type(option)
+
+
+class _Group(typer.core.TyperGroup):
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:
+            if getattr(param, "is_flag", False):
+                _no_type(param)
+        return params
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        return option if option is None else _no_type(option)
+
+
 app = typer.Typer(
     name="mocli",
+    cls=_Group,
     help="Inspect, validate, convert and verify NVIDIA ModelOpt quantized checkpoints for FlashInfer kernels.",
+    epilog=EXIT_CODES,
     pretty_exceptions_enable=False,
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-ModelArg = Annotated[str, typer.Argument(metavar="MODEL", help="Checkpoint directory or Hugging Face repo id (owner/name[@revision]).",
-                                         show_default=False)]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Only errors on stderr; no progress or warnings.")]
-VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True,
+
+def command(name: str):
+    return app.command(name, cls=_Command, epilog=EXIT_CODES)
+
+
+# Flags show no metavar (typer would write <bool>); options show a word for their value. Help text is
+# rich markup: a literal "[" is written "\\[".
+ModelArg = Annotated[str, typer.Argument(metavar="MODEL", show_default=False, help=(
+    "Checkpoint directory or Hugging Face repo id (owner/name\\[@revision])."))]
+JsonOpt = Annotated[bool, typer.Option("--json", metavar="", help="Machine-readable output on stdout (errors too, "
+                                       "as a JSON object).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="Only errors on stderr; no progress or "
+                                        "warnings.")]
+VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True, metavar="",
                                          help="Timing on stderr; -vv also prints tracebacks of internal errors.")]
-TargetOpt = Annotated[Target | None, typer.Option("--target", "-t", help="Also check this target's constraints.",
-                                                  case_sensitive=False)]
+TargetOpt = Annotated[Target | None, typer.Option("--target", "-t", metavar="TARGET", case_sensitive=False,
+                                                  help="Also check this target's constraints: flashinfer-cutlass or "
+                                                       "flashinfer-trtllm.")]
 
 
 def _version(value: bool) -> None:
@@ -59,11 +122,9 @@ def _global(
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+    version: Annotated[bool, typer.Option("--version", "-V", callback=_version, is_eager=True, metavar="",
                                           help="Print the version and exit.")] = False,
 ) -> None:
-    """Exit codes: 0 ok, 1 findings (validation/verification failed), 2 unusable input, 3 internal error,
-    130 interrupted, 141 stdout closed."""
     ctx.obj = Output(json=json_, quiet=quiet, verbose=verbose)
 
 
@@ -99,22 +160,23 @@ def _errors(out: Output):
         _silence_broken_pipe()
         raise typer.Exit(EXIT_BROKEN_PIPE) from None
     except MocliError as e:
-        out.error(e.message, e.hint)
+        out.fail(e.message, e.hint, e.exit_code)
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
-        out.error("interrupted")
-        raise typer.Exit(130) from None
+        out.fail("interrupted", None, EXIT_INTERRUPTED)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     except typer.Exit:
         raise
     except OSError as e:  # environment, not a bug: full disk, read-only or vanished paths
-        out.error(*os_error(e))
+        out.fail(*os_error(e), EXIT_UNUSABLE)
         raise typer.Exit(EXIT_UNUSABLE) from None
     except Exception as e:  # noqa: BLE001 - the last line of defence
         if os.environ.get("MOCLI_DEBUG") or out.verbose >= 2:
             traceback.print_exc()
         notes = "; ".join(getattr(e, "__notes__", []))
-        out.error(f"internal error: {type(e).__name__}: {e}",
-                  "this is a mocli bug; set MOCLI_DEBUG=1 for the traceback and report it" + (f"; {notes}" if notes else ""))
+        out.fail(f"internal error: {type(e).__name__}: {e}",
+                 "this is a mocli bug; set MOCLI_DEBUG=1 for the traceback and report it" + (f"; {notes}" if notes else ""),
+                 EXIT_INTERNAL)
         raise typer.Exit(EXIT_INTERNAL) from None
 
 
@@ -130,7 +192,7 @@ def _run(ctx: typer.Context, json_: bool, body: Callable[[Output], int | None], 
         raise typer.Exit(code)
 
 
-@app.command("inspect")
+@command("inspect")
 def inspect_cmd(ctx: typer.Context, model: ModelArg, json_: JsonOpt = False, quiet: QuietOpt = False,
                 verbose: VerboseOpt = 0) -> None:
     """Show what is in a checkpoint, from headers only."""
@@ -145,29 +207,39 @@ def inspect_cmd(ctx: typer.Context, model: ModelArg, json_: JsonOpt = False, qui
     _run(ctx, json_, body, quiet, verbose)
 
 
-SHARD_HELP = ("Shard size limit (decimal units, e.g. 5GB, 500MB). Each shard is hashed in one pass: smaller "
-              "shards hash and load in parallel.")
+SHARD_HELP = ("Shard size limit: 5GB, 500MB (decimal, as huggingface_hub) or 2GiB, 512MiB (binary). Each shard is "
+              "hashed in one pass: smaller shards hash and load in parallel.")
 # Options of the commands that write a checkpoint (convert, repair, quantize).
 _OUTPUT_HELP = "Output directory (created; must be empty)."
-OutputOpt = Annotated[Path, typer.Option("--output", "-o", help=_OUTPUT_HELP, show_default=False)]
-DeviceOpt = Annotated[Device, typer.Option("--device", help="Where to compute: auto picks CUDA when present.",
-                                           case_sensitive=False)]
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUTPUT.")]
-ShardSizeOpt = Annotated[str, typer.Option("--max-shard-size", help=SHARD_HELP)]
-TpOpt = Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size (SEMANTICS §10).")]
-EpOpt = Annotated[int, typer.Option("--ep", min=1, help="Expert-parallel size for MoE layers (ep = tp x dp; 1: MoE "
-                                    "tensor-parallel over --tp).")]
+OutputOpt = Annotated[Path, typer.Option("--output", "-o", metavar="DIR", help=_OUTPUT_HELP, show_default=False)]
+DeviceOpt = Annotated[Device, typer.Option("--device", metavar="DEVICE", case_sensitive=False,
+                                           help="auto, cpu or cuda: where to compute (auto picks CUDA when present).")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", metavar="", help="Replace a non-empty OUTPUT.")]
+ShardSizeOpt = Annotated[str, typer.Option("--max-shard-size", metavar="SIZE", help=SHARD_HELP)]
+TpOpt = Annotated[int, typer.Option("--tp", metavar="N", min=1, help="Tensor-parallel size (SEMANTICS §10).")]
+EpOpt = Annotated[int, typer.Option("--ep", metavar="M", min=1, help="Expert-parallel size for MoE layers (ep = tp "
+                                    "x dp; 1: MoE tensor-parallel over --tp).")]
 
 
-@app.command("validate")
+@command("validate")
 def validate_cmd(
     ctx: typer.Context,
     model: ModelArg,
     target: TargetOpt = None,
     tp: TpOpt = 1,
     ep: EpOpt = 1,
-    deep: Annotated[bool, typer.Option("--deep", help="Also scan every weight and scale byte for NaN/Inf codes "
+    deep: Annotated[bool, typer.Option("--deep", metavar="", help="Also scan every weight and scale byte for NaN/Inf codes "
                                        "(reads the whole checkpoint at disk speed).")] = False,
+    select: Annotated[list[str] | None, typer.Option("--select", metavar="CODE", help="Report only these codes "
+                                                     "(a prefix selects a family: EXC, SCL00); repeatable.")] = None,
+    ignore: Annotated[list[str] | None, typer.Option("--ignore", metavar="CODE", help="Do not report these codes "
+                                                     "(prefixes too); repeatable.")] = None,
+    warnings_as_errors: Annotated[bool, typer.Option("--warnings-as-errors", metavar="",
+                                                     help="Exit 1 on warnings too.")] = False,
+    output_format: Annotated[OutputFormat, typer.Option("--output-format", metavar="FORMAT", case_sensitive=False,
+                                                        help="full (a table) or concise (one line per finding: "
+                                                             "location: CODE severity: message (hint))."
+                                                        )] = OutputFormat.FULL,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
@@ -177,24 +249,28 @@ def validate_cmd(
     def body(out: Output) -> int:
         from mocli.checkpoint import open_checkpoint
         from mocli.parallel import ParallelLayout
-        from mocli.render import render_validation
+        from mocli.render import render_validation, render_validation_concise
         from mocli.validate import validate
 
         ckpt = open_checkpoint(model)
         with out.progress_bar("scanning") as progress:
             report = validate(ckpt, target, parallel=ParallelLayout(tp, ep), deep=deep, progress=progress)
-        out.emit(report.to_dict(), render_validation)
+        report.filter(select or [], ignore or [])
+        report.warnings_as_errors = warnings_as_errors
+        out.emit(report.to_dict(), render_validation_concise if output_format is OutputFormat.CONCISE
+                 else render_validation)
         return 0 if report.ok else EXIT_FINDINGS
 
     _run(ctx, json_, body, quiet, verbose)
 
 
-@app.command("convert")
+@command("convert")
 def convert_cmd(
     ctx: typer.Context,
     model: ModelArg,
     output: OutputOpt,
-    target: Annotated[Target, typer.Option("--target", "-t", case_sensitive=False, help="Kernel layout to write.",
+    target: Annotated[Target, typer.Option("--target", "-t", metavar="TARGET", case_sensitive=False,
+                                           help="Kernel layout to write: flashinfer-cutlass or flashinfer-trtllm.",
                                            show_default=False)],
     tp: TpOpt = 1,
     ep: EpOpt = 1,
@@ -230,12 +306,14 @@ def convert_cmd(
     _run(ctx, json_, body, quiet, verbose)
 
 
-@app.command("repair")
+@command("repair")
 def repair_cmd(
     ctx: typer.Context,
     model: ModelArg,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help=_OUTPUT_HELP, show_default=False)] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the repair plan and write nothing.")] = False,
+    output: Annotated[Path | None, typer.Option("--output", "-o", metavar="DIR", help=_OUTPUT_HELP,
+                                                show_default=False)] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", metavar="", help="Print the repair plan and write nothing.")]
+    = False,
     overwrite: OverwriteOpt = False,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -269,14 +347,14 @@ def repair_cmd(
     _run(ctx, json_, body, quiet, verbose)
 
 
-@app.command("quantize")
+@command("quantize")
 def quantize_cmd(
     ctx: typer.Context,
     model: ModelArg,
     output: OutputOpt,
-    scheme: Annotated[str, typer.Option("--scheme", help="fp8: per-tensor FP8 weights, dynamic per-token "
+    scheme: Annotated[str, typer.Option("--scheme", metavar="SCHEME", help="fp8: per-tensor FP8 weights, dynamic per-token "
                                         "activations (SEMANTICS §12).")] = "fp8",
-    exclude: Annotated[list[str] | None, typer.Option("--exclude", help="Keep modules matching this wildcard "
+    exclude: Annotated[list[str] | None, typer.Option("--exclude", metavar="PATTERN", help="Keep modules matching this wildcard "
                                                       "unquantized (repeatable).", show_default=False)] = None,
     device: DeviceOpt = Device.AUTO,
     overwrite: OverwriteOpt = False,
@@ -310,27 +388,28 @@ def quantize_cmd(
     _run(ctx, json_, body, quiet, verbose)
 
 
-@app.command("verify")
+@command("verify")
 def verify_cmd(
     ctx: typer.Context,
     output: Annotated[Path, typer.Argument(metavar="OUT", show_default=False,
-                                           help="A directory written by mocli convert or quantize.")],
-    source: Annotated[str | None, typer.Option("--source", help="Source checkpoint (default: from provenance).")]
-    = None,
-    device: Annotated[Device, typer.Option("--device", case_sensitive=False,
-                                           help="Where to run the kernels.")] = Device.AUTO,
-    kernels: Annotated[Kernels, typer.Option("--kernels", case_sensitive=False,
-                                             help="auto: FlashInfer where its kernels run here, else torch.")]
-    = Kernels.AUTO,
-    rank: Annotated[int | None, typer.Option("--rank", min=0, help="Check one rank of a --tp/--ep output "
-                                             "(cross-rank checks need all ranks).")] = None,
-    layers: Annotated[str | None, typer.Option("--layers", help="Only modules whose name matches this wildcard.")]
-    = None,
-    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Activation rows per module.")] = 64,
-    seed: Annotated[int, typer.Option("--seed", help="Seed for activations and routing.")] = 0,
-    junit_xml: Annotated[Path | None, typer.Option("--junit-xml", help="Also write a JUnit XML report.")] = None,
-    report_html: Annotated[Path | None, typer.Option("--report", help="Also write a self-contained HTML heat map "
-                                                     "(error / threshold per module and rank).")] = None,
+                                           help="A directory written by mocli convert, quantize or repair.")],
+    source: Annotated[str | None, typer.Option("--source", metavar="MODEL",
+                                               help="Source checkpoint (default: from provenance).")] = None,
+    device: Annotated[Device, typer.Option("--device", metavar="DEVICE", case_sensitive=False,
+                                           help="auto, cpu or cuda: where to run the kernels.")] = Device.AUTO,
+    kernels: Annotated[Kernels, typer.Option("--kernels", metavar="KERNELS", case_sensitive=False,
+                                             help="auto (FlashInfer where its kernels run here, else torch), torch or "
+                                                  "flashinfer.")] = Kernels.AUTO,
+    rank: Annotated[int | None, typer.Option("--rank", metavar="R", min=0, help="Check one rank of a --tp/--ep "
+                                             "output (cross-rank checks need all ranks).")] = None,
+    layers: Annotated[str | None, typer.Option("--layers", metavar="PATTERN",
+                                               help="Only modules whose name matches this wildcard.")] = None,
+    tokens: Annotated[int, typer.Option("--tokens", metavar="N", min=1, help="Activation rows per module.")] = 64,
+    seed: Annotated[int, typer.Option("--seed", metavar="S", help="Seed for activations and routing.")] = 0,
+    junit_xml: Annotated[Path | None, typer.Option("--junit-xml", metavar="PATH",
+                                                   help="Also write a JUnit XML report.")] = None,
+    report_html: Annotated[Path | None, typer.Option("--report", metavar="PATH", help="Also write a self-contained "
+                                                     "HTML heat map (error / threshold per module and rank).")] = None,
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
@@ -370,16 +449,21 @@ def _on_every_process(run: Callable[[Any], dict]) -> dict | None:
     return summary if dist.rank == 0 else None
 
 
+_SIZE_UNITS = {"TIB": 1024**4, "GIB": 1024**3, "MIB": 1024**2, "KIB": 1024,  # binary, what mocli prints
+               "TB": 1000**4, "GB": 1000**3, "MB": 1000**2, "KB": 1000, "B": 1}  # decimal, as huggingface_hub
+
+
 def parse_size(text: str) -> int:
-    """'5GB' / '500MB' / '123' -> bytes (decimal units, as huggingface_hub)."""
-    units = {"TB": 1000**4, "GB": 1000**3, "MB": 1000**2, "KB": 1000, "B": 1}
-    t = text.strip().upper()
-    for suffix, mult in units.items():
-        if t.endswith(suffix) and t[: -len(suffix)].strip().replace(".", "", 1).isdigit():
-            return int(float(t[: -len(suffix)]) * mult)
+    """'5GB' / '500MB' (decimal, huggingface_hub's spelling) / '2GiB' / '512 MiB' (binary) / '123' -> bytes."""
+    t = text.strip().upper().replace(" ", "")
+    for suffix, mult in _SIZE_UNITS.items():
+        number = t[: -len(suffix)]
+        if t.endswith(suffix) and number.replace(".", "", 1).isdigit():
+            if float(number) > 0:
+                return int(float(number) * mult)
     if t.isdigit() and int(t) > 0:
         return int(t)
-    raise InputError(f"--max-shard-size {text!r}: not a size", hint="use e.g. 5GB, 500MB or a byte count")
+    raise InputError(f"--max-shard-size {text!r}: not a size", hint="use e.g. 2GiB, 512MiB, 5GB, 500MB or a byte count")
 
 
 def main(argv: list[str] | None = None) -> Any:

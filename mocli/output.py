@@ -52,6 +52,7 @@ class Output:
     json: bool = False
     quiet: bool = False
     verbose: int = 0
+    emitted: bool = False  # the command's result is on stdout
     _stdout: Console | None = field(default=None, repr=False)
     _stderr: Console | None = field(default=None, repr=False)
 
@@ -74,20 +75,33 @@ class Output:
 
     def emit(self, data: dict[str, Any], render: Callable[[dict[str, Any], Output], None]) -> None:
         """The command's result: JSON on stdout, or the human rendering."""
+        self.emitted = True
         if self.json:
             sys.stdout.write(json.dumps(data, indent=2, default=_json_default) + "\n")
             sys.stdout.flush()
         else:
             render(data, self)
 
+    @property
+    def log_progress(self) -> bool:
+        """Plain progress lines where no terminal watches (a CI log, a pipe): a long run is never silent."""
+        import os
+
+        return not (self.json or self.quiet) and not self.stderr.is_terminal and int(os.environ.get("RANK", "0")) == 0
+
     @contextmanager
     def progress_bar(self, label: str) -> Iterator[Any]:
-        """A mocli.progress.Progress driving a rich bar on stderr (phase, bytes, units, ETA); silent in
-        JSON/quiet mode and in every torchrun process but the first."""
+        """A mocli.progress.Progress on stderr: a rich bar (phase, bytes, units, rate, ETA) on a terminal,
+        plain lines elsewhere (``ProgressLines``); silent in JSON/quiet mode and in every torchrun process
+        but the first."""
         import os
 
         from mocli.progress import Progress as Sink
 
+        if self.log_progress:
+            lines = ProgressLines(self.stderr, label)
+            yield Sink(start=lines.start, advance=lines.advance, phase=lines.phase)
+            return
         if not self.show_progress or int(os.environ.get("RANK", "0")) != 0:
             yield Sink()
             return
@@ -98,11 +112,10 @@ class Output:
             SpinnerColumn,
             TextColumn,
             TimeRemainingColumn,
-            TransferSpeedColumn,
         )
 
-        bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                       TransferSpeedColumn(), TextColumn("{task.fields[units]}"), TimeRemainingColumn(),
+        bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+                       _rate_column(), TextColumn("{task.fields[units]}"), TimeRemainingColumn(),
                        console=self.stderr, transient=True)
         state: dict[str, Any] = {"task": None, "done": 0, "total": 0}
 
@@ -120,7 +133,7 @@ class Output:
             bar.update(state["task"], description=label, total=total_bytes, completed=0,
                        units=f"0/{total_units} units")
 
-        def advance(nbytes: int, units: int = 1) -> None:
+        def advance(nbytes: int, units: int = 1, name: str = "") -> None:
             if state["task"] is not None:
                 state["done"] += units
                 bar.update(state["task"], advance=nbytes, units=f"{state['done']}/{state['total']} units")
@@ -133,9 +146,13 @@ class Output:
 
     @contextmanager
     def module_progress(self, label: str) -> Iterator[Any]:
-        """A mocli.progress.ModuleProgress driving a rich bar over modules on stderr, with phases before it."""
+        """A mocli.progress.ModuleProgress: a rich bar over modules on a terminal, plain lines elsewhere."""
         from mocli.progress import ModuleProgress as Sink
 
+        if self.log_progress:
+            lines = ProgressLines(self.stderr, label, what="modules")
+            yield Sink(start=lambda total: lines.start(0, total), advance=lambda: lines.advance(0), phase=lines.phase)
+            return
         if not self.show_progress:
             yield Sink()
             return
@@ -176,6 +193,14 @@ class Output:
             line += f" [dim](hint: {escape(hint)})[/]"
         self.stderr.print(line, soft_wrap=True)
 
+    def fail(self, message: str, hint: str | None, exit_code: int) -> None:
+        """The command's error: one line on stderr, and with --json an object on stdout (unless the
+        command already printed its result there: stdout stays one JSON document)."""
+        self.error(message, hint)
+        if self.json and not self.emitted:
+            sys.stdout.write(json.dumps({"error": {"message": message, "hint": hint, "exit_code": exit_code}}) + "\n")
+            sys.stdout.flush()
+
     def info(self, message: str) -> None:
         if not self.quiet:
             self.stderr.print(message, soft_wrap=True)
@@ -183,3 +208,78 @@ class Output:
     def warn(self, message: str) -> None:
         if not self.quiet:
             self.stderr.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+
+
+class ProgressLines:
+    """Progress as plain lines for logs (pip and huggingface_hub print lines there too): one per phase,
+    then at most every ``MOCLI_PROGRESS_SECONDS`` (10) seconds and at every tenth of the work, with the
+    unit last finished, bytes (binary units, as the summaries), rate and ETA. Nothing during the first
+    ``every / 5`` seconds: a command that is done by then leaves only its result in the log."""
+
+    def __init__(self, console: Console, label: str, what: str = "units") -> None:
+        import os
+        import time
+
+        self.console, self.label, self.what, self.clock = console, label, what, time.monotonic
+        self.every = float(os.environ.get("MOCLI_PROGRESS_SECONDS", "10"))
+        self.quiet_until = self.clock() + self.every / 5
+        self.t0 = self.last = self.clock()
+        self.total_bytes = self.done_bytes = self.total_units = self.done_units = 0
+        self.tenth = 0
+        self.last_phase = ""
+
+    def _print(self, text: str) -> None:
+        if self.clock() < self.quiet_until:
+            return
+        self.console.print(f"{self.label}: {escape(text)}", soft_wrap=True, highlight=False, markup=True)
+
+    def phase(self, text: str) -> None:
+        if text and text != self.last_phase:
+            self.last_phase = text
+            self._print(text)
+
+    def start(self, total_bytes: int, total_units: int) -> None:
+        from mocli.io import human_bytes
+
+        self.total_bytes, self.total_units = total_bytes, total_units
+        self.t0 = self.last = self.clock()
+        size = f"{human_bytes(total_bytes)} in " if total_bytes else ""
+        self._print(f"{size}{total_units} {self.what}")
+
+    def advance(self, nbytes: int, units: int = 1, name: str = "") -> None:
+        from mocli.io import human_bytes
+
+        self.done_bytes += nbytes
+        self.done_units += units
+        frac = (self.done_bytes / self.total_bytes if self.total_bytes else
+                self.done_units / self.total_units if self.total_units else 1.0)
+        now = self.clock()
+        tenth = int(frac * 10)
+        if now - self.last < self.every and tenth == self.tenth:
+            return
+        self.last, self.tenth = now, tenth
+        elapsed = max(now - self.t0, 1e-9)
+        parts = [f"{frac:.0%}"]
+        if self.total_bytes:
+            parts.append(f"{human_bytes(self.done_bytes)} of {human_bytes(self.total_bytes)}, "
+                         f"{human_bytes(self.done_bytes / elapsed)}/s")
+        parts.append(f"{self.done_units}/{self.total_units} {self.what}")
+        if 0 < frac < 1:
+            parts.append(f"ETA {elapsed * (1 - frac) / frac:.0f} s")
+        self._print(", ".join(parts) + (f" ({name})" if name else ""))
+
+
+def _rate_column():
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    from mocli.io import human_bytes
+
+    class Rate(ProgressColumn):
+        """Transfer rate in binary units, as every size mocli prints (rich's own column is decimal)."""
+
+        def render(self, task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text(f"{human_bytes(speed)}/s" if speed else "?", style="progress.data.speed")
+
+    return Rate()

@@ -12,7 +12,7 @@ class Progress:
     """Bytes and units of streaming work, with named phases before it starts."""
 
     start: Callable[[int, int], None] = lambda total_bytes, total_units: None
-    advance: Callable[..., None] = lambda nbytes, units=1: None
+    advance: Callable[..., None] = lambda nbytes, units=1, name="": None  # name: the unit just finished
     phase: Callable[[str], None] = lambda label: None
 
 

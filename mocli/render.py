@@ -92,8 +92,22 @@ def render_validation(report: dict[str, Any], out: Output) -> None:
             t.add_row(f["code"], f"[{_SEV_STYLE[f['severity']]}]{f['severity']}[/]", escape(f["location"]),
                       escape(f["message"]), escape(f["hint"]))
         c.print(t)
+    _validation_verdict(report, out)
+
+
+def render_validation_concise(report: dict[str, Any], out: Output) -> None:
+    """One line per finding (ruff's --output-format concise): grep- and CI-log-friendly."""
+    for f in report["findings"]:
+        out.stdout.print(f"{escape(f['location'])}: {f['code']} [{_SEV_STYLE[f['severity']]}]{f['severity']}[/]: "
+                         f"{escape(f['message'])}" + (f" [dim](hint: {escape(f['hint'])})[/]" if f["hint"] else ""),
+                         soft_wrap=True)
+    _validation_verdict(report, out)
+
+
+def _validation_verdict(report: dict[str, Any], out: Output) -> None:
     verdict = "[bold green]OK[/]" if report["ok"] else "[bold red]FAILED[/]"
-    c.print(f"{verdict}: {report['errors']} error(s), {report['warnings']} warning(s)")
+    ignored = f", {report['ignored']} ignored" if report.get("ignored") else ""
+    out.stdout.print(f"{verdict}: {report['errors']} error(s), {report['warnings']} warning(s){ignored}")
 
 
 def render_convert(summary: dict[str, Any], out: Output) -> None:

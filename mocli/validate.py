@@ -34,15 +34,28 @@ class ValidationReport:
     census: Census
     stats: dict[str, Any] = field(default_factory=dict)
 
+    ignored: int = 0  # findings --select/--ignore left out
+    warnings_as_errors: bool = False
+
     @property
     def ok(self) -> bool:
-        return not self.findings.errors
+        return not self.findings.errors and not (self.warnings_as_errors and self.findings.warnings)
+
+    def filter(self, select: list[str], ignore: list[str]) -> None:
+        """Keep the findings whose code starts with a ``select`` entry (all when empty) and with no
+        ``ignore`` entry (ruff's --select/--ignore)."""
+        sel = [c.upper() for c in select]
+        ign = [c.upper() for c in ignore]
+        kept = [f for f in self.findings if (not sel or f.code.startswith(tuple(sel))) and not f.code.startswith(tuple(ign))]
+        self.ignored += len(self.findings) - len(kept)
+        self.findings[:] = kept
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
             "errors": len(self.findings.errors),
             "warnings": len(self.findings.warnings),
+            "ignored": self.ignored,
             "findings": [f.to_dict() for f in self.findings],
             "stats": self.stats,
         }
@@ -424,6 +437,12 @@ def _check_parallel(par: ParallelLayout, heads: Heads | None, census: Census, fi
     if par.ep > 1 and par.ep % par.tp:
         findings.add("PAR002", "parallel layout", f"ep {par.ep} is not a multiple of tp {par.tp}",
                      hint="expert parallel spans tp x dp ranks (vLLM); choose ep = tp x dp")
+    if par.ep > 1 and not any(layer.schemes - {None} for layer in census.moe):
+        # ranks beyond tp would be byte copies of the tensor-parallel ones: data parallelism, which
+        # engines serve from the tp ranks' files with no per-rank layout of its own
+        findings.add("PAR002", "parallel layout", f"--ep {par.ep} splits MoE experts, and this checkpoint has no "
+                     "quantized MoE layer", hint=f"convert with --tp {par.tp} alone; data-parallel replicas load "
+                     "the same files")
     attention = [m for _, shards, _ in dense for m in shards if m.name.rpartition(".")[2] in HEAD_SPLIT]
     head_fault = _check_heads(par.tp, heads, attention, findings)
     ok: set[str] = set()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -181,3 +183,69 @@ def test_human_output_is_not_wrapped_off_a_terminal(cli, tmp_path):
     r = cli("validate", path)
     row = next(x for x in r.stdout.splitlines() if "EXC003" in x)
     assert "excluded by the config but 1 module(s) are stored quantized" in row and hint in row
+
+
+def test_help_reads_like_other_clis(cli):
+    r = cli("convert", "--help", env={"COLUMNS": "200"})
+    assert r.exit_code == 0
+    assert "Usage: mocli convert [OPTIONS] MODEL" in r.stdout and "{MODEL}" not in r.stdout
+    assert "<bool>" not in r.stdout and "<int>" not in r.stdout and "<str>" not in r.stdout
+    assert "owner/name[@revision]" in r.stdout  # not eaten as markup
+    assert "Exit codes: 0 ok; 1 findings" in r.stdout
+    top = cli("--help", env={"COLUMNS": "200"}).stdout
+    assert "--install-completion" in top and "-V" in top and "<bool>" not in top
+    assert cli("-V").stdout.strip() == f"mocli {__version__}"
+
+
+def test_json_errors_are_a_json_object_on_stdout(cli, tmp_path):
+    r = cli("--json", "inspect", tmp_path / "nothing")
+    assert r.exit_code == 2 and "error:" in r.stderr
+    err = r.json["error"]
+    assert err["exit_code"] == 2 and "no such directory" in err["message"] and err["hint"]
+
+
+@pytest.mark.parametrize("text,nbytes", [("2GiB", 2 * 1024**3), ("512 MiB", 512 * 1024**2), ("5GB", 5 * 1000**3),
+                                         ("500mb", 500 * 1000**2), ("1.5GiB", int(1.5 * 1024**3)), ("4096", 4096)])
+def test_sizes_in_both_spellings(text, nbytes):
+    from mocli.cli import parse_size
+
+    assert parse_size(text) == nbytes
+
+
+@pytest.mark.parametrize("text", ["2GiBs", "-1GB", "0", "GB", "two"])
+def test_bad_sizes_are_usage_errors(cli, tmp_path, text):
+    r = cli("convert", REAL_QWEN, "-o", tmp_path / "o", "--target", "flashinfer-cutlass", "--max-shard-size", text)
+    assert r.exit_code == 2 and "not a size" in r.stderr
+
+
+def test_progress_lines_in_logs(cli, tmp_path):
+    """Off a terminal a long run prints plain lines (binary units, as the summary), never a bar."""
+    r = cli("convert", REAL_QWEN, "-o", tmp_path / "o", "--target", "flashinfer-cutlass",
+            env={"MOCLI_PROGRESS_SECONDS": "0"})
+    assert r.exit_code == 0
+    lines = [x for x in r.stderr.splitlines() if x.startswith("converting: ")]
+    assert any("units" in x and "%" in x and "iB of 1.57 MiB" in x and "(w13:" in x for x in lines), lines
+    assert "\r" not in r.stderr and "━" not in r.stderr
+    quiet = cli("-q", "convert", REAL_QWEN, "-o", tmp_path / "q", "--target", "flashinfer-cutlass",
+                env={"MOCLI_PROGRESS_SECONDS": "0"})
+    assert quiet.stderr == ""
+
+
+def test_make_install_keeps_an_installed_torch(tmp_path):
+    """`make install` pins torch only where none is installed (a vLLM or SGLang environment keeps its own)."""
+    import subprocess
+
+    log = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\n'
+                    'if [ "$1" = "-c" ]; then [ -n "$HAS_TORCH" ]; exit $?; fi\nexit 0\n')
+    fake.chmod(0o755)
+    root = Path(__file__).resolve().parents[1]
+    for has in ("1", ""):
+        log.write_text("")
+        p = subprocess.run(["make", "-s", "-C", str(root), "install", f"PYTHON={fake}"], env={**os.environ,
+                           "HAS_TORCH": has}, capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        calls = log.read_text()
+        assert ("torch==2.13.0" in calls) is (not has), calls
+        assert '-e .[dev]' in calls

@@ -157,21 +157,43 @@ def _mocli(*args: str, delay: float = 0.0) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
+HELD = """
+import os, sys, time
+from pathlib import Path
+from mocli.io.shard_writer import ShardWriter
+real, held = ShardWriter.write, Path(os.environ["HELD"])
+def write(self, *a, **k):
+    # the first write waits, holding the lock, until the test releases it: no race with the clock
+    if not held.exists():
+        held.write_text("holding")
+        release = held.with_name("release")
+        while not release.exists():
+            time.sleep(0.01)
+    return real(self, *a, **k)
+ShardWriter.write = write
+from mocli.cli import main
+main(sys.argv[1:])
+"""
+
+
 @pytest.mark.slow
 def test_second_run_on_the_same_output_is_refused_naming_the_first(tmp_path, src):
     out = tmp_path / "o"
     args = ["convert", str(src), "-o", str(out), "--target", TARGET]
-    first = _mocli("-q", *args, delay=0.05)
-    lock = tmp_path / ".o.mocli-lock"
-    deadline = time.time() + 60
-    while not (lock.exists() and lock.read_text()) and time.time() < deadline:
-        time.sleep(0.02)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HELD": str(tmp_path / "held")}
+    first = subprocess.Popen([sys.executable, "-c", HELD, "-q", *args], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "held").exists() and first.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    assert (tmp_path / "held").exists(), first.stderr.read()  # the first run holds the lock mid-write
     second = _mocli(*args)
     err = second.communicate()[1]
+    (tmp_path / "release").write_text("go")
     assert second.returncode == 2, err
     assert f"pid {first.pid}" in err and "another mocli run" in err
     assert first.wait() == 0, first.stderr.read()
-    assert not lock.exists()
+    assert not (tmp_path / ".o.mocli-lock").exists()
     clean = _mocli("-q", "convert", str(src), "-o", str(tmp_path / "clean"), "--target", TARGET)
     assert clean.wait() == 0
     assert digest_tree(out) == digest_tree(tmp_path / "clean")

@@ -88,3 +88,35 @@ def test_readme_lists_every_code_with_its_severity_and_text():
     import re
 
     assert not {c for c in rows if re.fullmatch(r"[A-Z]{3}\d{3}", c)} - set(CODES), "README lists an unknown code"
+
+
+def test_concise_format_is_one_line_per_finding(cli, tmp_path):
+    path, _ = make_broken("EXC003", tmp_path / "m")
+    full = cli("--json", "validate", path).json["findings"]
+    r = cli("validate", path, "--output-format", "concise")
+    lines = r.stdout.splitlines()
+    assert r.exit_code == 1 and len(lines) == len(full) + 1 and lines[-1].startswith("FAILED")
+    for f, line in zip(full, lines, strict=False):
+        assert line == f"{f['location']}: {f['code']} {f['severity']}: {f['message']} (hint: {f['hint']})"
+
+
+def test_select_ignore_and_warnings_as_errors(cli, tmp_path):
+    path, _ = make_broken("EXC001", tmp_path / "m")  # one warning
+    assert cli("validate", path).exit_code == 0
+    assert cli("validate", path, "--warnings-as-errors").exit_code == 1
+    r = cli("--json", "validate", path, "--ignore", "EXC", "--warnings-as-errors")
+    assert r.exit_code == 0 and r.json["findings"] == [] and r.json["ignored"] == 1
+    r = cli("--json", "validate", path, "--select", "SCL")
+    assert r.json["findings"] == [] and r.json["ignored"] == 1
+    err, _ = make_broken("EXC003", tmp_path / "e")
+    r = cli("--json", "validate", err, "--select", "EXC001")
+    assert r.exit_code == 0 and r.json["ok"]  # the error was not selected
+
+
+def test_expert_parallel_needs_moe_layers(cli):
+    r = cli("--json", "validate", REAL_LLAMA, "--tp", "2", "--ep", "4")
+    assert r.exit_code == 1
+    assert any(f["code"] == "PAR002" and "no quantized MoE layer" in f["message"] for f in r.json["findings"])
+    r = cli("convert", REAL_LLAMA, "-o", "/nonexistent-never-written", "--target", "flashinfer-cutlass", "--tp", "2",
+            "--ep", "4")
+    assert r.exit_code == 1 and "PAR002" in r.stderr

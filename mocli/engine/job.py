@@ -336,7 +336,7 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
                 if job.device.type == "cuda":
                     pieces = _to_host(pieces, ctx)
                 sink.put(unit, pieces, ctx.release(pieces))
-                job.progress.advance(unit.input_bytes)
+                job.progress.advance(unit.input_bytes, name=unit.id)
             if not recorded:  # publishing waits for the digests anyway
                 record_source(partial, job.source_digests.result())
     except BaseException as e:  # reported after the other processes have been told
