@@ -240,3 +240,16 @@ def test_routers_stay_bf16_and_the_difference_from_vllm_online_is_stated(cli, tm
     dev = summary["deviations_from_online"]
     assert [d["layer"] for d in dev] == ([f"model.layers.{i}.{gate}" for i in range(2)] if routers else [])
     assert all("vLLM 0.32.0" in d["engine_online"] for d in dev)
+
+
+def test_verify_folds_byte_only_checks_per_layer(cli, tmp_path):
+    """A person reads one row per MoE layer for the experts' byte checks; --json keeps every one."""
+    src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="BF16", kv_cache=False)
+    quantized(cli, src, tmp_path / "out")
+    detail = cli("--json", "verify", tmp_path / "out").json["modules"]
+    per_expert = [m for m in detail if m["kernel"] == "bytes and scale only"]
+    assert len(per_expert) == 2 * 4 * 2  # layers x experts x (w13, w2)
+    r = cli("verify", tmp_path / "out")
+    rows = [x for x in r.stdout.splitlines() if "expert groups" in x]
+    assert len(rows) == 2 and all("bytes and scales of 8 expert groups" in x and "pass" in x for x in rows)
+    assert "bytes and scale only" not in r.stdout

@@ -263,3 +263,62 @@ def test_sharded_hub_checkpoint_and_resume(cli, tmp_path, monkeypatch):
     assert set(a) == set(b) and all(same(a[k], b[k]) for k in a)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {p.name for p in src.glob("*.safetensors")}
+
+
+def _redigest(out):
+    """Rewrite the provenance's output digests, as an attacker who edits a repaired file would."""
+    for name in ("config.json", "hf_quant_config.json"):
+        path = out / name
+        data = json.loads(path.read_text())
+        block = data["quantization_config"] if name == "config.json" else data
+        block["mocli_repair"]["output_shards"] = {p.name: {"sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+                                                  for p in sorted(out.glob("*.safetensors"))}
+        path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("code", ["SCL005", "SCL003", "TNS004", "EXC003"])
+def test_verify_proves_a_repair_output(cli, tmp_path, code):
+    kw, mutate = VARIANTS[code]
+    src = make_checkpoint(tmp_path / "src", **kw)
+    if mutate is not None:
+        mutate(src)
+    repaired(cli, src, tmp_path / "out")
+    r = cli("--json", "verify", tmp_path / "out")
+    assert r.exit_code == 0, (r.json["modules"], r.json["passthrough"], r.json["files"])
+    kinds = {m["kind"] for m in r.json["modules"]}
+    assert kinds == ({f"repair {code}"} if code in ("SCL005", "SCL003") else set())
+
+
+def _fault(kind):
+    def apply(t):
+        if kind == "block scale byte":
+            name = next(n for n in sorted(t) if n.endswith("k_proj.weight_scale"))
+            t[name].view(torch.uint8).reshape(-1)[3] ^= 0x01
+        elif kind == "scale_2 not the max":
+            name = next(n for n in sorted(t) if n.endswith("k_proj.weight_scale_2"))
+            t[name] = t[name] * 0.5
+        elif kind == "unchanged tensor changed":
+            t["model.norm.weight"] = t["model.norm.weight"] * 2
+    return apply
+
+
+@pytest.mark.parametrize("kind", ["block scale byte", "scale_2 not the max", "unchanged tensor changed",
+                                  "tensor removed"])
+def test_verify_catches_faults_in_a_repair_output(cli, tmp_path, kind):
+    src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4", unify_scale_2=False)
+    out = tmp_path / "out"
+    repaired(cli, src, out)
+    shard = out / "model.safetensors"
+    t = load_tensors(out)
+    if kind == "tensor removed":
+        del t["lm_head.weight"]
+    else:
+        _fault(kind)(t)
+    from safetensors.torch import save_file
+
+    save_file(t, str(shard), metadata={"format": "pt"})
+    _redigest(out)
+    r = cli("--json", "verify", out)
+    assert r.exit_code == 1
+    bad = [m["module"] for m in r.json["modules"] if not m["passed"]] + [p["tensor"] for p in r.json["passthrough"]["problems"]]
+    assert bad, r.json

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import shutil
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
@@ -232,6 +233,19 @@ def test_junit_records_failures(cli, converted, tmp_path):
     # the module's scale check, and the shard whose SHA-256 no longer matches the manifest
     messages = sorted(f.get("message") for f in failures)
     assert len(messages) == 2 and messages[0].startswith("SHA-256 differs") and "weight_scale" in messages[1]
+
+
+def test_html_report_says_why_a_cell_failed(cli, converted, tmp_path):
+    out = _copy(converted, "qwen", CUTLASS, tmp_path)
+    _mutate(out, _scale("model.layers.0.self_attn.qkv_proj.alpha", 2.0))
+    r = cli("--json", "verify", out, "--report", tmp_path / "v.html")
+    assert r.exit_code == 1
+    message = next(m["message"] for m in r.json["modules"] if not m["passed"])
+    page = (tmp_path / "v.html").read_text()
+    assert "FAIL: " in page and ">0.00<" not in page.split("FAIL: ")[0][-40:]
+    problems = page.split("<h2>problems</h2>")[1]
+    assert "model.layers.0.self_attn.qkv_proj" in problems and html.escape(message[:40]) in problems
+    assert page.count('Kernels named "emulated"') == 1 and "<i>emulated</i>" not in page
 
 
 def test_layers_filter_tokens_seed(cli, converted):

@@ -59,3 +59,19 @@ def write_modelopt(directory: Path, source_dir: Path, layout, sharded: bool, fie
         write_json(directory / INDEX_NAME, {**index, "metadata": {**meta, "total_size": total},
                                             "weight_map": layout.weight_map()})
     copy_configs(source_dir, directory, provenance, key=PROVENANCE_KEY, edit=quant_fields_editor(fields))
+
+
+def provenance_of(path: Path) -> dict[str, Any] | None:
+    """The ``mocli_repair`` block of a repair output (None: not a directory mocli repair wrote)."""
+    from mocli.formats import CONFIG_JSON
+    from mocli.io.jsonfile import read_json
+
+    for name in (HF_QUANT_CONFIG, CONFIG_JSON):
+        f = Path(path) / name
+        if not f.is_file():
+            continue
+        data = read_json(f)
+        block = data.get("quantization_config") if name == CONFIG_JSON and isinstance(data, dict) else data
+        if isinstance(block, dict) and isinstance(block.get(PROVENANCE_KEY), dict):
+            return block[PROVENANCE_KEY]
+    return None

@@ -20,6 +20,14 @@ def _colour(ratio: float | None, passed: bool) -> str:
     return "#" + "".join(f"{round(x + (y - x) * t):02x}" for x, y in zip(a, b, strict=True))
 
 
+EMULATED = (' Kernels named "emulated" run where no tensor-core kernel for the format exists on this device: the '
+            "layout is decoded and an exact GEMM runs instead.")
+
+
+def _short(message: str, n: int = 60) -> str:
+    return message if len(message) <= n else message[: n - 1] + "…"
+
+
 def write_html(report: dict[str, Any], path: Path) -> None:
     ranks = report["ranks"]
     cells: dict[str, dict[int, dict]] = {}
@@ -35,16 +43,19 @@ def write_html(report: dict[str, Any], path: Path) -> None:
                 tds.append("<td></td>")
                 continue
             ratio = None if m["error"] is None or not m["threshold"] else m["error"] / m["threshold"]
-            label = "—" if ratio is None else f"{ratio:.2f}"
+            # a failed cell says why where a person looks, not only in a tooltip
+            label = (f"FAIL: {e(_short(m['message']))}" if not m["passed"] else "—" if ratio is None else f"{ratio:.2f}")
             tip = (f"{m['kind']} · {m['kernel']}{' (emulated)' if m['emulated'] else ''} · error "
                    f"{'n/a' if m['error'] is None else format(m['error'], '.3g')} / {m['threshold']:g}"
                    + (f" · {m['message']}" if m["message"] else ""))
             tds.append(f'<td style="background:{_colour(ratio, m["passed"])}" title="{e(tip)}">{label}</td>')
         first = next(iter(by_rank.values()))
         rows.append(f"<tr><th>{e(name)}</th><td class=k>{e(first['kind'])}</td>"
-                    f"<td class=k>{e(first['kernel'])}{' <i>emulated</i>' if first['emulated'] else ''}</td>"
+                    f"<td class=k>{e(first['kernel'])}</td>"
                     + "".join(tds) + "</tr>")
-    problems = ([f"file {p['file']}: {p['problem']}" for p in report["files"]["problems"]]
+    problems = ([f"{m['module']} (rank {m['rank']}): {m['message']}" for m in report["modules"] if not m["passed"]]
+                + [f"file {p['file']}: {p['problem']}" for p in report["files"]["problems"]]
+                + [f"{p['module']}: {p['problem']}" for p in report.get("completeness", {}).get("problems", [])]
                 + [f"{c['module']}: {c['check']}: {c['message']}" for c in report["cross_rank"] if not c["passed"]]
                 + [f"{p['tensor']}: {p['problem']}" for p in report["passthrough"]["problems"]]
                 + [f"{n}: in the output but checked by nothing" for n in report["coverage"]["unchecked"]])
@@ -60,9 +71,9 @@ td.k{{text-align:left;color:#555}}.ok{{color:#1a9850}}.bad{{color:#d73027}}</sty
 ep {report['parallel'].get('ep', 1)} · {e(report['device'])} · {report['tokens']} tokens, seed {report['seed']} ·
 {report['files']['checked']} files hashed · {report['passthrough']['checked']} pass-through tensors ·
 {report['coverage']['tensors']} tensors covered · {report['seconds']:.1f} s</p>
-<p>Cells: relative error ÷ threshold (green 0, orange 1, red: failed). Hover for the kernel and the check.
-"emulated" means no tensor-core kernel for that format runs on this device: the layout is decoded and an
-exact GEMM runs instead.</p>
+<p>Cells: relative error ÷ threshold (green 0, orange 1); a failed check is red and says why (all reasons
+are listed under "problems"). Hover for the kernel and the check.{EMULATED if any(m["emulated"] for m in
+report["modules"]) else ""}</p>
 <table><tr><th>module</th><th>kind</th><th>kernel</th>{''.join(f'<th>rank {r}</th>' for r in ranks)}</tr>
 {''.join(rows)}</table>
 {'<h2>cross-rank</h2><ul>' + cross + '</ul>' if cross else ''}

@@ -42,6 +42,12 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
         from mocli.verify.quantized import verify_quantized
 
         return verify_quantized(out, opts, progress)
+    from mocli.formats import modelopt
+
+    if not is_layout(out) and modelopt.provenance_of(out) is not None:
+        from mocli.verify.repaired import verify_repaired
+
+        return verify_repaired(out, opts, progress)
     manifest = read_manifest(out)
     parallel = manifest["parallel"]
     n_ranks = len(manifest.get("ranks") or [None])
