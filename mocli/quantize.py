@@ -195,7 +195,7 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
 
     def finish(partial: Path, files: dict[str, str]) -> None:
         prov = provenance_block(ckpt.source, digests.result(), command="quantize", scheme=scheme,
-                                output_shards={n: {"sha256": d} for n, d in sorted(files.items())})
+                                output_shards=dict(sorted(files.items())))
         write_fp8(partial, ckpt.path, layouts[""], ignored, prov)
 
     job = engine.Job("quantize", out, ckpt.path, plan, layouts, fp, finish, overwrite, dev, progress, dist, digests,

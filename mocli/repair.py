@@ -289,7 +289,7 @@ def repair(ckpt: Checkpoint, out: Path | None, dry_run: bool = False, overwrite:
         from mocli.formats.modelopt import write_modelopt
 
         provenance = provenance_block(ckpt.source, digests.result(), repairs=repairs,
-                                      output_shards={n: {"sha256": d} for n, d in sorted(files.items())})
+                                      output_shards=dict(sorted(files.items())))
         write_modelopt(partial, ckpt.path, layouts[""], ckpt.sharded, plan.config_fields, provenance)
 
     job = engine.Job("repair", Path(out), ckpt.path, job_plan, layouts, fp, finish, overwrite,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 
+import blake3
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -234,12 +234,13 @@ def test_output_files_index_manifest_provenance(cli, tmp_path):
     assert not (out / "hf_quant_config.json").exists()
     prov = q["mocli"]
     assert prov == manifest["provenance"]
-    assert prov["source_shards"] == {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+    assert prov["source_shards"] == {p.name: {"blake3": blake3.blake3(p.read_bytes()).hexdigest()}
                                      for p in sorted(src.glob("*.safetensors"))}
     # every file but the manifest is covered by a digest
     on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"mocli-layout.json"}
     assert set(manifest["files"]) == on_disk
-    assert all(manifest["files"][f]["sha256"] == hashlib.sha256((out / f).read_bytes()).hexdigest() for f in on_disk)
+    assert all(manifest["files"][f] == {"size": (out / f).stat().st_size,
+                                        "blake3": blake3.blake3((out / f).read_bytes()).hexdigest()} for f in on_disk)
 
 
 def test_reruns_are_byte_identical_and_input_untouched(cli, tmp_path):

@@ -200,10 +200,11 @@ def _run(*args: str, **kw) -> subprocess.CompletedProcess:
 
 def test_closed_pipe_stops_quietly():
     """`mocli inspect M | head -1`: like other tools, stop with the SIGPIPE status and say nothing."""
-    p = subprocess.Popen([sys.executable, "-m", "mocli", "inspect", str(REAL_QWEN)], stdout=subprocess.PIPE,
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the first byte: every write meets EPIPE, whatever the timing
+    p = subprocess.Popen([sys.executable, "-m", "mocli", "inspect", str(REAL_QWEN)], stdout=w,
                          stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    p.stdout.readline()
-    p.stdout.close()
+    os.close(w)
     err = p.stderr.read().decode()
     assert p.wait() == 141 and err == "", err
 

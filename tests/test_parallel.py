@@ -3,7 +3,6 @@ SEMANTICS §10 (tests/reference.py), then the tp = 1 transforms; refusals; torch
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -11,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -210,9 +210,9 @@ def test_real_exports_convert_per_rank(cli, tmp_path, target, name, extra):
     assert len(manifest["ranks"]) == 2 and manifest["parallel"]["tp"] == 2
     for rk in manifest["ranks"]:
         assert (out / rk["dir"] / "model.safetensors.index.json").exists() and rk["modules"]
-    # every file the manifest lists is there with its recorded SHA-256
+    # every file the manifest lists is there with its recorded BLAKE3 digest
     for rel, info in manifest["files"].items():
-        assert hashlib.sha256((out / rel).read_bytes()).hexdigest() == info["sha256"]
+        assert blake3.blake3((out / rel).read_bytes()).hexdigest() == info["blake3"]
 
 
 @pytest.mark.parametrize("src,args,code", [

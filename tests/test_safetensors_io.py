@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import blake3
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -73,7 +74,8 @@ def test_hash_range_over_small_windows_equals_hashlib(tmp_path, monkeypatch, a, 
     with open(tmp_path / "f", "rb") as f:
         digests.hash_range(h, f.fileno(), a, b)
     assert h.hexdigest() == hashlib.sha256(data[a:b]).hexdigest()
-    assert digests.sha256_file(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+    assert digests.file_digest(tmp_path / "f", "sha256") == hashlib.sha256(data).hexdigest()
+    assert digests.file_digest(tmp_path / "f") == blake3.blake3(data).hexdigest()
 
 
 def _rss_file_kib() -> int:

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 
+import blake3
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -38,7 +39,8 @@ def _write_manifest(out, m, redigest=True):
         for rel, info in m["files"].items():
             if (out / rel).is_file():
                 data = (out / rel).read_bytes()
-                info.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+                info.clear()
+                info.update(size=len(data), blake3=blake3.blake3(data).hexdigest())
     (out / "mocli-layout.json").write_text(json.dumps(m))
 
 

@@ -232,7 +232,7 @@ def test_junit_records_failures(cli, converted, tmp_path):
     failures = ET.parse(tmp_path / "v.xml").getroot().findall(".//failure")
     # the module's scale check, and the shard whose SHA-256 no longer matches the manifest
     messages = sorted(f.get("message") for f in failures)
-    assert len(messages) == 2 and messages[0].startswith("SHA-256 differs") and "weight_scale" in messages[1]
+    assert len(messages) == 2 and messages[0].startswith("blake3 digest differs") and "weight_scale" in messages[1]
 
 
 def test_html_report_says_why_a_cell_failed(cli, converted, tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import queue
 import threading
@@ -11,17 +10,17 @@ from pathlib import Path
 import torch
 
 from mocli.engine.pool import BufferPool
-from mocli.io.digests import hash_range
+from mocli.io.digests import DIGEST, hash_range, new_hasher
 from mocli.io.paths import open_regular
 from mocli.io.safetensors_file import tensor_bytes_view
 from mocli.io.shard_writer import ShardFile
 
 
 class OrderedHasher:
-    """SHA-256 of every output file, fed as the writer appends: bytes still in memory are hashed
+    """The digest (BLAKE3) of every output file, fed as the writer appends: bytes still in memory are hashed
     from there (no read-back), ranges copied file to file or landing ahead of the hash position are
     read back (through a memory map: no copy) once the bytes before them are in. Files are spread
-    over ``threads`` hashing threads (hashlib drops the GIL), one per four cores; each unit's pooled
+    over ``threads`` hashing threads (the hashers drop the GIL), one per four cores; each unit's pooled
     buffers go back to the pool when every thread is done with them.
 
     Files an earlier, interrupted run wrote to (``skip``) are not hashed here: their finished parts are
@@ -31,7 +30,7 @@ class OrderedHasher:
     def __init__(self, files: list[tuple[str, Path, ShardFile]], pool: BufferPool, skip: set[int],
                  threads: int | None = None) -> None:
         self.files, self.pool = files, pool
-        self.sha = [hashlib.sha256() for _ in files]
+        self.sha = [new_hasher() for _ in files]
         self.pos = [0] * len(files)
         self.ahead: list[dict[int, int]] = [{} for _ in files]  # start -> end, written but not hashed yet
         self.error: BaseException | None = None
@@ -132,7 +131,7 @@ class OrderedHasher:
         self._stop()
         self._close_files()
 
-    def digests(self) -> dict[int, str]:
+    def digests(self) -> dict[int, dict[str, str]]:
         self._stop()
         try:
             if self.error is not None:
@@ -142,7 +141,7 @@ class OrderedHasher:
                     self._read_back_rest(i, f.size)
         finally:
             self._close_files()
-        return {i: s.hexdigest() for i, s in enumerate(self.sha) if i not in self.skip}
+        return {i: {DIGEST: s.hexdigest()} for i, s in enumerate(self.sha) if i not in self.skip}
 
     def _read_back_rest(self, i: int, size: int) -> None:
         """Whatever is left (zero-length tails)."""

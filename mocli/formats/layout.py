@@ -13,6 +13,7 @@ from typing import Any
 
 from mocli.errors import CorruptFileError, InputError
 from mocli.formats import INDEX_NAME, write_index, write_json
+from mocli.io.digests import as_record
 from mocli.io.paths import entry_path
 
 MANIFEST_NAME = "mocli-layout.json"
@@ -64,9 +65,10 @@ def write_layout(directory: Path, source_dir: Path, body: dict[str, Any], layout
                  provenance: dict[str, Any]) -> None:
     """Everything around the shards: every group's index, config.json marked as a mocli layout, the
     source's other small files (tokenizer, generation config), then the manifest with the size and
-    digest of every file in the directory but itself (shards: ``digests``, taken as they were written)."""
+    digest record of every file in the directory but itself (shards: ``digests``, taken as they were
+    written)."""
     from mocli.formats import CONFIG_JSON, HF_QUANT_CONFIG, copy_configs
-    from mocli.io.digests import sha256_file
+    from mocli.io.digests import DIGEST, file_digest
     from mocli.io.jsonfile import read_json
 
     for group, lay in layouts.items():
@@ -85,7 +87,7 @@ def write_layout(directory: Path, source_dir: Path, body: dict[str, Any], layout
         rel = str(path.relative_to(directory))
         if rel == MANIFEST_NAME:  # an earlier finish of a resumed run wrote one: it is rewritten below
             continue
-        files[rel] = {"size": path.stat().st_size, "sha256": digests.get(rel) or sha256_file(path, follow=False)}
+        files[rel] = {"size": path.stat().st_size, **(digests.get(rel) or {DIGEST: file_digest(path, follow=False)})}
     write_json(directory / MANIFEST_NAME, {**body, "files": files, "provenance": provenance})
 
 
@@ -218,9 +220,9 @@ def _check_manifest(m: dict[str, Any], where: Path) -> None:
     if files is not None:
         _expect(files, dict, at, "files")
         for name, info in files.items():
-            ok = isinstance(info, dict) and _is_int(info.get("size")) and isinstance(info.get("sha256"), str)
+            ok = isinstance(info, dict) and _is_int(info.get("size")) and as_record(info) is not None
             if not ok:
-                raise _bad(f"{at}: files[{name!r}]", "must be {size, sha256}")
+                raise _bad(f"{at}: files[{name!r}]", "must be {size, blake3} (or {size, sha256})")
     if not isinstance(m.get("provenance", {}), dict):
         raise _bad(at, "provenance must be an object")
 

@@ -7,61 +7,68 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from mocli.checkpoint import Checkpoint
 from mocli.errors import InputError, MocliError
-from mocli.io.digests import sha256_file
+from mocli.io.digests import as_record, file_digest
 from mocli.verify.common import VerifyOptions
 
 
 class Hashes:
-    """Output files against their recorded SHA-256 and source shards against provenance, hashed on
-    every core in the background while the module checks run (hashlib drops the GIL)."""
+    """Output files against their recorded digests and source shards against provenance, hashed in the
+    background while the module checks run (the hashers drop the GIL; BLAKE3 spreads one large file
+    over every core). A digest is recorded with its algorithm (``{"blake3": hex}``; outputs written
+    before that recorded a bare SHA-256), and checked with that algorithm."""
 
-    def __init__(self, out: Path, wanted: dict[str, str] | None, recorded: dict[str, str], src: Checkpoint,
+    def __init__(self, out: Path, wanted: dict[str, Any] | None, recorded: dict[str, Any], src: Checkpoint,
                  opts: VerifyOptions, record_name: str = "mocli-layout.json") -> None:
         self.out, self.src = out, src
         self.problems: list[dict[str, str]] = []
-        self.wanted = wanted or {}
-        self.recorded = recorded
+        self.wanted = {rel: as_record(v) for rel, v in (wanted or {}).items()}
+        self.recorded = {name: as_record(v) for name, v in recorded.items()}
         if wanted is None and record_name:
             self.problems.append({"file": str(out / record_name),
                                   "problem": "records no file digests (written by an older mocli); run it again"})
+        bad = [n for n, r in {**self.wanted, **self.recorded}.items() if r is None]
+        if bad:
+            raise InputError(f"{out}: the digest recorded for {bad[0]!r} is not a digest record",
+                             hint="the record is damaged or hostile; convert again")
         have = {h.path.name: h.path for h in src.files}
         if opts.check_source_hash and set(self.recorded) != set(have):
             raise InputError(f"{src.source.describe()}: source shards {sorted(have)} differ from those recorded at "
                              f"conversion {sorted(self.recorded)}", hint="verify against the checkpoint that was converted")
-        jobs = [("out", rel, out / rel) for rel in self.wanted]
+        # the output's files are read as they are (no link); the source may be a Hugging Face cache of links
+        jobs = [("out", rel, out / rel, self.wanted[rel][0], False) for rel in self.wanted]
         if opts.check_source_hash:
-            jobs += [("src", name, have[name]) for name in self.recorded]
+            jobs += [("src", name, have[name], self.recorded[name][0], True) for name in self.recorded]
         jobs.sort(key=lambda j: -(j[2].stat().st_size if j[2].exists() else 0))
         self.count = len(jobs)
         self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
-        # the output's files are read as they are (no link); the source may be a Hugging Face cache of links
-        self.futures = [(job, self.pool.submit(self._one, job[2], job[0] == "src")) for job in jobs]
+        self.futures = [(job, self.pool.submit(self._one, *job[2:])) for job in jobs]
 
     @staticmethod
-    def _one(path: Path, follow: bool = True) -> tuple[str | None, str | None]:
+    def _one(path: Path, algo: str, follow: bool) -> tuple[str | None, str | None]:
         try:
-            return sha256_file(path, follow), None
+            return file_digest(path, algo, follow, threads=True), None
         except (OSError, MocliError) as e:
             return None, getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
 
     def result(self) -> list[dict[str, str]]:
         """File problems of the output; raises InputError when the source changed since conversion."""
         try:
-            for (kind, name, _), fut in self.futures:
+            for (kind, name, _, algo, _), fut in self.futures:
                 digest, err = fut.result()
                 if kind == "out":
                     if err is not None:
                         self.problems.append({"file": name, "problem": f"cannot read: {err}"})
-                    elif digest != self.wanted[name]:
-                        self.problems.append({"file": name, "problem": "SHA-256 differs from the manifest: the file "
-                                              "changed after conversion"})
-                elif err is not None or digest != self.recorded[name]:
-                    raise InputError(f"{self.src.source.describe()}: {name} no longer matches the SHA-256 recorded at "
-                                     "conversion", hint="the source changed since conversion; convert again or pass "
-                                     "the original --source")
+                    elif digest != self.wanted[name][1]:
+                        self.problems.append({"file": name, "problem": f"{algo} digest differs from the record: "
+                                              "the file changed after it was written"})
+                elif err is not None or digest != self.recorded[name][1]:
+                    raise InputError(f"{self.src.source.describe()}: {name} no longer matches the {algo} digest "
+                                     "recorded at conversion", hint="the source changed since conversion; convert "
+                                     "again or pass the original --source")
         finally:
             self.pool.shutdown(cancel_futures=True)
         return self.problems
@@ -131,7 +138,7 @@ def inventory(out: Path, manifest: dict, ranks: list[int]) -> Inventory:
             elif group == "":
                 inv.broken_ranks.update(range(max(1, len(declared_ranks))))
         elif group in groups:
-            inv.wanted[rel] = info["sha256"]
+            inv.wanted[rel] = {k: v for k, v in info.items() if k != "size"}
     for entry in declared_ranks:
         if not (out / entry["dir"]).is_dir():
             inv.problems.append({"file": entry["dir"], "problem": f"rank {entry['rank']}'s directory is missing"})

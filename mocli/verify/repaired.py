@@ -51,7 +51,7 @@ def verify_repaired(out: Path, opts, progress) -> dict[str, Any]:
     prov = provenance_of(out) or {}
     ckpt, src = open_checkpoint(out), open_source(out, prov, opts)
     shards = prov.get("output_shards")
-    wanted = {n: v.get("sha256") for n, v in shards.items()} if isinstance(shards, dict) else None
+    wanted = dict(shards) if isinstance(shards, dict) else None
     hashes = Hashes(out, wanted, prov.get("source_shards") or {}, src, opts, record_name="config.json")
     rt = runtime(opts, None)
     census = build_census(src.tensors)
