@@ -5,6 +5,7 @@ Never prints: progress goes through callbacks, errors are typed exceptions.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -193,6 +194,16 @@ def _share(units: list[Unit], world: int, proc: int) -> list[Unit]:
 def run(job: Job) -> JobResult:
     """Run ``job``; on failure keep a resumable partial and say where (hint), or remove it when the
     input itself is at fault (nothing to resume)."""
+    # Everything alive now (torch's modules, the plan, the census) lives until the run ends: frozen, the
+    # cyclic collector stops re-scanning it at every full collection (8% of a 2-core conversion's CPU).
+    gc.freeze()
+    try:
+        return _run(job)
+    finally:
+        gc.unfreeze()
+
+
+def _run(job: Job) -> JobResult:
     dist = job.dist
     if dist.world > 1:
         _agree_on_plan(job)
