@@ -306,3 +306,22 @@ def gemm(a: torch.Tensor, b: torch.Tensor, rt: Runtime) -> torch.Tensor:
         return (a.bfloat16() @ b.bfloat16().T).float()
     return a.float() @ b.float().T
 
+
+
+def single_rank_report(out, src, target: str, rt: Runtime, opts, results: list[ModuleResult], files_checked: int,
+                       file_problems: list, kept: int, problems: list, tensors: int, unchecked: list, note: str,
+                       t0: float) -> dict[str, Any]:
+    """The report of an output with one rank and no cross-rank checks (quantize and repair outputs), in
+    the shape of convert's, so renderers, JUnit and HTML read all three alike."""
+    failed = [r for r in results if not r.passed]
+    return {
+        "output": str(out), "source": src.source.describe(), "target": target,
+        "parallel": {"tp": 1, "ep": 1, "ranks": 1}, "ranks": [0], "device": str(rt.device), "tokens": opts.tokens,
+        "seed": opts.seed, "files": {"checked": files_checked, "problems": file_problems},
+        "modules": [r.to_dict() for r in results], "cross_rank": [],
+        "passthrough": {"checked": kept, "problems": problems},
+        "coverage": {"tensors": tensors, "unchecked": unchecked, "note": note},
+        "passed": len(results) - len(failed),
+        "failed": len(failed) + len(file_problems) + len(problems) + len(unchecked),
+        "ok": not (failed or file_problems or problems or unchecked), "seconds": round(time.perf_counter() - t0, 3),
+    }

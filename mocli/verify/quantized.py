@@ -32,6 +32,7 @@ from mocli.verify.common import (
     runtime,
     sample_experts,
     scaled_mm,
+    single_rank_report,
 )
 from mocli.verify.files import Hashes, compare_bytes, open_source
 from mocli.verify.quant import FP8, fp8_per_token
@@ -109,19 +110,8 @@ def verify_quantized(out: Path, opts, progress) -> dict[str, Any]:
     unchecked = [] if opts.layers else sorted(n for n in ckpt.tensors if n not in checked and n not in kept)
     progress.phase(f"hashing {hashes.count} files")
     file_problems = hashes.result()
-    failed = [r for r in results if not r.passed]
-    return {
-        "output": str(out), "source": src.source.describe(), "target": "fp8 (quant_method, dynamic activations)",
-        "parallel": {"tp": 1, "ep": 1, "ranks": 1}, "ranks": [0], "device": str(rt.device), "tokens": opts.tokens,
-        "seed": opts.seed, "files": {"checked": len(wanted or {}), "problems": file_problems},
-        "modules": [r.to_dict() for r in results], "cross_rank": [],
-        "passthrough": {"checked": len(kept), "problems": pass_problems},
-        "coverage": {"tensors": len(ckpt.tensors), "unchecked": unchecked, "note": ""},
-        "passed": len(results) - len(failed),
-        "failed": len(failed) + len(file_problems) + len(pass_problems) + len(unchecked),
-        "ok": not (failed or file_problems or pass_problems or unchecked),
-        "seconds": round(time.perf_counter() - t_all, 3),
-    }
+    return single_rank_report(out, src, "fp8 (quant_method, dynamic activations)", rt, opts, results, len(wanted or {}),
+                              file_problems, len(kept), pass_problems, len(ckpt.tensors), unchecked, "", t_all)
 
 
 def _match(name: str, pattern: str) -> bool:

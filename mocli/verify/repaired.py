@@ -21,7 +21,7 @@ from mocli.census import Census, build_census
 from mocli.checkpoint import open_checkpoint
 from mocli.formats.modelopt import provenance_of
 from mocli.tables import INPUT_SCALE, WEIGHT_SCALE, WEIGHT_SCALE_2
-from mocli.verify.common import ModuleResult, Problems, finish, runtime
+from mocli.verify.common import ModuleResult, Problems, finish, runtime, single_rank_report
 from mocli.verify.expect import apply_table
 from mocli.verify.files import Hashes, compare_bytes, open_source
 
@@ -87,17 +87,9 @@ def verify_repaired(out: Path, opts, progress) -> dict[str, Any]:
                  for f in validate(ckpt, None).findings.errors]
     progress.phase(f"hashing {hashes.count} files")
     file_problems = hashes.result()
-    failed = [r for r in results if not r.passed]
-    return {
-        "output": str(out), "source": src.source.describe(), "target": "modelopt (repaired, SEMANTICS §11)",
-        "parallel": {"tp": 1, "ep": 1, "ranks": 1}, "ranks": [0], "device": str(rt.device), "tokens": opts.tokens,
-        "seed": opts.seed, "files": {"checked": len(wanted or {}), "problems": file_problems},
-        "modules": [r.to_dict() for r in results], "cross_rank": [],
-        "passthrough": {"checked": len(same), "problems": problems},
-        "coverage": {"tensors": len(ckpt.tensors), "unchecked": [], "note": f"{len(repairs)} repair(s) recorded"},
-        "passed": len(results) - len(failed), "failed": len(failed) + len(file_problems) + len(problems),
-        "ok": not (failed or file_problems or problems), "seconds": round(time.perf_counter() - t_all, 3),
-    }
+    return single_rank_report(out, src, "modelopt (repaired, SEMANTICS §11)", rt, opts, results, len(wanted or {}),
+                              file_problems, len(same), problems, len(ckpt.tensors), [],
+                              f"{len(repairs)} repair(s) recorded", t_all)
 
 
 def _result(name: str, kind: str, rule: str, problems: Problems, t0: float) -> ModuleResult:
