@@ -25,9 +25,9 @@ LAYERS: list[list[str]] = [
     ["mocli.checkpoint", "mocli.census", "mocli.exclusions", "mocli.scales", "mocli.deep_scan", "mocli.targets",
      "mocli.targets.*", "mocli.formats.*"],
     ["mocli.validate", "mocli.inspection", "mocli.engine", "mocli.engine.*", "mocli.loader"],
-    ["mocli.plan", "mocli.plan.*", "mocli.verify", "mocli.verify.*"],
+    ["mocli.plan", "mocli.plan.*", "mocli.verify", "mocli.verify.*", "mocli.serve", "mocli.serve.*"],
     ["mocli.convert", "mocli.repair", "mocli.quantize"],
-    ["mocli.output", "mocli.render", "mocli.cli", "mocli.__main__"],
+    ["mocli.output", "mocli.render", "mocli.cli", "mocli.__main__", "mocli.vllm_plugin", "mocli.vllm_plugin.*"],
 ]
 
 

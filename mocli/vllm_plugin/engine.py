@@ -1,0 +1,98 @@
+"""Registration into vLLM 0.32, and the two places where a mocli directory needs the engine's settings.
+
+- ``EngineArgs.create_engine_config`` (the vllm-bnb-plugin pattern): once vLLM has resolved the
+  quantization to ``mocli``, pick the ``mocli`` load format (no ``--load-format`` needed) and check the
+  layout against the engine's parallelism in the first process, before any worker starts.
+- ``get_kv_cache_quant_algo_string`` (vllm/utils/torch_utils.py): with ``--kv-cache-dtype auto`` vLLM
+  gives a ModelOpt checkpoint the KV-cache dtype its config declares (FP8); a converted directory keeps
+  that config under ``source_quantization_config``, so it gets the same.
+
+Both patches wrap the original, act only on a ``mocli`` directory, and are applied once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from mocli.formats.layout import QUANT_METHOD
+from mocli.kinds import KINDS, ModuleKind
+from mocli.vllm_plugin.checks import LayoutMismatch, check_engine
+
+LOAD_FORMAT = QUANT_METHOD
+_PATCHED = "_mocli_patched"
+
+
+def register_all() -> None:
+    """Quantization method, load format and the engine patches. Each step checks what is already there,
+    so a second call, or a call in a worker that unpickled the config first, changes nothing."""
+    from vllm.model_executor.layers.quantization import register_quantization_config
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
+
+    from mocli.vllm_plugin.config import MocliConfig
+    from mocli.vllm_plugin.loader import MocliModelLoader
+
+    register_quantization_config(QUANT_METHOD)(MocliConfig)
+    if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not MocliModelLoader:
+        register_model_loader(LOAD_FORMAT)(MocliModelLoader)
+    _patch_engine_args()
+    _patch_kv_cache_dtype()
+
+
+def _patch_engine_args() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        if config.model_config.quantization == QUANT_METHOD:
+            prepare(config)
+        return config
+
+    setattr(create_engine_config, _PATCHED, True)
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def prepare(config) -> None:
+    """A mocli directory's engine config: its load format, and its layout against the parallelism."""
+    load = config.load_config
+    if load.load_format not in ("auto", LOAD_FORMAT):
+        raise LayoutMismatch(f"--load-format {load.load_format} cannot read a mocli layout; omit --load-format "
+                             "(the mocli loader is chosen automatically)")
+    load.load_format = LOAD_FORMAT
+    qc = config.quant_config
+    par = config.parallel_config
+    manifest = getattr(qc, "manifest", None) or {}
+    has_moe = any(KINDS[ModuleKind(m["kind"])].moe for m in _all_modules(manifest))
+    check_engine(qc.qc, getattr(qc, "model_dir", None) or config.model_config.model,
+                 tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size, dp=par.data_parallel_size,
+                 enable_ep=bool(par.enable_expert_parallel), has_moe=has_moe)
+
+
+def _all_modules(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(manifest.get("modules", [])) + [m for r in manifest.get("ranks") or [] for m in r["modules"]]
+
+
+def _patch_kv_cache_dtype() -> None:
+    import vllm.utils.torch_utils as tu
+
+    original = tu.get_kv_cache_quant_algo_string
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def get_kv_cache_quant_algo_string(quant_cfg):
+        if isinstance(quant_cfg, dict) and quant_cfg.get("quant_method") == QUANT_METHOD:
+            source = quant_cfg.get("source_quantization_config")
+            if not isinstance(source, dict):
+                hq = quant_cfg.get("source_hf_quant_config")
+                source = {"quant_method": "modelopt", **hq} if isinstance(hq, dict) else None
+            return original(source) if source else None
+        return original(quant_cfg)
+
+    setattr(get_kv_cache_quant_algo_string, _PATCHED, True)
+    tu.get_kv_cache_quant_algo_string = get_kv_cache_quant_algo_string

@@ -1,0 +1,180 @@
+"""Load format ``mocli``: each rank copies its own tensors into place and proves nothing is missing.
+
+Converted modules are copied byte for byte into the parameters their methods created (same name,
+dtype and shape, or one error naming the difference). Everything else of the rank (embeddings,
+norms, routers, lm_head, excluded BF16 layers under their source names, KV-cache scales) goes
+through the model's own ``load_weights``, so vLLM shards and stacks it as it does for any
+checkpoint. Then both directions are checked: every parameter of the model was filled (converted
+layers by the copies, the others by vLLM's loaders; only KV-cache scales may be absent, as for any
+checkpoint), and every tensor of the rank was taken by a parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+from mocli.errors import MocliError
+from mocli.formats.layout import rank_entries
+from mocli.io.safetensors_file import torch_dtypes
+from mocli.loader import load_tensors
+from mocli.vllm_plugin.checks import LayoutMismatch
+from mocli.vllm_plugin.config import MocliConfig, model_dir
+from mocli.vllm_plugin.methods import MocliLinearMethod, MocliMoEMethod
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm": shown in vLLM's log
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+
+
+class MocliModelLoader(BaseModelLoader):
+    def download_model(self, model_config) -> None:
+        model_dir(model_config.model, model_config.revision, self.load_config.download_dir)
+
+    def load_weights(self, model: torch.nn.Module, model_config) -> None:
+        config = _mocli_config(model)
+        rank = config.rank()
+        layers = _converted_layers(model)
+        device = next(iter(layers.values())).weight_device if layers else next(model.parameters()).device
+        try:
+            entries = rank_entries(config.model_dir, config.manifest, rank)
+        except MocliError as e:
+            raise LayoutMismatch(e.message + (f" ({e.hint})" if e.hint else "")) from None
+        _check_index(config, entries, rank)
+        tensors = load_tensors(list(entries.values()), device)
+        modules, _ = config.rank_modules()
+        copied = _copy_modules(modules, layers, tensors)
+        rest = {n: t for n, t in tensors.items() if n not in copied}
+        loaded = _load_passthrough(model, rest)
+        _check_filled(model, layers, loaded)
+        logger.info("mocli: rank %s loaded %d converted and %d pass-through tensors from %s", rank or 0,
+                    len(copied), len(rest), config.model_dir)
+
+
+class _Layer:
+    def __init__(self, qualname: str, module: torch.nn.Module, method) -> None:
+        self.qualname, self.module, self.method = qualname, module, method
+
+    @property
+    def weight_device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+
+def _mocli_config(model: torch.nn.Module) -> MocliConfig:
+    for m in model.modules():
+        qc = getattr(m, "quant_config", None)
+        if isinstance(qc, MocliConfig):
+            return qc
+    raise LayoutMismatch("the model was built without mocli's quantization config; load format 'mocli' only "
+                         "reads directories written by mocli convert")
+
+
+def _converted_layers(model: torch.nn.Module) -> dict[str, _Layer]:
+    """manifest module name -> the vLLM layer whose quant method runs it."""
+    out = {}
+    for qualname, m in model.named_modules():
+        method = getattr(m, "quant_method", None)
+        if isinstance(method, MocliLinearMethod | MocliMoEMethod):
+            out[method.params.name] = _Layer(qualname, m, method)
+    return out
+
+
+def _check_index(config: MocliConfig, entries: dict[str, Any], rank: int | None) -> None:
+    """The rank's shards hold exactly the tensors the manifest lists, with its dtypes and shapes."""
+    _, rank_tensors = config.rank_modules()
+    listed = dict(config.manifest.get("tensors", {}))
+    listed.update(rank_tensors)
+    where = f"{config.model_dir} (rank {rank or 0})"
+    missing = sorted(set(listed) - set(entries))
+    if missing:
+        raise LayoutMismatch(f"{where}: tensor {_few(missing)} is in the manifest but in no shard; convert again")
+    extra = sorted(set(entries) - set(listed))
+    if extra:
+        raise LayoutMismatch(f"{where}: tensor {_few(extra)} is in the shards but not in the manifest; convert again")
+    for name, e in entries.items():
+        want = listed[name]
+        if e.dtype != want["dtype"] or list(e.shape) != list(want["shape"]):
+            raise LayoutMismatch(f"{where}: tensor {name} is {e.dtype} {list(e.shape)} in its shard, "
+                                 f"{want['dtype']} {want['shape']} in the manifest; convert again")
+
+
+def _copy_modules(modules: list[dict[str, Any]], layers: dict[str, _Layer],
+                  tensors: dict[str, torch.Tensor]) -> set[str]:
+    """Copy every converted module's tensors into its layer; returns the tensor names consumed."""
+    absent = [m["name"] for m in modules if m["name"] not in layers]
+    if absent:
+        raise LayoutMismatch(f"the layout's module {_few(absent)} has no layer in vLLM's model (another architecture "
+                             "or vLLM naming); convert from the checkpoint this model was built from")
+    names = {m["name"] for m in modules}
+    stray = sorted(set(layers) - names)
+    if stray:
+        raise LayoutMismatch(f"vLLM gave mocli's method to {_few(stray)}, which the layout does not hold")
+    dtypes = {v: k for k, v in torch_dtypes().items()}
+    consumed = set()
+    for m in modules:
+        layer = layers[m["name"]].module
+        filled = set()
+        for role, tname in m["tensors"].items():
+            param = getattr(layer, role, None)
+            if not isinstance(param, torch.nn.Parameter):
+                raise LayoutMismatch(f"{m['name']}: the layout has {role} ({tname}) but vLLM's layer has no such "
+                                     "parameter (a bias the model does not expect?)")
+            t = tensors[tname]
+            if param.dtype != t.dtype or param.shape != t.shape:
+                raise LayoutMismatch(f"{tname}: the layout stores {dtypes.get(t.dtype, t.dtype)} {list(t.shape)}, "
+                                     f"vLLM's layer expects {dtypes.get(param.dtype, param.dtype)} "
+                                     f"{list(param.shape)}")
+            param.data.copy_(t)
+            filled.add(role)
+            consumed.add(tname)
+        unfilled = sorted(n for n, _ in layer.named_parameters(recurse=False) if n not in filled)
+        if unfilled:
+            raise LayoutMismatch(f"{m['name']}: vLLM's layer has {', '.join(unfilled)}, which the layout does not "
+                                 "hold (the source had no such tensor?)")
+    return consumed
+
+
+def _load_passthrough(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> set[str] | None:
+    """Feed each pass-through tensor to the model's own loader and require that it landed somewhere.
+    One call per tensor: AutoWeightsLoader drops some names silently (ignored suffixes), and the set it
+    returns is the only way to tell which. Returns the parameters loaded (vLLM's qualified names)."""
+    from vllm.model_executor.models.utils import _get_tied_embedding_params
+
+    tied = _get_tied_embedding_params(model)  # e.g. lm_head.weight when tied: vLLM loads the embedding once
+    dropped, params = [], set()
+    for name in sorted(tensors):
+        if name in tied:
+            continue
+        loaded = model.load_weights([(name, tensors[name])])
+        if loaded is None:  # this model does not report what it loaded: nothing to check against
+            return None
+        if not loaded:
+            dropped.append(name)
+        params |= loaded
+    if dropped:
+        raise LayoutMismatch(f"vLLM's model took no parameter for {_few(dropped)}; this directory does not match "
+                             "the architecture vLLM built from its config.json")
+    return params
+
+
+def _check_filled(model: torch.nn.Module, layers: dict[str, _Layer], loaded: set[str] | None) -> None:
+    """Every parameter holds checkpoint data: vLLM's strict check for unquantized models (default_loader
+    ``track_weights_loading``), with converted layers counted as filled by their copies."""
+    if loaded is None:
+        return
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+
+    filled, converted = set(loaded), {id(layer.module) for layer in layers.values()}
+    for qualname, module in model.named_modules():
+        exempt = isinstance(getattr(module, "quant_method", None), BaseKVCacheMethod)  # optional KV-cache scales
+        if exempt or id(module) in converted:
+            filled |= {f"{qualname}.{n}" if qualname else n for n, _ in module.named_parameters(recurse=False)}
+    missing = sorted({n for n, _ in model.named_parameters()} - filled)
+    if missing:
+        raise LayoutMismatch(f"vLLM's model has {_few(missing)}, which this directory does not hold (its source "
+                             "lacked them); vLLM would leave them uninitialized")
