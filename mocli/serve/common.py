@@ -124,6 +124,16 @@ def gemm_dtype(device: Device) -> torch.dtype:
     return torch.bfloat16 if device.cuda else torch.float32
 
 
+def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Emulation GEMM a @ w.T with a float32 result: the inputs are cast to ``w``'s dtype (values it holds
+    exactly), BF16 products accumulate in float32 and are not rounded back to BF16 (a rounded GEMM1 output
+    would move codes of the re-quantized intermediate)."""
+    a = a.to(w.dtype)
+    if w.dtype == torch.bfloat16:
+        return torch.mm(a, w.T, out_dtype=torch.float32)
+    return a @ w.T
+
+
 def row_order(layout: TargetLayout, rows: int, gated: bool, device: torch.device) -> torch.Tensor | None:
     """Stored row index of each logical row of one expert's w13 / w2 (None: stored in logical order).
     Decoding an index column with the layout's own inverse gives it, so a GEMM on the stored rows can

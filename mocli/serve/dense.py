@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from mocli.kinds import ModuleKind
-from mocli.serve.common import F8, F32, U8, Kernel, ServeError, gemm_dtype, roundup
+from mocli.serve.common import F8, F32, U8, Kernel, ServeError, gemm_dtype, mm, roundup
 from mocli.verify.quant import FP8, fp8_per_group_dequant, fp8_per_token, fp8_static, nvfp4_quant, unpack_e2m1
 
 FP8_ALIGN = 16  # cuBLASLt FP8 GEMMs: N and K multiples of 16 (targets.base SHARED_CONSTRAINTS)
@@ -28,9 +28,9 @@ class DenseKernel(Kernel):
         raise NotImplementedError
 
     def __init__(self, tensors, meta, layout, name: str = "") -> None:
-        super().__init__(tensors, meta, layout, name)
-        self.n, self.k = int(self.meta["n"]), int(self.meta["k"])
-        self._w: torch.Tensor | None = None  # emulation: decoded weights, built on first use
+        self.n, self.k = int(meta["n"]), int(meta["k"])  # before the path is chosen: it depends on them
+        self._w: torch.Tensor | None = None
+        super().__init__(tensors, meta, layout, name)  # emulation: decoded weights, built on first use
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N] in x.dtype (+ bias)."""
@@ -78,8 +78,7 @@ class Fp8Linear(DenseKernel):
         xq = fp8_static(x, a)
         if not self.emulated:
             return torch._scaled_mm(xq, self.t["weight"].t(), scale_a=a, scale_b=s, out_dtype=torch.bfloat16)
-        w = self.weights()
-        return (xq.to(w.dtype) @ w.T).float() * (a.float() * s.float())
+        return mm(xq, self.weights()) * (a.float() * s.float())
 
     def decode(self):
         return self.t["weight"].float()
@@ -106,8 +105,7 @@ class Fp8ChannelLinear(DenseKernel):
         if not self.emulated:
             return torch._scaled_mm(xq, self.t["weight"].t(), scale_a=xs, scale_b=ws.reshape(1, -1),
                                     out_dtype=torch.bfloat16)
-        w = self.weights()
-        return (xq.to(w.dtype) @ w.T).float() * xs * ws.reshape(1, -1)
+        return mm(xq, self.weights()) * xs * ws.reshape(1, -1)
 
     def decode(self):
         return self.t["weight"].float()
@@ -128,8 +126,7 @@ class Fp8BlockLinear(DenseKernel):
         return "emulated FP8 128x128 blocks (dequantized weights, float GEMM)", True
 
     def forward(self, x):
-        w = self.weights()
-        return (fp8_per_group_dequant(x).to(w.dtype) @ w.T).float()
+        return mm(fp8_per_group_dequant(x), self.weights())
 
     def decode(self):
         s = self.t["weight_scale"].float()
@@ -163,8 +160,7 @@ class Nvfp4Linear(DenseKernel):
         alpha = self.t["alpha"].float()
         if not self.emulated:  # pragma: no cover - sm_100+
             return self._mm_fp4(x)
-        w = self.weights()
-        return (nvfp4_quant(x, self.t["input_scale_inv"]).to(w.dtype) @ w.T).float() * alpha
+        return mm(nvfp4_quant(x, self.t["input_scale_inv"]), self.weights()) * alpha
 
     def decode(self):
         n, k = self.n, self.k

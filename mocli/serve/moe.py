@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mocli.kinds import ModuleKind
-from mocli.serve.common import F8, F32, U8, Kernel, ServeError, gemm_dtype, roundup, row_order
+from mocli.serve.common import F8, F32, U8, Kernel, ServeError, gemm_dtype, mm, roundup, row_order
 from mocli.targets.decode import unswizzle
 from mocli.verify.quant import FP8, FP8_MAX, nvfp4_quant, unpack_e2m1
 
@@ -38,13 +38,12 @@ class MoeKernel(Kernel):
         raise NotImplementedError
 
     def __init__(self, tensors, meta, layout, name: str = "") -> None:
-        super().__init__(tensors, meta, layout, name)
-        self.experts = int(self.meta["experts"])
-        self.inter = int(self.meta["intermediate"])
-        self.hidden = int(self.meta["hidden"])
-        self.offset = int(self.meta.get("expert_offset", 0))
+        # sizes first: the path chosen in Kernel.__init__ depends on them
+        self.experts, self.inter, self.hidden = int(meta["experts"]), int(meta["intermediate"]), int(meta["hidden"])
+        self.offset = int(meta.get("expert_offset", 0))
         self._w13: torch.Tensor | None = None  # emulation: decoded [E, 2I, H], logical rows
         self._w2: torch.Tensor | None = None  # emulation: decoded [E, H, I]
+        super().__init__(tensors, meta, layout, name)
 
     def local_ids(self, topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
         """Global expert ids -> this rank's slots (-1: another rank's expert), int64 [T, top_k]."""
@@ -123,10 +122,9 @@ class Fp8Moe(MoeKernel):
         return self._grouped(x, topk_weights, local)
 
     def expert(self, e, x, w13, w2):
-        xq = _fp8(x, self.t["w13_input_scale_inv"])
-        o1 = (xq.to(w13.dtype) @ w13.T).float() * self.t["g1_alphas"][e].float()
+        o1 = mm(_fp8(x, self.t["w13_input_scale_inv"]), w13) * self.t["g1_alphas"][e].float()
         hq = _fp8(self.act(o1), self.t["w2_input_scale_inv"])
-        return (hq.to(w2.dtype) @ w2.T).float() * self.t["g2_alphas"][e].float()
+        return mm(hq, w2) * self.t["g2_alphas"][e].float()
 
     def decode_w13(self, e):
         return self.layout.moe_rows_decode(self.t["w13_weight"][e].view(torch.uint8), gated=True).view(FP8).float()
@@ -198,10 +196,9 @@ class Nvfp4Moe(MoeKernel):
         return self._cutlass(x, topk_weights, local)  # pragma: no cover - sm_100+
 
     def expert(self, e, x, w13, w2):
-        xa = nvfp4_quant(x, self.t["a1_gscale"][e])
-        o1 = (xa.to(w13.dtype) @ w13.T).float() * self.t["g1_alphas"][e].float()
+        o1 = mm(nvfp4_quant(x, self.t["a1_gscale"][e]), w13) * self.t["g1_alphas"][e].float()
         ha = nvfp4_quant(self.act(o1), self.t["a2_gscale"][e])
-        return (ha.to(w2.dtype) @ w2.T).float() * self.t["g2_alphas"][e].float()
+        return mm(ha, w2) * self.t["g2_alphas"][e].float()
 
     def decode_w13(self, e):
         return self._decode("w13", e, 2 * self.inter, self.hidden, gated=True)
