@@ -190,6 +190,44 @@ def test_kernels_match_the_source_cuda(converted, case):
         assert "torch._scaled_mm" in seen and ("qwen" not in case[0] or "torch._scaled_grouped_mm" in seen), seen
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("label,module", [("llama-fp8", "model.layers.0.self_attn.qkv_proj"),
+                                          ("llama-fp8-channel", "model.layers.0.mlp.gate_up_proj"),
+                                          ("qwen3moe-fp8", "model.layers.0.mlp.experts")])
+@pytest.mark.parametrize("target", ["flashinfer-cutlass", "flashinfer-trtllm"])
+def test_fp8_cuda_paths_replay_in_a_cuda_graph(converted, label, module, target):
+    """The FP8 tensor-core paths synchronise nothing with the host, so an engine can capture them in a
+    CUDA graph: replaying on new inputs gives what a plain call gives."""
+    _, out = converted(label, target, 1, 1)
+    ck = open_converted(out)
+    k = serve.kernel_of(ck, module, "cuda")
+    assert not k.emulated, k.path
+    g = torch.Generator().manual_seed(0)
+    moe = isinstance(k, serve.MoeKernel)
+    width = k.hidden if moe else k.k
+
+    def inputs():
+        x = torch.randn(32, width, generator=g).bfloat16().cuda()
+        if not moe:
+            return (x,)
+        ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(32)]).int().cuda()
+        return x, torch.rand(32, 2, generator=g).cuda(), ids
+
+    static = inputs()
+    k(*static)  # first call: the kernel's constants are made here, outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = k(*static)
+    for _ in range(2):
+        new = inputs()
+        for s, n in zip(static, new, strict=True):
+            s.copy_(n)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, k(*new))
+
+
 def test_expert_map_selects_the_same_experts_as_the_offset(converted):
     """vLLM hands the kernels its global -> local expert map; the rank's offset must pick the same experts."""
     _, out = converted("qwen3moe-fp8", "flashinfer-cutlass", 2, 2)

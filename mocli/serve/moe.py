@@ -134,14 +134,15 @@ class Fp8Moe(MoeKernel):
 
     def _grouped(self, x, topk_weights, local):
         """Tokens sorted by expert, both GEMMs as one grouped FP8 GEMM each on the stored weights; a
-        target's row order (trtllm) is undone on the outputs' columns, not on the weights."""
+        target's row order (trtllm) is undone on the outputs' columns, not on the weights. No host
+        synchronisation (CUDA-graph safe): another rank's experts sort last, past the last group's end,
+        and their rows are masked out of the sum."""
         k = local.shape[1]
-        flat = local.reshape(-1)
-        keep = (flat >= 0).nonzero().reshape(-1)
-        order = keep[torch.argsort(flat[keep], stable=True)]
-        tok, slot = order // k, order % k
-        counts = torch.bincount(flat[order], minlength=self.experts)
-        offs = torch.cumsum(counts, 0).to(torch.int32)
+        ids = torch.where(local >= 0, local, self.experts).reshape(-1)
+        order = torch.argsort(ids, stable=True)
+        tok, slot, ids = order // k, order % k, ids[order]
+        bounds = torch.arange(1, self.experts + 1, device=ids.device, dtype=ids.dtype)
+        offs = torch.searchsorted(ids, bounds).to(torch.int32)  # rows of experts 0..e, cumulative
         g1, g2, rows13, rows2 = self._constants()
         a = _fp8(x, self.t["w13_input_scale_inv"])[tok]
         ones = torch.ones(a.shape[0], dtype=torch.float32, device=x.device)
@@ -154,8 +155,10 @@ class Fp8Moe(MoeKernel):
                                       out_dtype=torch.bfloat16).float()
         if rows2 is not None:
             o2 = o2[:, rows2]
+        # rows past the last group are never written by the GEMMs: where(), not a product, drops them
+        y = torch.where((ids < self.experts).unsqueeze(-1), o2 * topk_weights[tok, slot].float().unsqueeze(-1), 0.0)
         out = torch.zeros(x.shape[0], self.hidden, dtype=torch.float32, device=x.device)
-        return out.index_add_(0, tok, o2 * topk_weights[tok, slot].float().unsqueeze(-1))
+        return out.index_add_(0, tok, y)
 
     def _constants(self):
         """Per-expert output scales as [E, N] rows (what the grouped GEMM takes) and the row orders:

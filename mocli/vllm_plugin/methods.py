@@ -19,6 +19,32 @@ from mocli.vllm_plugin.checks import LayoutMismatch
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": shown in vLLM's log
 _announced: set[tuple[str, str]] = set()
 
+# The kernels run behind two opaque custom ops: torch.compile (vLLM's default on CPU and CUDA) must not
+# trace into them (the emulated MoE groups tokens by expert with data-dependent shapes, and the caches
+# are filled on first use). A kernel is found by its method's key, as vLLM finds layers by name.
+_KERNELS: dict[str, serve.Kernel] = {}
+
+
+@torch.library.custom_op("mocli::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, key: str, bias: torch.Tensor | None) -> torch.Tensor:
+    return _KERNELS[key](x, bias)
+
+
+@_linear_op.register_fake
+def _(x: torch.Tensor, key: str, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], _KERNELS[key].n))
+
+
+@torch.library.custom_op("mocli::moe", mutates_args=())
+def _moe_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, key: str,
+            expert_map: torch.Tensor | None) -> torch.Tensor:
+    return _KERNELS[key](x, topk_weights, topk_ids, expert_map)
+
+
+@_moe_op.register_fake
+def _(x, topk_weights, topk_ids, key, expert_map) -> torch.Tensor:
+    return x.new_empty((x.shape[0], _KERNELS[key].hidden))
+
 
 def _announce(kernel: serve.Kernel, device: torch.device) -> None:
     """One log line per kind and path, so the log says where emulation runs."""
@@ -68,10 +94,15 @@ class _LayoutParams:
             layer.register_parameter(role, p)
         layer.mocli_module = self.name
 
+    @property
+    def key(self) -> str:
+        return f"{self.name}@{id(self)}"  # unique per engine, should two share a process
+
     def build(self, layer: torch.nn.Module) -> None:
         """The serving kernel over the loaded parameters: references only, nothing computed."""
         tensors = {role: getattr(layer, role) for role in self.roles()}
         self.kernel = serve.kernel(self.entry["kind"], tensors, self.entry["meta"], self.config.target, self.name)
+        _KERNELS[self.key] = self.kernel
         _announce(self.kernel, next(iter(tensors.values())).device)
 
 
@@ -96,7 +127,7 @@ class MocliLinearMethod(LinearMethodBase):
         self.params.build(layer)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.params.kernel(x, bias)
+        return _linear_op(x, self.params.key, bias)
 
 
 class MocliMoEMethod(FusedMoEMethodBase):
@@ -147,7 +178,7 @@ class MocliMoEMethod(FusedMoEMethodBase):
                                  f"holds {off}..{off + e - 1}; serve with the default (linear) expert placement")
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
-        return self.params.kernel(x, topk_weights, topk_ids, layer.expert_map)
+        return _moe_op(x, topk_weights, topk_ids, self.params.key, layer.expert_map)
 
 
 def _held(emap: torch.Tensor) -> str:
