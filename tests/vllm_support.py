@@ -68,14 +68,15 @@ def engine_env(**extra: str):
                 os.environ[k] = v
 
 
-def run_engine(model: Path, tp: int = 1, ep: bool = False, kv_cache_dtype: str = "bfloat16", **kw) -> Run:
+def run_engine(model: Path, tp: int = 1, ep: bool = False, kv_cache_dtype: str = "bfloat16", eager: bool = True,
+               **kw) -> Run:
     """One vLLM engine (in-process at tp = 1, spawned workers at tp > 1), prompt logprobs over PROMPT and
-    greedy generation from GEN_PROMPTS, then torn down."""
+    greedy generation from GEN_PROMPTS, then torn down. ``eager=False``: vLLM's default torch.compile."""
     with engine_env():
         from vllm import LLM, SamplingParams
 
         t0 = time.perf_counter()
-        llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+        llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=eager,
                   max_model_len=MAX_LEN, kv_cache_memory_bytes=1 << 27, max_logprobs=-1, seed=0,
                   tensor_parallel_size=tp, enable_expert_parallel=ep, kv_cache_dtype=kv_cache_dtype, **kw)
         start = time.perf_counter() - t0
