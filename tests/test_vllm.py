@@ -303,26 +303,41 @@ def _rewrite_shard(out: Path, fn) -> None:
     save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
+def _set_config(out: Path, key: str, value) -> None:
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"][key] = value
+    (out / "config.json").write_text(json.dumps(cfg))
+
+
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"
+
+
 @pytest.mark.parametrize("damage,expect", [
-    ("missing", "is in the manifest but in no shard"),
-    ("shape", "is F8_E4M3 [128, 256] in its shard, F8_E4M3 [256, 256] in the manifest"),
-])
+    ("missing-tensor", f"{O_PROJ} is in the manifest but in no shard"),
+    ("wrong-shape", f"{O_PROJ} is F8_E4M3 [128, 256] in its shard, F8_E4M3 [256, 256] in the manifest"),
+    ("unknown-layout-version", "mocli: layout_version 99 is not one this mocli reads"),
+    ("unknown-target", "mocli: target 'tensorrt-llm' is not one this mocli knows"),
+], ids=["missing-tensor", "wrong-shape", "unknown-layout-version", "unknown-target"])
 def test_damaged_output_is_one_clear_error(models, tmp_path, damage, expect):
-    """A tensor missing from the shards, or stored with another shape than the manifest's, stops the
-    load with one message naming the tensor (never a silent partial load)."""
+    """A tensor missing from the shards or stored with another shape than the manifest's, a layout
+    version or target this mocli does not know: the load stops with one line naming it (config errors
+    arrive inside vLLM's own "validation error for VllmConfig" frame), never a partial load."""
     import torch
 
     out = copy_tree(models.converted("real-llama-fp8"), tmp_path / "out")
-    name = "model.layers.0.self_attn.o_proj.weight"
-    if damage == "missing":
-        _rewrite_shard(out, lambda t: t.pop(name))
+    if damage == "missing-tensor":
+        _rewrite_shard(out, lambda t: t.pop(O_PROJ))
         index = json.loads((out / "model.safetensors.index.json").read_text())
-        del index["weight_map"][name]
+        del index["weight_map"][O_PROJ]
         (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    elif damage == "wrong-shape":
+        _rewrite_shard(out, lambda t: t.__setitem__(O_PROJ, torch.zeros(128, 256, dtype=torch.float8_e4m3fn)))
+    elif damage == "unknown-layout-version":
+        _set_config(out, "layout_version", 99)
     else:
-        _rewrite_shard(out, lambda t: t.__setitem__(name, torch.zeros(128, 256, dtype=torch.float8_e4m3fn)))
+        _set_config(out, "target", "tensorrt-llm")
     msg = _engine_error(out, kv_cache_dtype="bfloat16")
-    assert "mocli:" in msg and name in msg and expect in msg, msg
+    assert expect in msg, msg
 
 
 # --- KV-cache scales ---------------------------------------------------------------------------------
