@@ -13,18 +13,20 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 
 from mocli.errors import MocliError
-from mocli.formats.layout import QUANT_METHOD, rank_view, read_manifest
+from mocli.formats.layout import MANIFEST_NAME, QUANT_METHOD, rank_view, read_manifest
 from mocli.kinds import KINDS, ModuleKind
 from mocli.vllm_plugin.checks import LayoutMismatch, read_quantization_config
 
 
-def model_dir(model: str, revision: str | None = None, download_dir: str | None = None) -> Path:
-    """A local directory as given; a Hub repo id through the Hugging Face cache (HF_HUB_OFFLINE honoured)."""
+def model_dir(model: str, revision: str | None = None, download_dir: str | None = None,
+              only: list[str] | None = None) -> Path:
+    """A local directory as given; a Hub repo id through the Hugging Face cache (HF_HUB_OFFLINE honoured),
+    ``only`` these files when given."""
     if Path(model).is_dir():
         return Path(model)
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(model, revision=revision, cache_dir=download_dir))
+    return Path(snapshot_download(model, revision=revision, cache_dir=download_dir, allow_patterns=only))
 
 
 class MocliConfig(QuantizationConfig):
@@ -63,7 +65,7 @@ class MocliConfig(QuantizationConfig):
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
         """Read the layout manifest beside config.json and check that both describe the same layout."""
-        directory = model_dir(model_name, revision)
+        directory = model_dir(model_name, revision, only=["config.json", MANIFEST_NAME])
         try:
             manifest = read_manifest(directory)
         except MocliError as e:

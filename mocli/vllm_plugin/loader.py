@@ -38,22 +38,32 @@ class MocliModelLoader(BaseModelLoader):
 
     def load_weights(self, model: torch.nn.Module, model_config) -> None:
         config = _mocli_config(model)
+        directory = model_dir(model_config.model, model_config.revision, self.load_config.download_dir)
         rank = config.rank()
         layers = _converted_layers(model)
-        device = next(iter(layers.values())).weight_device if layers else next(model.parameters()).device
+        modules, _ = config.rank_modules()
+        targets = _copy_targets(modules, layers)  # every check that needs no bytes, before reading any
         try:
-            entries = rank_entries(config.model_dir, config.manifest, rank)
+            entries = rank_entries(directory, config.manifest, rank)
         except MocliError as e:
             raise LayoutMismatch(e.message + (f" ({e.hint})" if e.hint else "")) from None
         _check_index(config, entries, rank)
-        tensors = load_tensors(list(entries.values()), device)
-        modules, _ = config.rank_modules()
-        copied = _copy_modules(modules, layers, tensors)
-        rest = {n: t for n, t in tensors.items() if n not in copied}
-        loaded = _load_passthrough(model, rest)
-        _check_filled(model, layers, loaded)
+        device = next(iter(layers.values())).weight_device if layers else next(model.parameters()).device
+        feed = _Passthrough(model)
+        by_file: dict[Any, list] = {}
+        for e in entries.values():
+            by_file.setdefault(e.file, []).append(e)
+        # one shard at a time: the bytes in flight are one shard's, not the rank's
+        for file in sorted(by_file):
+            for name, t in load_tensors(by_file[file], device).items():
+                if name in targets:
+                    _copy(name, t, targets[name])
+                else:
+                    feed(name, t)
+        feed.check()
+        _check_filled(model, layers, feed.params)
         logger.info("mocli: rank %s loaded %d converted and %d pass-through tensors from %s", rank or 0,
-                    len(copied), len(rest), config.model_dir)
+                    len(targets), feed.count, directory)
 
 
 class _Layer:
@@ -103,63 +113,72 @@ def _check_index(config: MocliConfig, entries: dict[str, Any], rank: int | None)
                                  f"{want['dtype']} {want['shape']} in the manifest; convert again")
 
 
-def _copy_modules(modules: list[dict[str, Any]], layers: dict[str, _Layer],
-                  tensors: dict[str, torch.Tensor]) -> set[str]:
-    """Copy every converted module's tensors into its layer; returns the tensor names consumed."""
+def _copy_targets(modules: list[dict[str, Any]], layers: dict[str, _Layer]) -> dict[str, torch.nn.Parameter]:
+    """tensor name -> the parameter it is copied into, for every converted module of the rank; both sides
+    complete (every module has its layer, every layer its module, every parameter of those layers a
+    tensor)."""
     absent = [m["name"] for m in modules if m["name"] not in layers]
     if absent:
         raise LayoutMismatch(f"the layout's module {_few(absent)} has no layer in vLLM's model (another architecture "
                              "or vLLM naming); convert from the checkpoint this model was built from")
-    names = {m["name"] for m in modules}
-    stray = sorted(set(layers) - names)
+    stray = sorted(set(layers) - {m["name"] for m in modules})
     if stray:
         raise LayoutMismatch(f"vLLM gave mocli's method to {_few(stray)}, which the layout does not hold")
-    dtypes = {v: k for k, v in torch_dtypes().items()}
-    consumed = set()
+    targets = {}
     for m in modules:
         layer = layers[m["name"]].module
-        filled = set()
         for role, tname in m["tensors"].items():
             param = getattr(layer, role, None)
             if not isinstance(param, torch.nn.Parameter):
                 raise LayoutMismatch(f"{m['name']}: the layout has {role} ({tname}) but vLLM's layer has no such "
                                      "parameter (a bias the model does not expect?)")
-            t = tensors[tname]
-            if param.dtype != t.dtype or param.shape != t.shape:
-                raise LayoutMismatch(f"{tname}: the layout stores {dtypes.get(t.dtype, t.dtype)} {list(t.shape)}, "
-                                     f"vLLM's layer expects {dtypes.get(param.dtype, param.dtype)} "
-                                     f"{list(param.shape)}")
-            param.data.copy_(t)
-            filled.add(role)
-            consumed.add(tname)
-        unfilled = sorted(n for n, _ in layer.named_parameters(recurse=False) if n not in filled)
+            targets[tname] = param
+        unfilled = sorted(n for n, _ in layer.named_parameters(recurse=False) if n not in m["tensors"])
         if unfilled:
             raise LayoutMismatch(f"{m['name']}: vLLM's layer has {', '.join(unfilled)}, which the layout does not "
                                  "hold (the source had no such tensor?)")
-    return consumed
+    return targets
 
 
-def _load_passthrough(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> set[str] | None:
-    """Feed each pass-through tensor to the model's own loader and require that it landed somewhere.
+def _copy(name: str, t: torch.Tensor, param: torch.nn.Parameter) -> None:
+    """Byte for byte into the parameter of the same name, or one error naming both sides."""
+    if param.dtype != t.dtype or param.shape != t.shape:
+        names = {v: k for k, v in torch_dtypes().items()}
+        raise LayoutMismatch(f"{name}: the layout stores {names.get(t.dtype, t.dtype)} {list(t.shape)}, vLLM's layer "
+                             f"expects {names.get(param.dtype, param.dtype)} {list(param.shape)}")
+    param.data.copy_(t)
+
+
+class _Passthrough:
+    """Feeds each pass-through tensor to the model's own loader and requires that it landed somewhere.
     One call per tensor: AutoWeightsLoader drops some names silently (ignored suffixes), and the set it
-    returns is the only way to tell which. Returns the parameters loaded (vLLM's qualified names)."""
-    from vllm.model_executor.models.utils import _get_tied_embedding_params
+    returns is the only way to tell which."""
 
-    tied = _get_tied_embedding_params(model)  # e.g. lm_head.weight when tied: vLLM loads the embedding once
-    dropped, params = [], set()
-    for name in sorted(tensors):
-        if name in tied:
-            continue
-        loaded = model.load_weights([(name, tensors[name])])
-        if loaded is None:  # this model does not report what it loaded: nothing to check against
-            return None
-        if not loaded:
-            dropped.append(name)
-        params |= loaded
-    if dropped:
-        raise LayoutMismatch(f"vLLM's model took no parameter for {_few(dropped)}; this directory does not match "
-                             "the architecture vLLM built from its config.json")
-    return params
+    def __init__(self, model: torch.nn.Module) -> None:
+        from vllm.model_executor.models.utils import _get_tied_embedding_params
+
+        self.model = model
+        self.tied = _get_tied_embedding_params(model)  # e.g. lm_head.weight when tied: vLLM loads the embedding once
+        self.params: set[str] | None = set()  # vLLM's qualified names loaded (None: the model does not say)
+        self.dropped: list[str] = []
+        self.count = 0
+
+    def __call__(self, name: str, t: torch.Tensor) -> None:
+        self.count += 1
+        if name in self.tied:
+            return
+        loaded = self.model.load_weights([(name, t)])
+        if loaded is None or self.params is None:
+            self.params = None
+        elif loaded:
+            self.params |= loaded
+        else:
+            self.dropped.append(name)
+
+    def check(self) -> None:
+        if self.dropped:
+            raise LayoutMismatch(f"vLLM's model took no parameter for {_few(sorted(self.dropped))}; this directory "
+                                 "does not match the architecture vLLM built from its config.json")
 
 
 def _check_filled(model: torch.nn.Module, layers: dict[str, _Layer], loaded: set[str] | None) -> None:
