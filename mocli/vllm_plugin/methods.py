@@ -51,8 +51,8 @@ def _announce(kernel: serve.Kernel, device: torch.device) -> None:
     key = (str(kernel.kind), kernel.path)
     if key not in _announced:
         _announced.add(key)
-        how = ("EMULATED: the layout decoded by mocli on first use, cached, GEMMs in BF16/FP32" if kernel.emulated
-               else "real kernel")
+        how = ("emulated: mocli decodes the layout on first use and caches it; BF16/FP32 GEMMs" if kernel.emulated
+               else "tensor-core kernel")
         logger.info("mocli: %s modules run %s on %s (%s)", kernel.kind, kernel.path, device, how)
 
 
@@ -92,7 +92,6 @@ class _LayoutParams:
             p.weight_loader = _refuse_loader
             p.mocli_name = tname
             layer.register_parameter(role, p)
-        layer.mocli_module = self.name
 
     @property
     def key(self) -> str:
