@@ -3,6 +3,7 @@ dtypes and shapes; no math after loading; ``apply`` runs ``mocli.serve``."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -21,8 +22,9 @@ _announced: set[tuple[str, str]] = set()
 
 # The kernels run behind two opaque custom ops: torch.compile (vLLM's default on CPU and CUDA) must not
 # trace into them (the emulated MoE groups tokens by expert with data-dependent shapes, and the caches
-# are filled on first use). A kernel is found by its method's key, as vLLM finds layers by name.
-_KERNELS: dict[str, serve.Kernel] = {}
+# are filled on first use). A kernel is found by its method's key, as vLLM finds layers by name; the
+# layer's method holds it, so it goes (caches included) when the model goes.
+_KERNELS: weakref.WeakValueDictionary[str, serve.Kernel] = weakref.WeakValueDictionary()
 
 
 @torch.library.custom_op("mocli::linear", mutates_args=())
