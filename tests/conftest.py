@@ -65,12 +65,17 @@ def run_killed(args: list[str], after: int) -> subprocess.CompletedProcess:
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    import importlib.util
+
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["gpu"] = pytest.mark.skip(reason="needs a CUDA device")
+    if importlib.util.find_spec("vllm") is None:
+        skips["vllm"] = pytest.mark.skip(reason="needs vLLM's CPU build (make install-vllm; make test-vllm)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @dataclass
