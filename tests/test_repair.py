@@ -323,3 +323,13 @@ def test_verify_catches_faults_in_a_repair_output(cli, tmp_path, kind):
     assert r.exit_code == 1
     bad = [m["module"] for m in r.json["modules"] if not m["passed"]] + [p["tensor"] for p in r.json["passthrough"]["problems"]]
     assert bad, r.json
+
+
+def test_repairing_a_repaired_checkpoint_records_its_own_provenance(cli, tmp_path):
+    src, _ = make_broken("SCL005", tmp_path / "src")
+    repaired(cli, src, tmp_path / "once")
+    repaired(cli, tmp_path / "once", tmp_path / "twice")
+    cj = json.loads((tmp_path / "twice" / "config.json").read_text())["quantization_config"]["mocli_repair"]
+    hq = json.loads((tmp_path / "twice" / "hf_quant_config.json").read_text())["mocli_repair"]
+    assert cj == hq and cj["source"] == {"path": str((tmp_path / "once").resolve())}
+    assert cli("verify", tmp_path / "twice").exit_code == 0

@@ -80,7 +80,7 @@ def copy_configs(src: Path, dest: Path, provenance: dict[str, Any], key: str = "
         if isinstance(cfg, dict):
             if edit is not None:
                 edit(CONFIG_JSON, cfg)
-            if isinstance(cfg.get("quantization_config"), dict) and key not in cfg["quantization_config"]:
+            if isinstance(cfg.get("quantization_config"), dict):  # this run's, also over an earlier run's
                 cfg["quantization_config"][key] = provenance
         write_json(dest / CONFIG_JSON, cfg)
     skip = {INDEX_NAME, HF_QUANT_CONFIG, CONFIG_JSON}
