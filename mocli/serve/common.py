@@ -59,10 +59,6 @@ def _flashinfer_importable() -> bool:
 F32, F8, U8 = torch.float32, torch.float8_e4m3fn, torch.uint8
 
 
-def roundup(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
 Spec = dict[str, tuple[torch.dtype | None, tuple[int, ...]]]  # role -> (dtype or None: any, shape) on one rank
 
 

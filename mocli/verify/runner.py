@@ -63,8 +63,8 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
     rt = runtime(opts, layout_of(manifest["target"]))
     intact = [r for r in ranks if r not in inv.broken_ranks]
     cks = {r: open_converted(out, rank=r if manifest.get("ranks") else None) for r in intact}
-    names = sorted({m["name"] for ck in cks.values() for m in ck._module_info.values()},
-                   key=lambda n: [int(t) if t.isdigit() else t for t in n.replace(".", " . ").split()])
+    # every module any checked rank holds, in the manifest's order (one missing on a rank is completeness's)
+    names = list(dict.fromkeys(n for ck in cks.values() for n in ck._module_info))
     names = [n for n in names if opts.layers is None or fnmatchcase(n, opts.layers)]
     if not names and opts.layers is not None:
         raise InputError(f"--layers {opts.layers!r} matches no converted module",
