@@ -51,7 +51,7 @@ def gated_reorder(x: torch.Tensor) -> torch.Tensor:
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """U8 [.., K/2] -> float32 [.., K], low nibble first; bit 3 sign."""
-    table = torch.tensor(E2M1 + [-v for v in E2M1])
+    table = torch.tensor(E2M1 + [-v for v in E2M1], device=packed.device)
     lo, hi = (packed & 15).long(), (packed >> 4).long()
     return torch.stack([table[lo], table[hi]], -1).flatten(-2)
 

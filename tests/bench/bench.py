@@ -172,13 +172,17 @@ def bench_convert(scratch: Path, rounds: int, device: str, results: list, algos:
 
 
 def bench_load(out: Path, rounds: int, results: list) -> None:
-    """load_converted(..., device="cuda") against plain safetensors loading the same files onto the GPU."""
+    """The vLLM plugin's byte path (parameters first, then each shard read onto the GPU and copied in) and
+    load_converted(..., device="cuda"), each against plain safetensors loading the same files onto the GPU."""
     one = [sys.executable, str(Path(__file__).with_name("load_one.py"))]
-    a, b = [], []
+    a, b, c = [], [], []
     for _ in range(rounds):
         b.append(timed([*one, "safetensors", str(out), "--device", "cuda"]))
-        a.append(timed([*one, "mocli", str(out), "--device", "cuda"]))
-    results.append(line(f"load {size_gib(out):.2f} GiB converted output onto cuda, whole process", a, b, 1.0,
+        a.append(timed([*one, "plugin", str(out), "--device", "cuda"]))
+        c.append(timed([*one, "mocli", str(out), "--device", "cuda"]))
+    results.append(line(f"load {size_gib(out):.2f} GiB converted output onto cuda through the plugin's path, "
+                        "whole process", a, b, 1.0, "plugin path", "safetensors.load_file"))
+    results.append(line(f"load {size_gib(out):.2f} GiB converted output onto cuda, whole process", c, b, 1.0,
                         "load_converted", "safetensors.load_file"))
 
 

@@ -1,6 +1,7 @@
 """One whole-process load onto a device, for the load benchmark (bench.py runs each mode in its own process).
 
     python tests/bench/load_one.py mocli OUT [--device cuda]    # mocli.loader.load_converted: the whole rank
+    python tests/bench/load_one.py plugin OUT [--device cuda]   # the vLLM plugin's byte path, without vLLM
     python tests/bench/load_one.py safetensors OUT [--device cuda]  # safetensors.torch.load_file, every shard
 """
 
@@ -14,7 +15,7 @@ import torch
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["mocli", "safetensors"])
+    ap.add_argument("mode", choices=["mocli", "plugin", "safetensors"])
     ap.add_argument("path", type=Path)
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args()
@@ -26,6 +27,26 @@ def main() -> None:
         for mod in ck.modules.values():
             nbytes += sum(v.nbytes for v in vars(mod).values() if isinstance(v, torch.Tensor))
         nbytes += sum(t.nbytes for t in ck.passthrough.values())
+    elif a.mode == "plugin":
+        # what mocli.vllm_plugin.loader.MocliModelLoader does with the bytes (vLLM is not needed for that,
+        # and the GPU machine has none): the parameters exist first (vLLM builds the model, then loads),
+        # the rank's entries come from rank_entries, each shard is read onto the device with load_tensors
+        # and copied into its parameter. What this leaves out is vLLM's own model building and its
+        # load_weights for the BF16 pass-through tensors, which any checkpoint pays.
+        from mocli.formats.layout import read_manifest, rank_entries
+        from mocli.io.safetensors_file import torch_dtypes
+        from mocli.loader import load_tensors
+
+        entries = rank_entries(a.path, read_manifest(a.path), None)
+        dtypes = torch_dtypes()
+        params = {n: torch.empty(e.shape, dtype=dtypes[e.dtype], device=a.device) for n, e in entries.items()}
+        by_file: dict = {}
+        for e in entries.values():
+            by_file.setdefault(e.file, []).append(e)
+        for file in sorted(by_file):
+            for name, t in load_tensors(by_file[file], a.device).items():
+                params[name].copy_(t)
+                nbytes += t.nbytes
     else:
         from safetensors.torch import load_file
 
