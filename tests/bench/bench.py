@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# mocli from this checkout first, then whatever the caller had on the path (wheels installed elsewhere)
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 SHARED = Path(os.environ.get("MOCLI_SHARED", ROOT.parent / "shared")) / "bench"
 GIB = 1 << 30
 
@@ -39,7 +41,7 @@ def timed(cmd: list[str], env: dict | None = None) -> Run:
     """Whole-process wall, CPU and peak RSS of one command (the child's rusage, from wait4)."""
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                         env={**os.environ, "PYTHONPATH": PYTHONPATH, **(env or {})})
     err = p.stderr.read()
     _, status, ru = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
@@ -190,7 +192,7 @@ def bench_headers(scratch: Path, rounds: int, results: list) -> None:
     src = make("headers", scratch / "headers", "--layers", "61", "--experts", "128")
     warm(src)
     n = json.loads(subprocess.run(mocli("--json", "inspect", str(src)), capture_output=True, text=True,
-                                  env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout)["num_tensors"]
+                                  env={**os.environ, "PYTHONPATH": PYTHONPATH}).stdout)["num_tensors"]
     results.append(line(f"inspect, {n} tensors", [timed(mocli("inspect", str(src))) for _ in range(rounds)], None, 1.0))
     results.append(line(f"validate, {n} tensors", [timed(mocli("validate", str(src))) for _ in range(rounds)], None, 1.5))
     # header-only commands must not import torch
@@ -198,7 +200,7 @@ def bench_headers(scratch: Path, rounds: int, results: list) -> None:
              "try:\n    runpy.run_module('mocli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
              "print('torch' in sys.modules)")
     imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.strip().splitlines()[-1]
+                              env={**os.environ, "PYTHONPATH": PYTHONPATH}).stdout.strip().splitlines()[-1]
     print(f"validate imports torch: {imported} | goal False | {'meets' if imported == 'False' else 'MISSES'}")
     results.append({"what": "validate imports torch", "meets": imported == "False"})
 

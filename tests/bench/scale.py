@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# mocli from this checkout first, then whatever the caller had on the path (wheels installed elsewhere)
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 sys.path.insert(0, str(ROOT))
 
 from tests.bench.bench import GIB, SHARED, fresh, timed, tree_digest, warm  # noqa: E402
@@ -165,7 +167,7 @@ def anon_file_peaks(cmd: list[str]) -> tuple[float, int, int]:
     the file pages a process maps (verify views the source and the output through maps; they are page
     cache, not memory it holds), so the two are told apart here."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": PYTHONPATH})
     anon = file = 0
     while p.poll() is None:
         try:
