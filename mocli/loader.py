@@ -199,6 +199,9 @@ class ConvertedCheckpoint:
         cls = CLASSES[ModuleKind(m["kind"])]
         names = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {"name": name}
+        if tensors is None and torch.device(device).type == "cuda":
+            # one span per file through pinned staging, not one pageable copy per tensor
+            tensors = load_tensors([self._entries[t] for t in m["tensors"].values() if t in self._entries], device)
         for role, tname in m["tensors"].items():
             if role in names:
                 if tname not in self._entries:
@@ -254,13 +257,15 @@ def load_converted(path: str | Path, device: str | torch.device = "cpu", modules
 STAGE = 64 << 20  # bytes per pinned staging buffer
 
 
-def load_tensors(entries: list[TensorEntry], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def load_tensors(entries: list[TensorEntry], device: str | torch.device = "cpu",
+                 follow: bool = False) -> dict[str, torch.Tensor]:
     """Tensors for ``entries``, reading each file's needed span once.
 
     CPU: one buffer per file, tensors are views. CUDA: the file span goes through a ring of pinned
     staging buffers (filled by reader threads, pread drops the GIL) into one device allocation with
     asynchronous copies; tensors are views of it. Views whose offset does not suit their dtype's
-    alignment are copied.
+    alignment (CUDA: 16 bytes, what tensor-core kernels need) are copied. ``follow``: whether the files may be symbolic links (a source in a Hugging
+    Face cache; mocli's own outputs never).
     """
     device = torch.device(device)
     by_file: dict[Path, list[TensorEntry]] = {}
@@ -271,25 +276,28 @@ def load_tensors(entries: list[TensorEntry], device: str | torch.device = "cpu")
         start = min(e.start for e in es)
         end = max(e.start + e.nbytes for e in es)
         if device.type == "cuda":
-            buf = _read_to_device(path, start, end - start, device)
+            buf = _read_to_device(path, start, end - start, device, follow)
         else:
             buf = torch.empty(end - start, dtype=torch.uint8)
-            _pread_into(path, start, tensor_bytes_view(buf))
+            _pread_into(path, start, tensor_bytes_view(buf), follow)
         dtypes = torch_dtypes()
+        # safetensors pads its header to 8 bytes only, so tensors may start 8 bytes off a 16-byte boundary:
+        # CUDA kernels (torch._scaled_mm, CUTLASS) need 16-byte aligned operands, the CPU its dtype's size
+        align = (lambda dt: 16) if device.type == "cuda" else (lambda dt: dt.itemsize)
         for e in es:
             raw = buf[e.start - start: e.start - start + e.nbytes]
             dt = dtypes[e.dtype]
             if e.nbytes == 0:
                 out[e.name] = torch.empty(e.shape, dtype=dt, device=device)
                 continue
-            if (e.start - start) % dt.itemsize:
+            if (e.start - start) % align(dt):
                 raw = raw.clone()
             out[e.name] = raw.view(dt).view(e.shape)
     return out
 
 
-def _pread_into(path: Path, offset: int, view: memoryview) -> None:
-    fd = open_regular(path, follow=False)
+def _pread_into(path: Path, offset: int, view: memoryview, follow: bool = False) -> None:
+    fd = open_regular(path, follow)
     try:
         done = 0
         while done < len(view):
@@ -301,7 +309,7 @@ def _pread_into(path: Path, offset: int, view: memoryview) -> None:
         os.close(fd)
 
 
-def _read_to_device(path: Path, offset: int, nbytes: int, device: torch.device) -> torch.Tensor:
+def _read_to_device(path: Path, offset: int, nbytes: int, device: torch.device, follow: bool = False) -> torch.Tensor:
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     if nbytes == 0:
         return dst
@@ -326,7 +334,7 @@ def _read_to_device(path: Path, offset: int, nbytes: int, device: torch.device) 
                     return
                 s = free.get()
                 a, n = chunks[j]
-                _pread_into(path, offset + a, tensor_bytes_view(stages[s])[:n])
+                _pread_into(path, offset + a, tensor_bytes_view(stages[s])[:n], follow)
                 with cond:
                     ready[j] = s
                     cond.notify_all()

@@ -6,6 +6,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mocli import trace
+
+
+def _traced(phase: Callable[[str], None]) -> Callable[[str], None]:
+    def both(label: str) -> None:
+        trace.mark(label)
+        phase(label)
+
+    return both
+
 
 @dataclass
 class Progress:
@@ -15,6 +25,10 @@ class Progress:
     advance: Callable[..., None] = lambda nbytes, units=1, name="": None  # name: the unit just finished
     phase: Callable[[str], None] = lambda label: None
 
+    def __post_init__(self) -> None:
+        if trace.ON:
+            self.phase = _traced(self.phase)
+
 
 @dataclass
 class ModuleProgress:
@@ -23,3 +37,7 @@ class ModuleProgress:
     start: Callable[[int], None] = lambda total: None
     advance: Callable[[], None] = lambda: None
     phase: Callable[[str], None] = lambda label: None
+
+    def __post_init__(self) -> None:
+        if trace.ON:
+            self.phase = _traced(self.phase)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "mocli"
 
 # Lower layers first; a module may import its own layer and those below (README "Code layout").
 LAYERS: list[list[str]] = [
-    ["mocli", "mocli.errors", "mocli.progress", "mocli.findings", "mocli.tables", "mocli.io", "mocli.io.*",
+    ["mocli", "mocli.errors", "mocli.progress", "mocli.trace", "mocli.findings", "mocli.tables", "mocli.io", "mocli.io.*",
      "mocli.ops", "mocli.ops.*", "mocli.parallel", "mocli.engine.dist", "mocli.targets.decode",
      "mocli.verify.quant", "mocli.verify.expect", "mocli.verify.html", "mocli.verify.junit"],
     ["mocli.formats", "mocli.devices"],

@@ -369,7 +369,7 @@ def test_kernels_match_the_source_on_a_multi_gb_moe_cuda(tmp_path_factory, algo)
     layers = 6 if algo == "nvfp4" else 4
     subprocess.run([sys.executable, str(MAKE_BIG), f"moe-{algo}", str(root / "src"), "--layers", str(layers)],
                    check=True, capture_output=True)
-    edge = (f"model.layers.0.", f"model.layers.{layers - 1}.")
+    edge = ("model.layers.0.", f"model.layers.{layers - 1}.")
     for target in ("flashinfer-cutlass", "flashinfer-trtllm"):
         out = root / target
         r = run_cli("-q", "convert", root / "src", "-o", out, "--target", target, "--device", "cuda")

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mocli import trace
 from mocli.engine.dist import Dist
 from mocli.engine.hashing import OrderedHasher
 from mocli.engine.journal import (
@@ -296,7 +297,9 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
         if done:
             job.progress.advance(sum(u.input_bytes for u in plan.units if u.id in done), len(plan.units) - len(mine))
     written: dict[Key, int] = {}
+    trace.mark(f"streaming {len(mine)} units")
     error = _stream(job, partial, mine, ShardWriter([(p, f) for _, p, f in files], keys), pool, hasher, written, rel)
+    trace.mark("units written")
     error = _agree(dist, error)
     if error is not None:
         if hasher is not None:
@@ -315,8 +318,10 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
         digests |= {rel[i]: {DIGEST: file_digest(files[i][1], follow=False)} for i in sorted(resumed)}
     else:
         digests = _hash_shared(dist, {rel[i]: path for i, (_, path, _) in enumerate(files)})
+    trace.mark("output digests taken")
     if dist.rank == 0:
         _publish(job, partial, digests)
+        trace.mark("published")
     dist.barrier()
     return JobResult(len(plan.units) - len(todo_all), len(plan.units), digests, sum(f.size for _, _, f in files))
 

@@ -156,13 +156,38 @@ class Source:
     def __init__(self, ckpt, census: Census, reader, device: torch.device) -> None:
         self.ckpt, self.census, self.reader, self.device = ckpt, census, reader, device
         self.layers = {layer.name: layer for layer in census.moe}
+        self.fetched: dict[str, torch.Tensor] = {}  # on the verify device, by prefetch()
 
     def t(self, name: str, device: torch.device | None = None) -> torch.Tensor:
-        return self.reader.view(self.ckpt.tensors[name]).to(device or self.device)
+        return self.near(name).to(device or self.device)
 
     def cpu(self, name: str) -> torch.Tensor:
         """A copy-free view of the source tensor's bytes (page cache)."""
         return self.reader.view(self.ckpt.tensors[name])
+
+    def near(self, name: str) -> torch.Tensor:
+        """The tensor on the verify device if prefetch() put it there, else the page-cache view."""
+        t = self.fetched.get(name)
+        return t if t is not None else self.cpu(name)
+
+    def prefetch(self, names: list[str]) -> None:
+        """CUDA: these tensors (a MoE layer's expert weights and block scales) onto the device in one
+        span per file through pinned staging (mocli.loader.load_tensors), instead of one pageable copy
+        per tensor and use. Files where the names are scattered (span over twice their bytes) are left
+        to the per-tensor path. Replaces what was fetched before."""
+        self.fetched = {}
+        if self.device.type != "cuda":
+            return
+        from mocli.loader import load_tensors
+
+        by_file: dict = {}
+        for n in names:
+            e = self.ckpt.tensors[n]
+            by_file.setdefault(e.file, []).append(e)
+        bulk = [e for es in by_file.values()
+                if max(e.start + e.nbytes for e in es) - min(e.start for e in es) <= 2 * sum(e.nbytes for e in es)
+                for e in es]
+        self.fetched = load_tensors(bulk, self.device, follow=True)
 
     def module(self, name: str) -> Module:
         return self.census.modules[name]
@@ -172,8 +197,8 @@ class Source:
 
     def dequant(self, m: Module, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [N, K] of one source linear (or its ``rows``), from its own scales."""
-        w = self.cpu(m.tensors[WEIGHT].name)
-        scale = self.cpu(m.tensors[WEIGHT_SCALE].name)
+        w = self.near(m.tensors[WEIGHT].name)
+        scale = self.near(m.tensors[WEIGHT_SCALE].name)
         if rows is not None:
             w = w.view(torch.uint8)[rows].view(w.dtype)
         if m.scheme is not None and m.scheme.value == "NVFP4":

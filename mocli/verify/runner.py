@@ -14,6 +14,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from mocli import trace
 from mocli.census import build_census
 from mocli.checkpoint import Checkpoint
 from mocli.errors import InputError
@@ -70,6 +71,7 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
         raise InputError(f"--layers {opts.layers!r} matches no converted module",
                          hint="names look like model.layers.0.self_attn.qkv_proj; use * wildcards")
     progress.start(len(names) * len(intact))
+    trace.mark(f"checking {len(names)} modules on {len(intact)} rank(s)")
     try:
         results, cross = _check_modules(names, cks, src, census, rt, opts, parallel["tp"], progress)
         progress.phase("pass-through tensors")
@@ -78,6 +80,7 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
         coverage = _coverage(cks, manifest, opts)
         progress.phase(f"hashing {hashes.count} files")
         file_problems = inv.problems + hashes.result()
+        trace.mark("hashes checked")
     finally:
         hashes.pool.shutdown(cancel_futures=True)
         for ck in cks.values():

@@ -33,7 +33,7 @@ def main() -> None:
         # the rank's entries come from rank_entries, each shard is read onto the device with load_tensors
         # and copied into its parameter. What this leaves out is vLLM's own model building and its
         # load_weights for the BF16 pass-through tensors, which any checkpoint pays.
-        from mocli.formats.layout import read_manifest, rank_entries
+        from mocli.formats.layout import rank_entries, read_manifest
         from mocli.io.safetensors_file import torch_dtypes
         from mocli.loader import load_tensors
 

@@ -1,0 +1,30 @@
+"""``MOCLI_TRACE=1``: one stderr line per phase, in seconds since the process started (interpreter
+start-up included), so a slow whole-process figure can be taken apart on the machine that measured it.
+Off by default; costs one environment lookup."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+
+ON = bool(os.environ.get("MOCLI_TRACE"))
+
+
+def _since_exec() -> float:
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter()
+
+
+def mark(label: str) -> None:
+    if ON:
+        print(f"[trace] {_since_exec():7.3f} s  {label}", file=sys.stderr, flush=True)
+
+
+if ON:
+    atexit.register(mark, "exit (atexit handlers run)")
