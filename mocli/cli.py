@@ -419,15 +419,22 @@ def verify_cmd(
     """Check every byte of a converted directory and run real GEMMs against the source; exit 1 on failure."""
 
     def body(out: Output) -> int:
-        from mocli.render import render_verify
-        from mocli.verify import VerifyOptions, verify
-        from mocli.verify.html import write_html
-        from mocli.verify.junit import write_junit
+        from mocli.verify.early import start_digests
 
-        opts = VerifyOptions(source=source, device=device.value, kernels=kernels, layers=layers,
-                             tokens=tokens, seed=seed, rank=rank)
-        with out.module_progress("verifying") as progress:
-            report = verify(output, opts, progress)
+        early = start_digests(output, source, rank)  # hashing overlaps the torch import below
+        try:
+            from mocli.render import render_verify
+            from mocli.verify import VerifyOptions, verify
+            from mocli.verify.html import write_html
+            from mocli.verify.junit import write_junit
+
+            opts = VerifyOptions(source=source, device=device.value, kernels=kernels, layers=layers,
+                                 tokens=tokens, seed=seed, rank=rank, early_digests=early)
+            with out.module_progress("verifying") as progress:
+                report = verify(output, opts, progress)
+        finally:
+            if early is not None:
+                early.shutdown()
         if junit_xml is not None:
             write_junit(report, junit_xml)
         if report_html is not None:

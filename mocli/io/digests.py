@@ -20,6 +20,7 @@ import mmap
 import os
 import re
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,44 @@ def file_digest(path: Path, algo: str = DIGEST, follow: bool = True, threads: bo
     finally:
         os.close(fd)
     return h.hexdigest()
+
+
+def digest_or_error(path: Path, algo: str, follow: bool, threads: bool = False) -> tuple[str | None, str | None]:
+    """(hex digest, None), or (None, why the file could not be read): for checks that report, not raise."""
+    from mocli.errors import MocliError
+
+    try:
+        return file_digest(path, algo, follow, threads), None
+    except (OSError, MocliError) as e:
+        return None, getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
+
+
+class BackgroundDigests:
+    """Digests of ``jobs`` ((path, algorithm, follow)) taken on a thread pool (the hashers drop the GIL),
+    largest file first; ``take`` hands one job's future to whoever checks it. ``threads``: BLAKE3's own
+    threads inside each file too (only where cores are left over)."""
+
+    def __init__(self, jobs: list[tuple[Path, str, bool]], threads: bool = False) -> None:
+        def size(p: Path) -> int:
+            try:
+                return os.lstat(p).st_size
+            except OSError:
+                return 0
+
+        self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
+        self.futures: dict[tuple[str, str, bool], Future] = {
+            _job_key(p, a, f): self.pool.submit(digest_or_error, p, a, f, threads)
+            for p, a, f in sorted(jobs, key=lambda j: -size(j[0]))}
+
+    def take(self, path: Path, algo: str, follow: bool) -> Future | None:
+        return self.futures.pop(_job_key(path, algo, follow), None)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _job_key(path: Path, algo: str, follow: bool) -> tuple[str, str, bool]:
+    return os.path.abspath(path), algo, follow
 
 
 class SourceDigests:

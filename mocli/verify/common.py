@@ -34,6 +34,7 @@ class VerifyOptions:
     seed: int = 0
     rank: int | None = None
     check_source_hash: bool = True
+    early_digests: Any = None  # a mocli.io.digests.BackgroundDigests started before torch (verify.early)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from mocli.checkpoint import Checkpoint
-from mocli.errors import InputError, MocliError
-from mocli.io.digests import as_record, file_digest
+from mocli.errors import InputError
+from mocli.io.digests import as_record, digest_or_error
 from mocli.verify.common import VerifyOptions
 
 
@@ -45,16 +45,14 @@ class Hashes:
         jobs.sort(key=lambda j: -(j[2].stat().st_size if j[2].exists() else 0))
         self.count = len(jobs)
         self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
-        self.futures = [(job, self.pool.submit(self._one, *job[2:])) for job in jobs]
-
-    @staticmethod
-    def _one(path: Path, algo: str, follow: bool) -> tuple[str | None, str | None]:
-        try:
-            # one file per pool thread; BLAKE3's own threads only where cores are left over for them (on
-            # 2 cores they fought the module checks' GEMM threads: 13.6 s against 11.6 s)
-            return file_digest(path, algo, follow, threads=(os.cpu_count() or 1) >= 8), None
-        except (OSError, MocliError) as e:
-            return None, getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
+        # digests started before torch was imported (opts.early_digests) are used where they are the same
+        # file, algorithm and link rule; the rest are taken here, one file per pool thread, BLAKE3's own
+        # threads only where cores are left over (on 2 cores they fought the module checks' GEMM threads:
+        # 13.6 s against 11.6 s)
+        early = opts.early_digests
+        threads = (os.cpu_count() or 1) >= 8
+        self.futures = [(job, (early.take(*job[2:]) if early is not None else None)
+                         or self.pool.submit(digest_or_error, *job[2:], threads)) for job in jobs]
 
     def result(self) -> list[dict[str, str]]:
         """File problems of the output; raises InputError when the source changed since conversion."""
