@@ -1,6 +1,6 @@
 """``mocli verify``: prove a converted directory right, byte by byte and with real GEMMs.
 
-In order: every output file against the SHA-256 in the manifest; the source against the SHA-256
+In order: every output file against the digest in the manifest; the source against the digest
 recorded at conversion; then per module and rank the checks of ``mocli.verify.modules`` (bytes of
 every weight and scale, consistency of every derived scale, kernel numerics); the cross-rank
 properties of SEMANTICS §10; pass-through tensors byte for byte against the source; and finally
