@@ -434,7 +434,7 @@ def verify_cmd(
                 report = verify(output, opts, progress)
         finally:
             if early is not None:
-                early.shutdown()
+                early.shutdown(wait=False)  # the process exits next
         if junit_xml is not None:
             write_junit(report, junit_xml)
         if report_html is not None:

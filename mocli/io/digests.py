@@ -105,10 +105,12 @@ def digest_or_error(path: Path, algo: str, follow: bool, threads: bool = False) 
 
 class BackgroundDigests:
     """Digests of ``jobs`` ((path, algorithm, follow)) taken on a thread pool (the hashers drop the GIL),
-    largest file first; ``take`` hands one job's future to whoever checks it. ``threads``: BLAKE3's own
-    threads inside each file too (only where cores are left over)."""
+    one file per thread, largest first; ``take`` hands one job's future ((digest, None) or (None, why))
+    to whoever checks it. BLAKE3's own threads inside a file only where cores are left over for them:
+    on 2 cores they fought verify's GEMM threads (13.6 s against 11.6 s)."""
 
-    def __init__(self, jobs: list[tuple[Path, str, bool]], threads: bool = False) -> None:
+    def __init__(self, jobs: list[tuple[Path, str, bool]]) -> None:
+        threads = (os.cpu_count() or 1) >= 8
         def size(p: Path) -> int:
             try:
                 return os.lstat(p).st_size
@@ -123,8 +125,9 @@ class BackgroundDigests:
     def take(self, path: Path, algo: str, follow: bool) -> Future | None:
         return self.futures.pop(_job_key(path, algo, follow), None)
 
-    def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+    def shutdown(self, wait: bool = True) -> None:
+        """Drop what has not started; ``wait``: for the files being hashed now."""
+        self.pool.shutdown(wait=wait, cancel_futures=True)
 
 
 def _job_key(path: Path, algo: str, follow: bool) -> tuple[str, str, bool]:

@@ -38,6 +38,6 @@ def start_digests(out: Path, source: str | None, rank: int | None) -> Background
                 record = as_record(value)
                 if record is not None and isinstance(name, str) and os.sep not in name and not name.startswith("."):
                     jobs.append((Path(spec) / name, record[0], True))
-        return BackgroundDigests(jobs, threads=(os.cpu_count() or 1) >= 8) if jobs else None
+        return BackgroundDigests(jobs) if jobs else None
     except (MocliError, OSError, ValueError, TypeError, AttributeError):
         return None

@@ -4,14 +4,13 @@ and tensors that must be the source's bytes."""
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mocli.checkpoint import Checkpoint
 from mocli.errors import InputError
-from mocli.io.digests import as_record, digest_or_error
+from mocli.io.digests import BackgroundDigests, as_record
 from mocli.verify.common import VerifyOptions
 
 
@@ -44,15 +43,15 @@ class Hashes:
             jobs += [("src", name, have[name], self.recorded[name][0], True) for name in self.recorded]
         jobs.sort(key=lambda j: -(j[2].stat().st_size if j[2].exists() else 0))
         self.count = len(jobs)
-        self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
         # digests started before torch was imported (opts.early_digests) are used where they are the same
-        # file, algorithm and link rule; the rest are taken here, one file per pool thread, BLAKE3's own
-        # threads only where cores are left over (on 2 cores they fought the module checks' GEMM threads:
-        # 13.6 s against 11.6 s)
+        # file, algorithm and link rule; the rest are started here
         early = opts.early_digests
-        threads = (os.cpu_count() or 1) >= 8
-        self.futures = [(job, (early.take(*job[2:]) if early is not None else None)
-                         or self.pool.submit(digest_or_error, *job[2:], threads)) for job in jobs]
+        taken = [early.take(*job[2:]) if early is not None else None for job in jobs]
+        self.digests = BackgroundDigests([job[2:] for job, fut in zip(jobs, taken, strict=True) if fut is None])
+        self.futures = [(job, fut or self.digests.take(*job[2:])) for job, fut in zip(jobs, taken, strict=True)]
+
+    def close(self) -> None:
+        self.digests.shutdown()
 
     def result(self) -> list[dict[str, str]]:
         """File problems of the output; raises InputError when the source changed since conversion."""
@@ -70,7 +69,7 @@ class Hashes:
                                      "recorded at conversion", hint="the source changed since conversion; convert "
                                      "again or pass the original --source")
         finally:
-            self.pool.shutdown(cancel_futures=True)
+            self.close()
         return self.problems
 
 

@@ -82,7 +82,7 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
         file_problems = inv.problems + hashes.result()
         trace.mark("hashes checked")
     finally:
-        hashes.pool.shutdown(cancel_futures=True)
+        hashes.close()
         for ck in cks.values():
             ck.close()
     failed = [r for r in results if not r.passed]
