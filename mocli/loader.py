@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -264,8 +265,8 @@ def load_tensors(entries: list[TensorEntry], device: str | torch.device = "cpu",
     CPU: one buffer per file, tensors are views. CUDA: the file span goes through a ring of pinned
     staging buffers (filled by reader threads, pread drops the GIL) into one device allocation with
     asynchronous copies; tensors are views of it. Views whose offset does not suit their dtype's
-    alignment (CUDA: 16 bytes, what tensor-core kernels need) are copied. ``follow``: whether the files may be symbolic links (a source in a Hugging
-    Face cache; mocli's own outputs never).
+    alignment (CUDA: 16 bytes, what tensor-core kernels need) are copied. ``follow``: whether the
+    files may be symbolic links (a source in a Hugging Face cache; mocli's own outputs never).
     """
     device = torch.device(device)
     by_file: dict[Path, list[TensorEntry]] = {}
@@ -283,17 +284,27 @@ def load_tensors(entries: list[TensorEntry], device: str | torch.device = "cpu",
         dtypes = torch_dtypes()
         # safetensors pads its header to 8 bytes only, so tensors may start 8 bytes off a 16-byte boundary:
         # CUDA kernels (torch._scaled_mm, CUTLASS) need 16-byte aligned operands, the CPU its dtype's size
-        align = (lambda dt: 16) if device.type == "cuda" else (lambda dt: dt.itemsize)
+        cuda_align = 16 if device.type == "cuda" else 0
         for e in es:
             raw = buf[e.start - start: e.start - start + e.nbytes]
             dt = dtypes[e.dtype]
             if e.nbytes == 0:
                 out[e.name] = torch.empty(e.shape, dtype=dt, device=device)
                 continue
-            if (e.start - start) % align(dt):
+            if (e.start - start) % (cuda_align or dt.itemsize):
                 raw = raw.clone()
             out[e.name] = raw.view(dt).view(e.shape)
     return out
+
+
+def shard_by_shard(entries: Iterable[TensorEntry], device: str | torch.device = "cpu") -> Iterator[dict[str, torch.Tensor]]:
+    """``load_tensors`` one file at a time, in file order: the bytes in flight are one shard's, not the
+    rank's (what a serving process copying into its own parameters wants)."""
+    by_file: dict[Path, list[TensorEntry]] = {}
+    for e in entries:
+        by_file.setdefault(e.file, []).append(e)
+    for file in sorted(by_file):
+        yield load_tensors(by_file[file], device)
 
 
 def _pread_into(path: Path, offset: int, view: memoryview, follow: bool = False) -> None:

@@ -20,7 +20,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from mocli.errors import MocliError
 from mocli.formats.layout import rank_entries
 from mocli.io.safetensors_file import torch_dtypes
-from mocli.loader import load_tensors
+from mocli.loader import shard_by_shard
 from mocli.vllm_plugin.checks import LayoutMismatch
 from mocli.vllm_plugin.config import MocliConfig, model_dir
 from mocli.vllm_plugin.methods import MocliLinearMethod, MocliMoEMethod
@@ -50,12 +50,8 @@ class MocliModelLoader(BaseModelLoader):
         _check_index(config, entries, rank)
         device = next(iter(layers.values())).weight_device if layers else next(model.parameters()).device
         feed = _Passthrough(model)
-        by_file: dict[Any, list] = {}
-        for e in entries.values():
-            by_file.setdefault(e.file, []).append(e)
-        # one shard at a time: the bytes in flight are one shard's, not the rank's
-        for file in sorted(by_file):
-            for name, t in load_tensors(by_file[file], device).items():
+        for tensors in shard_by_shard(entries.values(), device):
+            for name, t in tensors.items():
                 if name in targets:
                     _copy(name, t, targets[name])
                 else:

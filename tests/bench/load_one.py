@@ -30,21 +30,18 @@ def main() -> None:
     elif a.mode == "plugin":
         # what mocli.vllm_plugin.loader.MocliModelLoader does with the bytes (vLLM is not needed for that,
         # and the GPU machine has none): the parameters exist first (vLLM builds the model, then loads),
-        # the rank's entries come from rank_entries, each shard is read onto the device with load_tensors
-        # and copied into its parameter. What this leaves out is vLLM's own model building and its
-        # load_weights for the BF16 pass-through tensors, which any checkpoint pays.
+        # the rank's entries come from rank_entries, each shard is read onto the device by shard_by_shard
+        # (the loader's own call) and copied into its parameter. What this leaves out is vLLM's own model
+        # building and its load_weights for the BF16 pass-through tensors, which any checkpoint pays.
         from mocli.formats.layout import rank_entries, read_manifest
         from mocli.io.safetensors_file import torch_dtypes
-        from mocli.loader import load_tensors
+        from mocli.loader import shard_by_shard
 
         entries = rank_entries(a.path, read_manifest(a.path), None)
         dtypes = torch_dtypes()
         params = {n: torch.empty(e.shape, dtype=dtypes[e.dtype], device=a.device) for n, e in entries.items()}
-        by_file: dict = {}
-        for e in entries.values():
-            by_file.setdefault(e.file, []).append(e)
-        for file in sorted(by_file):
-            for name, t in load_tensors(by_file[file], a.device).items():
+        for tensors in shard_by_shard(entries.values(), a.device):
+            for name, t in tensors.items():
                 params[name].copy_(t)
                 nbytes += t.nbytes
     else:
