@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,7 +159,7 @@ class Source:
     def __init__(self, ckpt, census: Census, reader, device: torch.device) -> None:
         self.ckpt, self.census, self.reader, self.device = ckpt, census, reader, device
         self.layers = {layer.name: layer for layer in census.moe}
-        self.fetched: dict[str, torch.Tensor] = {}  # on the verify device, by prefetch()
+        self.fetched: dict[str, torch.Tensor] = {}  # on the verify device, inside on_device()
 
     def t(self, name: str, device: torch.device | None = None) -> torch.Tensor:
         return self.near(name).to(device or self.device)
@@ -167,17 +169,18 @@ class Source:
         return self.reader.view(self.ckpt.tensors[name])
 
     def near(self, name: str) -> torch.Tensor:
-        """The tensor on the verify device if prefetch() put it there, else the page-cache view."""
+        """The tensor on the verify device if on_device() put it there, else the page-cache view."""
         t = self.fetched.get(name)
         return t if t is not None else self.cpu(name)
 
-    def prefetch(self, names: list[str]) -> None:
-        """CUDA: these tensors (a MoE layer's expert weights and block scales) onto the device in one
-        span per file through pinned staging (mocli.loader.load_tensors), instead of one pageable copy
-        per tensor and use. Files where the names are scattered (span over twice their bytes) are left
-        to the per-tensor path. Replaces what was fetched before."""
-        self.fetched = {}
+    @contextmanager
+    def on_device(self, names: list[str]) -> Iterator[None]:
+        """CUDA: these tensors (a MoE layer's expert weights and block scales) on the device while the
+        block runs, read in one span per file through pinned staging (mocli.loader.load_tensors) instead
+        of one pageable copy per tensor and use; ``near`` hands them out. Files where the names are
+        scattered (span over twice their bytes) are left to the per-tensor path."""
         if self.device.type != "cuda":
+            yield
             return
         from mocli.loader import load_tensors
 
@@ -189,6 +192,10 @@ class Source:
                 if max(e.start + e.nbytes for e in es) - min(e.start for e in es) <= 2 * sum(e.nbytes for e in es)
                 for e in es]
         self.fetched = load_tensors(bulk, self.device, follow=True)
+        try:
+            yield
+        finally:
+            self.fetched = {}  # one layer's source bytes on the device at a time
 
     def module(self, name: str) -> Module:
         return self.census.modules[name]

@@ -216,9 +216,8 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheckpo
             weights[gid] = (src.dequant(ex.gate), src.dequant(ex.up), src.dequant(ex.down))
         return weights[gid]
 
-    src.prefetch(_expert_tensors(layer, infos))
-    try:
-        results, per_rank = [], {}
+    results, per_rank = [], {}
+    with src.on_device(_expert_tensors(layer, infos)):
         for rank, info in infos.items():
             t0 = time.perf_counter()
             meta = info["meta"]
@@ -246,8 +245,6 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheckpo
                 res.kernel = "layout check"
                 problems.insert(0, str(e))
             results.append(finish(res, problems, t0))
-    finally:
-        src.prefetch([])  # one layer's source bytes on the device at a time
     cross = None
     if len({i_slice for i_slice, _ in per_rank.values()}) > 1 and len(per_rank) == len(infos):
         cross = _cross(name, case, per_rank, ref_in, source, layer.intermediate)
