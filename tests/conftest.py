@@ -58,6 +58,24 @@ main(sys.argv[1:])
 """
 
 
+def interrupt_after(monkeypatch, calls: int, method: str = "write"):
+    """Ctrl-C (KeyboardInterrupt) at the ``calls + 1``-th ``ShardWriter.<method>`` call in this process
+    (``write``: bytes from memory; ``copy``: verbatim source ranges). Returns the function that puts
+    the method back (for the resumed run), leaving the test's other patches in place."""
+    from mocli.io.shard_writer import ShardWriter
+
+    real, n = getattr(ShardWriter, method), {"n": 0}
+
+    def wrapped(self, *a, **k):
+        n["n"] += 1
+        if n["n"] > calls:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(ShardWriter, method, wrapped)
+    return lambda: monkeypatch.setattr(ShardWriter, method, real)
+
+
 def run_killed(args: list[str], after: int) -> subprocess.CompletedProcess:
     """``mocli ARGS`` in a real process that SIGKILLs itself at its ``after + 1``-th shard write."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KILL_AFTER": str(after)}

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from fixtures.generate import make_checkpoint
 from mocli.loader import Fp8Linear, Nvfp4Linear, Nvfp4MoE, load_converted
 from tests import reference as ref
-from tests.conftest import REAL, REAL_LLAMA, REAL_QWEN, ROOT, digest_tree
+from tests.conftest import REAL, REAL_LLAMA, REAL_QWEN, ROOT, digest_tree, interrupt_after
 
 CUTLASS, TRTLLM = "flashinfer-cutlass", "flashinfer-trtllm"
 FP8 = torch.float8_e4m3fn
@@ -265,19 +265,9 @@ def test_torchrun_two_processes_match_one(cli, tmp_path):
 @pytest.mark.slow
 def test_torchrun_resumes_a_single_process_partial(cli, tmp_path, monkeypatch):
     """A partial from an interrupted one-process run is finished by a torchrun run, byte-identically."""
-    from mocli.io.shard_writer import ShardWriter
-
     src = make_checkpoint(tmp_path / "src", arch="mixtral", algo="FP8", experts=8)
     convert(cli, src, tmp_path / "clean", CUTLASS, "--tp", "2")
-    real, n = ShardWriter.write, {"n": 0}
-
-    def write(self, *a, **k):
-        n["n"] += 1
-        if n["n"] > 12:
-            raise KeyboardInterrupt
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(ShardWriter, "write", write)
+    interrupt_after(monkeypatch, 12)
     r = cli("convert", src, "-o", tmp_path / "o", "--target", CUTLASS, "--tp", "2")
     assert r.exit_code == 130 and "resume" in r.stderr
     monkeypatch.undo()

@@ -20,7 +20,7 @@ from fixtures.generate import (
     make_checkpoint,
 )
 from tests import reference as ref
-from tests.conftest import REAL, load_tensors, u8
+from tests.conftest import REAL, interrupt_after, load_tensors, u8
 
 
 def same(a, b):
@@ -229,8 +229,6 @@ def test_dry_run_writes_nothing_and_plans_in_json(cli, tmp_path):
 def test_sharded_hub_checkpoint_and_resume(cli, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
-    from mocli.io.shard_writer import ShardWriter
-
     cache = tmp_path / "hub"
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4", unify_scale_2=False, shards=3)
@@ -245,18 +243,10 @@ def test_sharded_hub_checkpoint_and_resume(cli, tmp_path, monkeypatch):
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(rev)
     env = {"HF_HUB_OFFLINE": "1"}
-    real, n = ShardWriter.copy, {"n": 0}
-
-    def copy(self, *a, **k):  # most repaired-checkpoint bytes are verbatim copies
-        n["n"] += 1
-        if n["n"] > 60:
-            raise KeyboardInterrupt
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(ShardWriter, "copy", copy)
+    restore = interrupt_after(monkeypatch, 60, "copy")  # most repaired-checkpoint bytes are verbatim copies
     r = cli("repair", "org/m", "-o", tmp_path / "out", env=env)
     assert r.exit_code == 130 and "resume" in r.stderr
-    monkeypatch.setattr(ShardWriter, "copy", real)
+    restore()
     r = cli("--json", "repair", "org/m", "-o", tmp_path / "out", env=env)
     assert r.exit_code == 0 and r.json["resumed_units"] > 0
     assert repaired(cli, src, tmp_path / "clean")

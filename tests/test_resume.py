@@ -13,8 +13,7 @@ import torch
 
 from fixtures.generate import make_checkpoint
 from mocli import engine
-from mocli.io.shard_writer import ShardWriter
-from tests.conftest import ROOT, digest_tree, run_killed
+from tests.conftest import ROOT, digest_tree, interrupt_after, run_killed
 
 
 @pytest.fixture
@@ -22,22 +21,9 @@ def moe_src(tmp_path):
     return make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4", experts=8, shards=2)
 
 
-def _interrupt_after(monkeypatch, writes: int):
-    real = ShardWriter.write
-    count = {"n": 0}
-
-    def write(self, *a, **k):
-        count["n"] += 1
-        if count["n"] > writes:
-            raise KeyboardInterrupt
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(ShardWriter, "write", write)
-
-
 def test_ctrl_c_then_resume(cli, tmp_path, moe_src, monkeypatch):
     out = tmp_path / "o"
-    _interrupt_after(monkeypatch, 30)
+    interrupt_after(monkeypatch, 30)
     r = cli("convert", moe_src, "-o", out, "--target", "flashinfer-trtllm")
     assert r.exit_code == 130 and "interrupted" in r.stderr
     assert not out.exists() and (tmp_path / ".o.mocli-partial").is_dir()
@@ -53,7 +39,7 @@ def test_ctrl_c_then_resume(cli, tmp_path, moe_src, monkeypatch):
 
 def test_partial_from_other_arguments_is_discarded(cli, tmp_path, moe_src, monkeypatch):
     out = tmp_path / "o"
-    _interrupt_after(monkeypatch, 10)
+    interrupt_after(monkeypatch, 10)
     assert cli("convert", moe_src, "-o", out, "--target", "flashinfer-trtllm").exit_code == 130
     monkeypatch.undo()
     r = cli("--json", "convert", moe_src, "-o", out, "--target", "flashinfer-cutlass")
@@ -64,7 +50,7 @@ def test_partial_from_other_arguments_is_discarded(cli, tmp_path, moe_src, monke
 
 def test_partial_with_a_damaged_shard_starts_over(cli, tmp_path, moe_src, monkeypatch):
     out = tmp_path / "o"
-    _interrupt_after(monkeypatch, 30)
+    interrupt_after(monkeypatch, 30)
     assert cli("convert", moe_src, "-o", out, "--target", "flashinfer-cutlass").exit_code == 130
     monkeypatch.undo()
     shard = next((tmp_path / ".o.mocli-partial").glob("model-*.safetensors"))
@@ -137,16 +123,14 @@ def test_parallel_writer_lanes_give_the_same_bytes_and_resume(cli, tmp_path, moe
     assert {k: v["blake3"] for k, v in manifest["files"].items()} == \
         {str(p.relative_to(tmp_path / "many")): blake3.blake3(p.read_bytes()).hexdigest()
          for p in (tmp_path / "many").rglob("*") if p.is_file() and p.name != "mocli-layout.json"}
-    _interrupt_after(monkeypatch, 40)  # of 68 (tp 1) or 172 (tp 2) writes
+    restore = interrupt_after(monkeypatch, 40)  # of 68 (tp 1) or 172 (tp 2) writes
     assert cli("convert", moe_src, "-o", tmp_path / "resumed", *args).exit_code == 130
-    monkeypatch.setattr(ShardWriter, "write", _REAL_WRITE)
+    restore()
     r = cli("--json", "convert", moe_src, "-o", tmp_path / "resumed", *args)
     assert r.exit_code == 0, r.stderr
     assert 0 < r.json["resumed_units"] < r.json["units"]
     assert tree(tmp_path / "resumed") == tree(tmp_path / "one")
 
-
-_REAL_WRITE = ShardWriter.write
 
 
 def test_units_of_different_files_are_interleaved_in_proportion():

@@ -228,22 +228,29 @@ def _ranks(tp: int, ep: int) -> list[int | None]:
     return [None] if max(tp, ep) == 1 else list(range(max(tp, ep)))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1].removeprefix('flashinfer-')}-tp{c[2]}-ep{c[3]}")
-def test_kernels_match_the_source_cpu(converted, case):
+def _case_id(c) -> str:
+    return f"{c[0]}-{c[1].removeprefix('flashinfer-')}-tp{c[2]}-ep{c[3]}"
+
+
+def _check_case(converted, case, device: str) -> set[str]:
+    """Every rank of one case against the source; the kernel paths that ran."""
     source, out = converted(*case)
     seen: set[str] = set()
     for rank in _ranks(case[2], case[3]):
-        check_rank(out, rank, source, "cpu", seen)
+        check_rank(out, rank, source, device, seen)
+    return seen
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_kernels_match_the_source_cpu(converted, case):
+    seen = _check_case(converted, case, "cpu")
     assert all(p.startswith("emulated") for p in seen), seen  # the CPU has no FP8/NVFP4 kernels
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1].removeprefix('flashinfer-')}-tp{c[2]}-ep{c[3]}")
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_kernels_match_the_source_cuda(converted, case):
-    source, out = converted(*case)
-    seen: set[str] = set()
-    for rank in _ranks(case[2], case[3]):
-        check_rank(out, rank, source, "cuda", seen)
+    seen = _check_case(converted, case, "cuda")
     if torch.cuda.get_device_capability() >= (9, 0) and case[0] in ("llama-fp8", "real-llama", "qwen3moe-fp8"):
         assert "torch._scaled_mm" in seen and ("qwen" not in case[0] or "torch._scaled_grouped_mm" in seen), seen
 

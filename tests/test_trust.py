@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fixtures.generate import make_checkpoint
-from tests.conftest import REAL_QWEN, ROOT, digest_tree, run_killed
+from tests.conftest import REAL_QWEN, ROOT, digest_tree, interrupt_after, run_killed
 
 CUTLASS = "flashinfer-cutlass"
 
@@ -57,17 +57,7 @@ def moe(tmp_path_factory):
 # --- reads and writes outside the given directories ---------------------------------------------------
 
 def test_resume_never_writes_through_a_link_in_the_partial(cli, tmp_path, moe, monkeypatch):
-    from mocli.io.shard_writer import ShardWriter
-
-    real, n = ShardWriter.write, {"n": 0}
-
-    def write(self, *a, **k):
-        n["n"] += 1
-        if n["n"] > 20:
-            raise KeyboardInterrupt
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(ShardWriter, "write", write)
+    interrupt_after(monkeypatch, 20)
     assert cli("convert", moe, "-o", tmp_path / "o", "--target", CUTLASS).exit_code == 130
     monkeypatch.undo()
     partial = tmp_path / ".o.mocli-partial"
