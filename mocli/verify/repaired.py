@@ -119,7 +119,7 @@ def _check_filled(name, record, census: Census, ckpt, src, ro, rs) -> ModuleResu
     layer = next((lay for lay in census.moe if name.startswith(lay.name + ".")), None)
     pool = []
     if layer is not None:
-        is_down = name == next((ex.down.name for ex in layer.experts.values() if ex.down and ex.down.name == name), None)
+        is_down = any(ex.down is not None and ex.down.name == name for ex in layer.experts.values())
         for ex in layer.experts.values():
             for m in ((ex.down,) if is_down else (ex.gate, ex.up)):
                 if m is not None and INPUT_SCALE in m.tensors:
