@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from mocli import __version__, trace
-from mocli.devices import Device, Kernels
+from mocli.devices import Device, Kernels, warm_cuda
 from mocli.errors import (
     EXIT_BROKEN_PIPE,
     EXIT_FINDINGS,
@@ -295,6 +295,8 @@ def convert_cmd(
             progress.phase("reading headers")
             ckpt = open_checkpoint(model)
             digests = SourceDigests([h.path for h in ckpt.files])  # hashing overlaps the torch import
+            if ckpt.has_fp8_weights:  # so does CUDA's start-up, where the GPU will be used
+                warm_cuda(device.value)
             progress.phase("loading torch")
             from mocli.convert import convert
             from mocli.render import render_convert
@@ -377,6 +379,7 @@ def quantize_cmd(
             progress.phase("reading headers")
             ckpt = open_checkpoint(model)
             digests = SourceDigests([h.path for h in ckpt.files])
+            warm_cuda(device.value)  # CUDA's start-up overlaps the torch import
             progress.phase("loading torch")
             from mocli.quantize import quantize
             from mocli.render import render_quantize
@@ -422,6 +425,7 @@ def verify_cmd(
         from mocli.verify.early import start_digests
 
         early = start_digests(output, source, rank)  # hashing overlaps the torch import below
+        warm_cuda(device.value)  # and so does CUDA's start-up
         try:
             from mocli.render import render_verify
             from mocli.verify import VerifyOptions, verify

@@ -37,3 +37,37 @@ def resolve_device(device: str):
     if device not in ("auto", "cpu", "cuda"):
         raise InputError(f"--device {device}: not a device", hint="auto, cpu or cuda")
     return torch.device("cpu")
+
+
+def warm_cuda(device: str) -> None:
+    """Start CUDA for ``device`` on a background thread, before torch is imported.
+
+    The driver's start-up and the device's primary context (the one torch's runtime then attaches to)
+    cost about a second on an H200, and importing torch takes three more: the two overlap when the
+    context is made here through the driver library (ctypes drops the GIL while it waits). Nothing
+    happens for ``cpu``, without a driver or without a device, and any failure is left for torch to
+    report in its own words: this only moves work earlier."""
+    if device == "cpu" or not (device == "auto" or device.startswith("cuda")):
+        return
+    import threading
+
+    threading.Thread(target=_warm, args=(device,), name="mocli-cuda-warm", daemon=True).start()
+
+
+_held: dict[int, int] = {}  # device index -> the primary context retained for it (tests look)
+
+
+def _warm(device: str) -> None:
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        count, dev, ctx = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_void_p()
+        if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value < 1:
+            return
+        # the device resolve_device will pick: cuda:N, else this process's LOCAL_RANK
+        index = int(device.split(":", 1)[1]) if ":" in device else int(os.environ.get("LOCAL_RANK", "0")) % count.value
+        if cuda.cuDeviceGet(ctypes.byref(dev), index) == 0 and cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0:
+            _held[index] = ctx.value  # held for the life of the process
+    except (OSError, ValueError, AttributeError):
+        return

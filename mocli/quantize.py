@@ -204,7 +204,7 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
     online = ONLINE_QUANTIZED_ROUTERS.get(ckpt.architecture or "")
     deviations = [{"layer": n, "here": "kept in the source dtype (SEMANTICS §12)", "engine_online": online}
                   for n in ignored if online and any(n.endswith("." + r) for r in ROUTERS)]
-    return {"output": str(out), "scheme": scheme, "device": str(dev), "quantized_modules": sum(len(g.modules) for g in qp.groups),
+    return {"output": str(out), "scheme": scheme, "device": result.device, "quantized_modules": sum(len(g.modules) for g in qp.groups),
             "deviations_from_online": deviations,
             "groups": len(qp.groups), "ignored_layers": ignored, "notes": qp.notes, "tensors": len(plan.tensors),
             "bytes": result.bytes, "shards": len(result.files), "units": result.units,
@@ -231,7 +231,8 @@ def _plan(ckpt: Checkpoint, qp: QuantizePlan):
                                                 ["quantize_fp8_per_tensor"]))))
             keys.append(("", plan.add(OutTensor(f"{m.name}.weight_scale", "F32", (), "weight_scale", [w.name],
                                                 ["amax / 448 over " + item.name]))))
-        plan.units.append(Unit(f"quant:{item.name}", [m.tensors[WEIGHT] for m in item.modules], keys, _group_run(item)))
+        plan.units.append(Unit(f"quant:{item.name}", [m.tensors[WEIGHT] for m in item.modules], keys, _group_run(item),
+                               compute=True))
     plan.copy_units(copies)
     return plan
 

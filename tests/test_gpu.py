@@ -119,3 +119,32 @@ def test_torchrun_two_gpus_nccl_matches_one_process(tmp_path):
                         "--device", "cuda"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert digest_tree(tmp_path / "one") == digest_tree(tmp_path / "two")
+
+
+def test_cuda_warmed_before_torch_is_the_context_torch_uses():
+    """mocli.devices.warm_cuda makes the device's primary context while torch imports; torch's runtime must
+    then run in that very context (not a second one), and under torchrun on the LOCAL_RANK's device."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import ctypes, threading
+from mocli import devices
+devices.warm_cuda("cuda")
+for t in threading.enumerate():
+    if t.name == "mocli-cuda-warm":
+        t.join()
+import torch
+from mocli.devices import resolve_device
+dev = resolve_device("cuda")
+torch.ones(1, device=dev).sum().item()
+cur = ctypes.c_void_p()
+assert ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent(ctypes.byref(cur)) == 0
+assert devices._held == {dev.index: cur.value}, (devices._held, dev, cur.value)
+print("ok")
+"""
+    for local_rank in ("0", str(torch.cuda.device_count() - 1)):
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "LOCAL_RANK": local_rank})
+        assert p.returncode == 0 and p.stdout.strip() == "ok" and not p.stderr, p.stderr

@@ -90,7 +90,8 @@ def test_cpu_and_cuda_outputs_are_identical(cli, tmp_path, target, arch, algo):
     for dev in ("cpu", "cuda"):
         r = cli("--json", "convert", src, "-o", tmp_path / dev, "--target", target, "--device", dev)
         assert r.exit_code == 0, r.stderr
-        assert r.json["device"].startswith(dev)
+        # NVFP4 is layout only: it runs on the CPU whatever was asked (test_convert says why)
+        assert r.json["device"].startswith(dev if dev == "cpu" or algo.startswith("FP8") else "cpu")
     a, b = digest_tree(tmp_path / "cpu"), digest_tree(tmp_path / "cuda")
     assert a == b
 

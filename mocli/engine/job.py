@@ -11,7 +11,7 @@ import os
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,7 @@ class JobResult:
     units: int
     files: dict[str, dict[str, str]]  # relative path -> digest record ({"blake3": hex})
     bytes: int
+    device: str = "cpu"  # where the units ran: the job's device, or the CPU for a plan with nothing to compute
     discarded_partial: int = 0  # bytes of a stale partial (other arguments) that was replaced
 
 
@@ -198,6 +199,10 @@ def run(job: Job) -> JobResult:
     # Everything alive now (torch's modules, the plan, the census) lives until the run ends: frozen, the
     # cyclic collector stops re-scanning it at every full collection (8% of a 2-core conversion's CPU).
     gc.freeze()
+    if job.device.type != "cpu" and not job.plan.compute:
+        # Layout only (copies, row gathers, scale swizzles): a GPU would add its start-up, pinned buffers
+        # and two transfers per byte to work the CPU does at memory speed. Same bytes either way.
+        job = replace(job, device=torch.device("cpu"))
     try:
         return _run(job)
     finally:
@@ -323,7 +328,8 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
         _publish(job, partial, digests)
         trace.mark("published")
     dist.barrier()
-    return JobResult(len(plan.units) - len(todo_all), len(plan.units), digests, sum(f.size for _, _, f in files))
+    return JobResult(len(plan.units) - len(todo_all), len(plan.units), digests, sum(f.size for _, _, f in files),
+                     str(job.device))
 
 
 def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, pool: BufferPool,
@@ -334,8 +340,10 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
     threads = torch.get_num_threads()
     if job.device.type == "cpu":
         # The writer and hash threads each keep a core busy; intra-op threads beyond the rest only
-        # contend with them (measured: 1 compute thread on 2 cores is 18% faster than 2).
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 2))
+        # contend with them (measured: 1 compute thread on 2 cores is 18% faster than 2). Without
+        # arithmetic over the weights one thread is enough (a row gather runs at ~20 GB/s on one core),
+        # and idle intra-op threads would spin against the writers.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 2) if job.plan.compute else 1)
     try:
         with TensorReader() as reader, open(partial / journal_name(dist.rank), "a") as journal, \
                 Writer(writer, journal, pool, hasher, written, rel) as sink:

@@ -94,6 +94,10 @@ class Unit:
     inputs: list[TensorEntry]
     outputs: list[Key]
     run: Callable[..., list[Piece]]  # called with the engine's UnitContext (mocli.engine.pool)
+    # Arithmetic over every weight byte (FP8 NaN checks and requantization, quantization): what a GPU
+    # does faster. Copies, row gathers and scale swizzles are not; a plan without such units runs on
+    # the CPU even under --device cuda (``Plan.compute``).
+    compute: bool = False
 
     @property
     def input_bytes(self) -> int:
@@ -108,6 +112,11 @@ class Plan:
 
     tensors: dict[Key, OutTensor] = field(default_factory=dict)
     units: list[Unit] = field(default_factory=list)
+
+    @property
+    def compute(self) -> bool:
+        """Whether any unit computes over weight bytes (see ``Unit.compute``)."""
+        return any(u.compute for u in self.units)
 
     def add(self, t: OutTensor) -> str:
         if t.key in self.tensors:

@@ -27,6 +27,8 @@ class _Dense:
     """One dense module (a fused group or a lone linear), every rank: per-rank output tensors,
     manifest modules and the one unit. Subclasses plan their kinds; ``plan()`` adds them."""
 
+    compute = False  # whether the unit computes over the weight bytes (``Unit.compute``)
+
     def __init__(self, pc: PlanContext, kind: ModuleKind, prefix: str, shards: list[Module]) -> None:
         for m in shards:
             pc.consumed.update(e.name for s, e in m.tensors.items() if s in QUANT_SUFFIXES)
@@ -72,7 +74,8 @@ class _Dense:
                                                         self.tensors[r], [m.name for m in self.shards], meta,
                                                         self.pc.parallel.group(r)))
         self._plan_bias()
-        self.pc.plan.units.append(Unit(f"dense:{self.prefix}", inputs + self._bias_entries(), self.outputs, run))
+        self.pc.plan.units.append(Unit(f"dense:{self.prefix}", inputs + self._bias_entries(), self.outputs, run,
+                                       self.compute))
 
     # A bias is sliced with the rows of a column-parallel layer, whole elsewhere (the engine adds a
     # row-parallel bias once, after the all-reduce).
@@ -127,6 +130,8 @@ def _weight_pieces(dense: _Dense, whole: list[torch.Tensor]) -> list[Piece]:
 class _Fp8TensorDense(_Dense):
     """FP8 per-tensor: shards requantized to the max weight scale, max input scale (SEMANTICS §3)."""
 
+    compute = True
+
     def plan(self) -> None:
         pc, shards = self.pc, self.shards
         weights = [m.tensors[WEIGHT] for m in shards]
@@ -160,6 +165,8 @@ class _Fp8TensorDense(_Dense):
 class _Fp8ScaledDense(_Dense):
     """FP8 per-channel ([N] scales) and 128x128 blocks ([N/128, K/128]): bytes kept, scales sliced
     with their rows (SEMANTICS §8, §10)."""
+
+    compute = True  # every weight byte is checked for NaN codes
 
     def plan(self) -> None:
         pc, shards = self.pc, self.shards

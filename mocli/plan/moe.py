@@ -88,7 +88,7 @@ class _Moe:
         return [r for r in self.ranks if self.experts[r][0] <= e < self.experts[r][1]]
 
     def expert_unit(self, kind: str, e: int, role: Role, inputs: list[TensorEntry], emit: Callable,
-                    prepare: Callable = lambda ctx: None) -> None:
+                    prepare: Callable = lambda ctx: None, compute: bool = False) -> None:
         """One unit for expert ``e``'s part of ``role`` on every rank that holds it: ``prepare(ctx)``
         once, then per rank ``emit(ctx, prepared, r, (i0, i1))`` gives the rank's bytes of the expert
         (parts laid end to end in its slot of the stacked tensor; ``(i0, i1)``: the rank's rows of I)."""
@@ -100,7 +100,7 @@ class _Moe:
             prepared = prepare(ctx)
             return [p for r in holders for p in concat_pieces(keys[r], emit(ctx, prepared, r, self.inter[r]), slots[r])]
 
-        self.pc.plan.units.append(Unit(f"{kind}:{self.p}.{e}", inputs, list(keys.values()), run))
+        self.pc.plan.units.append(Unit(f"{kind}:{self.p}.{e}", inputs, list(keys.values()), run, compute))
 
     def plan_vectors(self, vectors: dict[Role, tuple[torch.Tensor, str, list[str]]]) -> None:
         """Per-expert [E] vectors sliced to each rank's experts; 0-dim scalars whole everywhere."""
@@ -183,7 +183,7 @@ class _Fp8Moe(_Moe):
             w13 = _stacked_halves(ctx, [(u, s3), (g, s1)], rows, h, s)
             return [permute_rows(w13, layout.w13_rows(w13.shape[0]), ctx.out(w13))]
 
-        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], emit)
+        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], emit, compute=True)
 
     def _w2_unit(self, e: int, d: Module) -> None:
         layout, h = self.pc.layout, self.h
@@ -199,7 +199,7 @@ class _Fp8Moe(_Moe):
             w2_r = permute_rows(w2_r, layout.w2_rows(h), ctx.out(w2_r) if w2_r.is_contiguous() else None)
             return [w2_r.contiguous()]
 
-        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, prepare)
+        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, prepare, compute=True)  # NaN checks
 
 
 class _Nvfp4Moe(_Moe):
