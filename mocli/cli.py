@@ -295,8 +295,7 @@ def convert_cmd(
             progress.phase("reading headers")
             ckpt = open_checkpoint(model)
             digests = SourceDigests([h.path for h in ckpt.files])  # hashing overlaps the torch import
-            if ckpt.has_fp8_weights:  # so does CUDA's start-up, where the GPU will be used
-                warm_cuda(device.value)
+            warm_cuda(device.value)  # so does CUDA's start-up (unused if the plan has nothing to compute)
             progress.phase("loading torch")
             from mocli.convert import convert
             from mocli.render import render_convert

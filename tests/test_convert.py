@@ -282,12 +282,15 @@ class _Ran(Exception):
     pass
 
 
-@pytest.mark.parametrize("arch,algo,device", [("qwen3_moe", "NVFP4", "cpu"), ("llama", "NVFP4", "cpu"),
-                                              ("mixtral", "FP8", "cuda"), ("llama", "FP8", "cuda"),
-                                              ("llama", "FP8_PB_WO", "cuda")])
-def test_only_plans_that_compute_ask_for_the_gpu(tmp_path, monkeypatch, arch, algo, device):
-    """Under --device cuda, FP8 (NaN checks and requantization over every weight byte) runs on the GPU;
-    NVFP4 (copies, row orders, scale swizzles) stays on the CPU. The engine is stopped where it starts."""
+@pytest.mark.parametrize("arch,algo,target,device", [
+    ("qwen3_moe", "NVFP4", "flashinfer-cutlass", "cpu"), ("llama", "NVFP4", "flashinfer-cutlass", "cpu"),
+    ("qwen3_moe", "NVFP4", "flashinfer-trtllm", "cuda"), ("llama", "NVFP4", "flashinfer-trtllm", "cuda"),
+    ("mixtral", "FP8", "flashinfer-cutlass", "cuda"), ("llama", "FP8", "flashinfer-cutlass", "cuda"),
+    ("llama", "FP8_PB_WO", "flashinfer-trtllm", "cuda")])
+def test_only_plans_that_compute_ask_for_the_gpu(tmp_path, monkeypatch, arch, algo, target, device):
+    """Under --device cuda, work over every weight byte runs on the GPU: FP8 (NaN checks, requantization)
+    and trtllm's row shuffles. NVFP4 for cutlass (weights copied in the kernel, block scales swizzled)
+    stays on the CPU. The engine is stopped where it starts."""
     import mocli.devices
     import mocli.engine.job as job_mod
 
@@ -305,18 +308,19 @@ def test_only_plans_that_compute_ask_for_the_gpu(tmp_path, monkeypatch, arch, al
 
     ckpt = open_checkpoint(str(make_checkpoint(tmp_path / "src", arch=arch, algo=algo)))
     with pytest.raises(_Ran):
-        run_convert(ckpt, tmp_path / "o", Target.FLASHINFER_TRTLLM, device="cuda")
+        run_convert(ckpt, tmp_path / "o", Target(target), device="cuda")
     assert seen == [device]
 
 
-@pytest.mark.parametrize("target", TARGETS)
-def test_layout_only_conversion_under_device_cuda_runs_on_the_cpu(cli, tmp_path, monkeypatch, target):
-    """The whole NVFP4 run with --device cuda taken as granted: on a machine without CUDA anything that
+@pytest.mark.parametrize("arch", ["qwen3_moe", "llama"])
+def test_layout_only_conversion_under_device_cuda_runs_on_the_cpu(cli, tmp_path, monkeypatch, arch):
+    """The whole NVFP4 cutlass run with --device cuda taken as granted: on a machine without CUDA anything that
     touched it (pinned buffers, a copy to the device) would fail. It says where it ran, and the bytes
     are those of --device cpu."""
     import mocli.devices
 
-    src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4", unify_scale_2=False)
+    target = "flashinfer-cutlass"
+    src = make_checkpoint(tmp_path / "src", arch=arch, algo="NVFP4", unify_scale_2=False)
     plain = convert(cli, src, tmp_path / "cpu", target, "--device", "cpu")
     assert plain["device"] == "cpu" and "device_requested" not in plain
     monkeypatch.setattr(mocli.devices, "resolve_device", lambda d: torch.device("cuda"))
@@ -324,7 +328,7 @@ def test_layout_only_conversion_under_device_cuda_runs_on_the_cpu(cli, tmp_path,
     assert (r["device"], r["device_requested"]) == ("cpu", "cuda")
     assert digest_tree(tmp_path / "cuda") == digest_tree(tmp_path / "cpu")
     human = cli("convert", src, "-o", tmp_path / "again", "--target", target, "--device", "cuda")
-    assert human.exit_code == 0 and "ran on cpu, not cuda" in human.stdout
+    assert human.exit_code == 0 and "ran on cpu, not cuda: weights copied" in human.stdout
 
 
 def test_output_inside_input_is_refused(cli, real_copy):

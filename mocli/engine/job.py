@@ -200,8 +200,8 @@ def run(job: Job) -> JobResult:
     # cyclic collector stops re-scanning it at every full collection (8% of a 2-core conversion's CPU).
     gc.freeze()
     if job.device.type != "cpu" and not job.plan.compute:
-        # Layout only (copies, row gathers, scale swizzles): a GPU would add its start-up, pinned buffers
-        # and two transfers per byte to work the CPU does at memory speed. Same bytes either way.
+        # Weights copied as they are (in the kernel), small scales re-laid: a GPU would only add pinned
+        # buffers and transfers (NVFP4 for cutlass on an H200: 0.97 of the I/O floor this way). Same bytes.
         job = replace(job, device=torch.device("cpu"))
     try:
         return _run(job)

@@ -94,9 +94,10 @@ class Unit:
     inputs: list[TensorEntry]
     outputs: list[Key]
     run: Callable[..., list[Piece]]  # called with the engine's UnitContext (mocli.engine.pool)
-    # Arithmetic over every weight byte (FP8 NaN checks and requantization, quantization): what a GPU
-    # does faster. Copies, row gathers and scale swizzles are not; a plan without such units runs on
-    # the CPU even under --device cuda (``Plan.compute``).
+    # Every weight byte goes through memory to be transformed (FP8 NaN checks and requantization,
+    # quantization, trtllm's row shuffles): what a GPU does faster than the one CPU thread that runs
+    # units. Weights copied as they are (in the kernel) with small scale tensors swizzled beside them
+    # are not; a plan without such units runs on the CPU even under --device cuda (``Plan.compute``).
     compute: bool = False
 
     @property

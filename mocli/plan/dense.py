@@ -218,6 +218,7 @@ class _Nvfp4Dense(_Dense):
         big_a = torch.stack([pc.scale(m, INPUT_SCALE) for m in shards]).max()
         weights = [m.tensors[WEIGHT] for m in shards]
         bscales = [m.tensors[WEIGHT_SCALE] for m in shards]
+        self.compute = layout.nvfp4_weight_rows(self.n_full) is not None  # rows gathered in memory
         shapes = {}
         for r in self.ranks:
             sl = self.slice_of(r)

@@ -266,7 +266,8 @@ class _Nvfp4Moe(_Moe):
             cat = _stacked_halves(ctx, [(u, None), (g, None)], rows, h, None)
             return [permute_rows(cat, idx, ctx.out(cat))]
 
-        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], emit)
+        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], emit,
+                         compute=layout.w13_rows(2 * self.i) is not None)  # rows gathered in memory
 
     def _w13_scale_unit(self, e: int, g: Module, u: Module, s2_1, s2_3, big) -> None:
         layout = self.pc.layout
@@ -299,7 +300,7 @@ class _Nvfp4Moe(_Moe):
             part = loaded["w2"][:, i0 // 2:i1 // 2]
             return [permute_rows(part, idx) if idx is not None else part.contiguous()]
 
-        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, lambda ctx: {})
+        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, lambda ctx: {}, compute=idx is not None)
 
     def _w2_scale_unit(self, e: int, d: Module) -> None:
         layout, h = self.pc.layout, self.h

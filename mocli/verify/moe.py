@@ -82,6 +82,11 @@ class _Experts:
     def cols(self, m, role: str, a: int, b: int, dev) -> torch.Tensor:
         return self.src.near(m.tensors[role].name)[:, a:b].to(dev)
 
+    @property
+    def grouped(self) -> bool:
+        """Whether one call runs every expert's GEMMs (then every expert gets them; ``sample_experts``)."""
+        return False
+
     def prepare(self, mod, sample: list[int], x: torch.Tensor):
         """Work shared by the sampled experts of one rank (FP8 on CUDA: one grouped GEMM)."""
         return None
@@ -119,6 +124,10 @@ class _Fp8Experts(_Experts):
             apply_table("requant", self.rows(ex.up, WEIGHT, i0, i1, dev), s3, big),
             apply_table("requant", self.rows(ex.gate, WEIGHT, i0, i1, dev), s1, big)])
         problems.expect_equal(f"w2_weight ({name})", w2, self.cols(ex.down, WEIGHT, i0, i1, dev))
+
+    @property
+    def grouped(self) -> bool:
+        return self.rt.cuda
 
     def prepare(self, mod, sample, x):
         return _fp8_grouped(mod, sample, x, self.rt) if self.rt.cuda else None
@@ -267,7 +276,7 @@ def _stages(case: _Experts, mod, off: int, i_slice, x, ref_in, source, opts):
     stage errors, (error, threshold) of the worst stage relative to its threshold, per-expert outputs."""
     (i0, i1), rt = i_slice, case.rt
     i = i1 - i0
-    sample = sample_experts(mod.experts, rt, opts, mod.name)
+    sample = sample_experts(mod.experts, rt, opts, mod.name, every=case.grouped)
     stages = {"gemm1": 0.0, "gemm2": 0.0, "experts_numeric": len(sample)}
     worst = (-1.0, math.nan, 1.0)
     outs: dict[int, tuple] = {}
