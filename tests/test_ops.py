@@ -48,6 +48,13 @@ def test_unswizzle_inverts_swizzle(m, kb, experts):
     sw = swizzle_block_scales(s)
     back = torch.stack([decode.unswizzle(x, m, kb, "t") for x in sw]) if experts else decode.unswizzle(sw, m, kb, "t")
     assert torch.equal(back.view(torch.uint8), s.view(torch.uint8))
+    if experts:  # stacked experts at once (verify's batched bytes check), padding still checked in each
+        assert torch.equal(decode.unswizzle(sw, m, kb, "t").view(torch.uint8), s.view(torch.uint8))
+        if sw.shape[-2:] != (m, kb):
+            dirty = sw.clone().view(torch.uint8)
+            dirty[-1].view(-1)[-1] = 1  # the last expert's last byte: padding in the 128x4 tiles
+            with pytest.raises(decode.LayoutError):
+                decode.unswizzle(dirty, m, kb, "t")
     out = torch.full_like(sw, 0x55) if not experts else None
     if out is not None:  # into a dirty reused buffer: the padding still comes out zero
         assert torch.equal(swizzle_block_scales(s, out).view(torch.uint8), sw.view(torch.uint8))
@@ -77,6 +84,10 @@ def test_row_orders_are_undone_by_their_independent_inverses(blocks, cols):
     x = torch.randint(0, 256, (32 * blocks, cols), dtype=torch.uint8)
     assert torch.equal(decode.unshuffle_rows(x[shuffle_row_indices(32 * blocks)]), x)
     assert torch.equal(decode.ungate_rows(x[gated_act_row_indices(32 * blocks)]), x)
+    # three experts stacked: each one's rows undone on its own (rows are the second-to-last dim)
+    e = torch.randint(0, 256, (3, 32 * blocks, cols), dtype=torch.uint8)
+    idx = gated_act_row_indices(32 * blocks)[shuffle_row_indices(32 * blocks)]
+    assert torch.equal(decode.ungate_rows(decode.unshuffle_rows(e[:, idx])), e)
     out = torch.empty_like(x)
     assert torch.equal(permute_rows(x, shuffle_row_indices(32 * blocks), out), ref.shuffle_rows(x))
 

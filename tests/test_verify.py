@@ -214,6 +214,40 @@ def test_verify_fails_on_planted_fault(cli, converted, tmp_path, fault):
     assert not others, "the fault should be pinned to its module"
 
 
+def _flip_expert_byte(name: str, expert: int):
+    def fn(t):
+        if name not in t:
+            return False
+        w = t[name].clone()
+        w[expert].view(torch.uint8).view(-1)[7] ^= 0x01
+        t[name] = w
+        return True
+    return fn
+
+
+@pytest.mark.parametrize("key,target,tensor", [("qwen", CUTLASS, "w13_weight_scale"), ("qwen", TRTLLM, "w2_weight"),
+                                               ("mixtral", CUTLASS, "w2_weight"), ("mixtral", TRTLLM, "w13_weight")])
+def test_stacked_expert_bytes_check_agrees_with_expert_by_expert(cli, converted, tmp_path, monkeypatch, key, target,
+                                                                  tensor):
+    """The stacked bytes check (CUDA's path, forced here on the CPU) passes an intact layer without going
+    expert by expert, and one flipped bit in one expert still fails the layer, named as the expert by
+    expert check names it (the numerics alone would not see one bit)."""
+    from mocli.verify import moe
+
+    calls = []
+    monkeypatch.setattr(moe, "STACKED_BYTES_ON", ("cpu", "cuda"))
+    for cls in moe.MOE.values():
+        monkeypatch.setattr(cls, "expert_bytes", lambda self, *a, _f=cls.expert_bytes: calls.append(a[1]) or _f(self, *a))
+    code, _ = _verify(cli, converted[key, target])
+    assert code == 0 and not calls
+    out = _copy(converted, key, target, tmp_path)
+    layer = Q0 if key == "qwen" else M0
+    _mutate(out, _flip_expert_byte(f"{layer}.{tensor}", 1))
+    code, mods = _verify(cli, out)
+    assert code == 1 and f"{tensor} (expert 1) differs" in mods[layer]["message"], mods[layer]
+    assert calls
+
+
 # --- CLI behaviour ----------------------------------------------------------------------------------
 
 def test_junit_xml_and_human_output(cli, converted, tmp_path):

@@ -36,17 +36,18 @@ def roundup128(x: int) -> int:
 
 
 def unswizzle(swizzled: torch.Tensor, rows: int, cols: int, what: str) -> torch.Tensor:
-    """[Mp, Kp] 128x4-interleaved (1-byte dtype) -> uint8 [rows, cols]; padding must be zero."""
-    _, kp = swizzled.shape
+    """[..., Mp, Kp] 128x4-interleaved (1-byte dtype) -> uint8 [..., rows, cols], each trailing matrix
+    on its own (stacked experts at once); padding must be zero."""
+    lead, kp = swizzled.shape[:-2], swizzled.shape[-1]
     words = (cols + 3) // 4
-    flat = swizzled.contiguous().view(torch.uint8).view(torch.int32).reshape(-1)
+    flat = swizzled.contiguous().view(torch.uint8).view(torch.int32).reshape(-1, swizzled.shape[-2] * kp // 4)
     off, mask = _word_offsets(rows, words, kp, str(flat.device))
-    if bool(flat[mask].any()):
+    if bool(flat[:, mask].any()):
         raise LayoutError(f"{what}: swizzle padding is not zero")
-    out = flat[off].view(torch.uint8).reshape(rows, words * 4)
-    if bool(out[:, cols:].any()):
+    out = flat[:, off].view(torch.uint8).reshape(*lead, rows, words * 4)
+    if bool(out[..., cols:].any()):
         raise LayoutError(f"{what}: swizzle padding is not zero")
-    return out[:, :cols]
+    return out[..., :cols]
 
 
 def unpad(t: torch.Tensor, rows: int, cols: int, what: str) -> torch.Tensor:
@@ -57,12 +58,14 @@ def unpad(t: torch.Tensor, rows: int, cols: int, what: str) -> torch.Tensor:
 
 
 def unshuffle_rows(t: torch.Tensor) -> torch.Tensor:
-    """Inverse of shuffle_matrix_a's rows: in[b + 4c + a] = out[b + 8a + c] (blocks of 32)."""
-    m = t.shape[0]
-    return t.reshape(m // 32, 4, 8, -1).transpose(1, 2).reshape(t.shape)
+    """Inverse of shuffle_matrix_a's rows: in[b + 4c + a] = out[b + 8a + c] (blocks of 32); rows are the
+    second-to-last dim of a 2-D or 3-D (stacked experts) tensor."""
+    lead, m = t.shape[:-2], t.shape[-2]
+    return t.reshape(*lead, m // 32, 4, 8, -1).transpose(-3, -2).reshape(t.shape)
 
 
 def ungate_rows(t: torch.Tensor) -> torch.Tensor:
-    """Inverse of reorder_rows_for_gated_act_gemm: in[i] = out[2i], in[M/2 + i] = out[2i + 1]."""
-    m = t.shape[0]
-    return t.reshape(m // 2, 2, -1).transpose(0, 1).reshape(t.shape)
+    """Inverse of reorder_rows_for_gated_act_gemm: in[i] = out[2i], in[M/2 + i] = out[2i + 1] (rows as in
+    ``unshuffle_rows``)."""
+    lead, m = t.shape[:-2], t.shape[-2]
+    return t.reshape(*lead, m // 2, 2, -1).transpose(-3, -2).reshape(t.shape)
