@@ -43,8 +43,9 @@ def warm_cuda(device: str) -> None:
     """Start CUDA for ``device`` on a background thread, before torch is imported.
 
     The driver's start-up and the device's primary context (the one torch's runtime then attaches to)
-    cost about a second on an H200, and importing torch takes three more: the two overlap when the
-    context is made here through the driver library (ctypes drops the GIL while it waits). Nothing
+    took 0.31-0.34 s at torch's first CUDA call on an H200, and 0.02 s once warmed here; importing torch
+    takes about 3 s there, and the two overlap because the context is made through the driver library
+    (ctypes drops the GIL while it waits). Nothing
     happens for ``cpu``, without a driver or without a device, and any failure is left for torch to
     report in its own words: this only moves work earlier."""
     if device == "cpu" or not (device == "auto" or device.startswith("cuda")):

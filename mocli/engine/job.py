@@ -201,7 +201,8 @@ def run(job: Job) -> JobResult:
     gc.freeze()
     if job.device.type != "cpu" and not job.plan.compute:
         # Weights copied as they are (in the kernel), small scales re-laid: a GPU would only add pinned
-        # buffers and transfers (NVFP4 for cutlass on an H200: 0.97 of the I/O floor this way). Same bytes.
+        # buffers and transfers (NVFP4 for cutlass on an H200: 0.97-1.16 of the I/O floor this way over
+        # three runs, 1.19 through the GPU). Same bytes.
         job = replace(job, device=torch.device("cpu"))
     try:
         return _run(job)
@@ -340,9 +341,9 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
     threads = torch.get_num_threads()
     if job.device.type == "cpu":
         # The writer and hash threads each keep a core busy; intra-op threads beyond the rest only
-        # contend with them (measured: 1 compute thread on 2 cores is 18% faster than 2). Without
-        # arithmetic over the weights one thread is enough (a row gather runs at ~20 GB/s on one core),
-        # and idle intra-op threads would spin against the writers.
+        # contend with them (measured: 1 compute thread on 2 cores is 18% faster than 2). A plan with
+        # nothing to compute (``Plan.compute``) only re-lays small scales: one thread, and no idle
+        # intra-op threads spinning against the writers.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) - 2) if job.plan.compute else 1)
     try:
         with TensorReader() as reader, open(partial / journal_name(dist.rank), "a") as journal, \
