@@ -42,6 +42,11 @@ class Checkpoint:
         return sum(h.size for h in self.files)
 
     @property
+    def has_fp8_weights(self) -> bool:
+        """Whether any weight is stored as FP8 (its conversion checks and requantizes every byte)."""
+        return any(e.dtype == "F8_E4M3" and n.endswith(".weight") for n, e in self.tensors.items())
+
+    @property
     def architecture(self) -> str | None:
         archs = self.config.get("architectures")
         return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None

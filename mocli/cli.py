@@ -295,7 +295,8 @@ def convert_cmd(
             progress.phase("reading headers")
             ckpt = open_checkpoint(model)
             digests = SourceDigests([h.path for h in ckpt.files])  # hashing overlaps the torch import
-            warm_cuda(device.value)  # so does CUDA's start-up (unused if the plan has nothing to compute)
+            if target is Target.FLASHINFER_TRTLLM or ckpt.has_fp8_weights:  # and CUDA's start-up, where the
+                warm_cuda(device.value)  # plan will use the GPU (a hint: Plan.compute decides, after torch)
             progress.phase("loading torch")
             from mocli.convert import convert
             from mocli.render import render_convert

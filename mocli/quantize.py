@@ -208,7 +208,8 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
             "deviations_from_online": deviations,
             "groups": len(qp.groups), "ignored_layers": ignored, "notes": qp.notes, "tensors": len(plan.tensors),
             "bytes": result.bytes, "shards": len(result.files), "units": result.units,
-            "resumed_units": result.resumed_units, "seconds": round(time.perf_counter() - t0, 3)}
+            "resumed_units": result.resumed_units, "seconds": round(time.perf_counter() - t0, 3)} \
+        | ({"device_requested": str(dev)} if result.device != str(dev) else {})
 
 
 def _plan(ckpt: Checkpoint, qp: QuantizePlan):

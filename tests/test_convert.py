@@ -282,15 +282,18 @@ class _Ran(Exception):
     pass
 
 
-@pytest.mark.parametrize("arch,algo,target,device", [
-    ("qwen3_moe", "NVFP4", "flashinfer-cutlass", "cpu"), ("llama", "NVFP4", "flashinfer-cutlass", "cpu"),
-    ("qwen3_moe", "NVFP4", "flashinfer-trtllm", "cuda"), ("llama", "NVFP4", "flashinfer-trtllm", "cuda"),
-    ("mixtral", "FP8", "flashinfer-cutlass", "cuda"), ("llama", "FP8", "flashinfer-cutlass", "cuda"),
-    ("llama", "FP8_PB_WO", "flashinfer-trtllm", "cuda")])
-def test_only_plans_that_compute_ask_for_the_gpu(tmp_path, monkeypatch, arch, algo, target, device):
-    """Under --device cuda, work over every weight byte runs on the GPU: FP8 (NaN checks, requantization)
-    and trtllm's row shuffles. NVFP4 for cutlass (weights copied in the kernel, block scales swizzled)
-    stays on the CPU. The engine is stopped where it starts."""
+@pytest.mark.parametrize("arch,algo,target,tp,device", [
+    ("qwen3_moe", "NVFP4", "flashinfer-cutlass", 1, "cpu"), ("llama", "NVFP4", "flashinfer-cutlass", 1, "cpu"),
+    ("qwen3_moe", "NVFP4", "flashinfer-trtllm", 1, "cuda"), ("llama", "NVFP4", "flashinfer-trtllm", 1, "cuda"),
+    ("qwen3_moe", "NVFP4", "flashinfer-cutlass", 2, "cuda"),  # w2's columns sliced per rank in memory
+    ("padded", "NVFP4", "flashinfer-cutlass", 1, "cuda"),  # N = 48 padded to 128 in memory
+    ("mixtral", "FP8", "flashinfer-cutlass", 1, "cuda"), ("llama", "FP8", "flashinfer-cutlass", 1, "cuda"),
+    ("llama", "FP8_PB_WO", "flashinfer-trtllm", 1, "cuda")])
+def test_only_plans_that_compute_ask_for_the_gpu(tmp_path, monkeypatch, arch, algo, target, tp, device):
+    """Under --device cuda, work over every weight byte runs on the GPU: FP8 (NaN checks, requantization),
+    trtllm's row shuffles, weights sliced or padded per rank. NVFP4 for cutlass whose weights are only
+    copied in the kernel (block scales swizzled beside them) stays on the CPU. The engine is stopped
+    where it starts."""
     import mocli.devices
     import mocli.engine.job as job_mod
 
@@ -306,9 +309,10 @@ def test_only_plans_that_compute_ask_for_the_gpu(tmp_path, monkeypatch, arch, al
     from mocli.convert import convert as run_convert
     from mocli.targets import Target
 
-    ckpt = open_checkpoint(str(make_checkpoint(tmp_path / "src", arch=arch, algo=algo)))
+    shape = dict(arch="llama", heads=1, kv_heads=1, head_dim=48) if arch == "padded" else dict(arch=arch)
+    ckpt = open_checkpoint(str(make_checkpoint(tmp_path / "src", algo=algo, **shape)))
     with pytest.raises(_Ran):
-        run_convert(ckpt, tmp_path / "o", Target(target), device="cuda")
+        run_convert(ckpt, tmp_path / "o", Target(target), device="cuda", tp=tp)
     assert seen == [device]
 
 

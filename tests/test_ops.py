@@ -84,6 +84,9 @@ def test_row_orders_are_undone_by_their_independent_inverses(blocks, cols):
     x = torch.randint(0, 256, (32 * blocks, cols), dtype=torch.uint8)
     assert torch.equal(decode.unshuffle_rows(x[shuffle_row_indices(32 * blocks)]), x)
     assert torch.equal(decode.ungate_rows(x[gated_act_row_indices(32 * blocks)]), x)
+    v = torch.arange(32 * blocks)  # a vector (per-row scales): its elements are the rows
+    assert torch.equal(decode.unshuffle_rows(v[shuffle_row_indices(32 * blocks)]), v)
+    assert torch.equal(decode.ungate_rows(v[gated_act_row_indices(32 * blocks)]), v)
     # three experts stacked: each one's rows undone on its own (rows are the second-to-last dim)
     e = torch.randint(0, 256, (3, 32 * blocks, cols), dtype=torch.uint8)
     idx = gated_act_row_indices(32 * blocks)[shuffle_row_indices(32 * blocks)]

@@ -225,19 +225,31 @@ def _flip_expert_byte(name: str, expert: int):
     return fn
 
 
-@pytest.mark.parametrize("key,target,tensor", [("qwen", CUTLASS, "w13_weight_scale"), ("qwen", TRTLLM, "w2_weight"),
-                                               ("mixtral", CUTLASS, "w2_weight"), ("mixtral", TRTLLM, "w13_weight")])
-def test_stacked_expert_bytes_check_agrees_with_expert_by_expert(cli, converted, tmp_path, monkeypatch, key, target,
-                                                                  tensor):
-    """The stacked bytes check (CUDA's path, forced here on the CPU) passes an intact layer without going
-    expert by expert, and one flipped bit in one expert still fails the layer, named as the expert by
-    expert check names it (the numerics alone would not see one bit)."""
+def _force_stacked(monkeypatch, chunk_bytes: int | None = None) -> list:
+    """Verify's stacked expert-bytes check (CUDA's path) on the CPU too; returns the list of experts the
+    expert-by-expert check was then called for."""
     from mocli.verify import moe
 
     calls = []
     monkeypatch.setattr(moe, "STACKED_BYTES_ON", ("cpu", "cuda"))
+    if chunk_bytes is not None:
+        monkeypatch.setattr(moe, "STACKED_BYTES", chunk_bytes)
     for cls in moe.MOE.values():
         monkeypatch.setattr(cls, "expert_bytes", lambda self, *a, _f=cls.expert_bytes: calls.append(a[1]) or _f(self, *a))
+    return calls
+
+
+@pytest.mark.parametrize("key,target,tensor,chunk", [("qwen", CUTLASS, "w13_weight_scale", None),
+                                                     ("qwen", TRTLLM, "w2_weight", 1),
+                                                     ("qwen", TRTLLM, "w2_weight_scale", None),
+                                                     ("mixtral", CUTLASS, "w2_weight", None),
+                                                     ("mixtral", TRTLLM, "w13_weight", 1)])
+def test_stacked_expert_bytes_check_agrees_with_expert_by_expert(cli, converted, tmp_path, monkeypatch, key, target,
+                                                                  tensor, chunk):
+    """The stacked bytes check (CUDA's path, forced here on the CPU; chunk 1: one expert per stack) passes
+    an intact layer without going expert by expert, and one flipped bit in one expert still fails the
+    layer, named as the expert by expert check names it (the numerics alone would not see one bit)."""
+    calls = _force_stacked(monkeypatch, chunk)
     code, _ = _verify(cli, converted[key, target])
     assert code == 0 and not calls
     out = _copy(converted, key, target, tmp_path)
@@ -246,6 +258,25 @@ def test_stacked_expert_bytes_check_agrees_with_expert_by_expert(cli, converted,
     code, mods = _verify(cli, out)
     assert code == 1 and f"{tensor} (expert 1) differs" in mods[layer]["message"], mods[layer]
     assert calls
+
+
+@pytest.mark.parametrize("par,expert", [(["--tp", "2"], 1), (["--tp", "2", "--ep", "2"], None)])  # None: expert parallel
+def test_stacked_expert_bytes_check_per_rank(cli, tmp_path, monkeypatch, par, expert):
+    """Tensor- and expert-parallel outputs through the stacked check: every rank's slice of every expert
+    matches without the expert-by-expert path; a flipped bit in rank 1's local expert 1 fails rank 1
+    only, named by its global index."""
+    calls = _force_stacked(monkeypatch)
+    out = tmp_path / "o"
+    assert cli("-q", "convert", REAL_QWEN, "-o", out, "--target", TRTLLM, *par).exit_code == 0
+    r = cli("--json", "verify", out)
+    assert r.exit_code == 0 and not calls, [m["message"] for m in r.json["modules"] if not m["passed"]]
+    _mutate(out / "rank-1", _flip_expert_byte(f"{Q0}.w13_weight", 1))
+    r = cli("--json", "verify", out)
+    failed = [m for m in r.json["modules"] if not m["passed"]]
+    assert r.exit_code == 1 and [(m["module"], m["rank"]) for m in failed] == [(Q0, 1)], failed
+    n = failed[0]["shape"]["expert_offset"] + 1 if expert is None else expert
+    assert expert is not None or n > 1  # expert parallel: rank 1's local expert 1 is not global expert 1
+    assert f"w13_weight (expert {n}) differs" in failed[0]["message"], failed
 
 
 # --- CLI behaviour ----------------------------------------------------------------------------------

@@ -218,7 +218,6 @@ class _Nvfp4Dense(_Dense):
         big_a = torch.stack([pc.scale(m, INPUT_SCALE) for m in shards]).max()
         weights = [m.tensors[WEIGHT] for m in shards]
         bscales = [m.tensors[WEIGHT_SCALE] for m in shards]
-        self.compute = layout.nvfp4_weight_rows(self.n_full) is not None  # rows gathered in memory
         shapes = {}
         for r in self.ranks:
             sl = self.slice_of(r)
@@ -257,7 +256,14 @@ class _Nvfp4Dense(_Dense):
                     pieces += [Piece(self.key(r, role), 0, scalar(v)) for role, v in scalars.items()]
             return pieces + self.bias_pieces(ctx)
 
+        # weights gathered, sliced or padded in memory on some rank (not only copied in the kernel)
+        self.compute = not all(self._copied(self.slice_of(r), shapes[r]) for r in self.ranks)
         self.finish(lambda r: {"padded_n": shapes[r][0], "padded_k": shapes[r][1] * 2}, weights + bscales, run)
+
+    def _copied(self, sl: RankSlice, wshape: tuple[int, int]) -> bool:
+        """Whether the rank's weight is its source rows as they are (copied in the kernel)."""
+        return wshape == (sl.n, sl.k // 2) and self.pc.layout.nvfp4_weight_rows(sl.n) is None \
+            and tuple(sl.cols) == (0, self.k_full)
 
     def _unify(self, s2: list[torch.Tensor]) -> torch.Tensor:
         """S2 = max over the shards (mocli policy, SEMANTICS §6); the shards below it are counted."""
@@ -276,7 +282,7 @@ class _Nvfp4Dense(_Dense):
         layout, n, k = self.pc.layout, sl.n, sl.k
         c0, c1 = sl.cols
         idx = layout.nvfp4_weight_rows(n)
-        if wshape == (n, k // 2) and idx is None and (c0, c1) == (0, self.k_full):
+        if self._copied(sl, wshape):
             return [SourceRange(w, 0, w.nbytes).rows(a, b) for w, (a, b) in zip(weights, sl.rows, strict=True)]
         parts = []
         for i, (a, b) in enumerate(sl.rows):

@@ -300,7 +300,10 @@ class _Nvfp4Moe(_Moe):
             part = loaded["w2"][:, i0 // 2:i1 // 2]
             return [permute_rows(part, idx) if idx is not None else part.contiguous()]
 
-        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, lambda ctx: {}, compute=idx is not None)
+        # rows gathered (trtllm) or columns sliced (tensor parallel) in memory
+        sliced = any(self.i_r(r) != self.i for r in self.ranks)
+        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, lambda ctx: {},
+                         compute=idx is not None or sliced)
 
     def _w2_scale_unit(self, e: int, d: Module) -> None:
         layout, h = self.pc.layout, self.h

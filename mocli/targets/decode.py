@@ -59,7 +59,9 @@ def unpad(t: torch.Tensor, rows: int, cols: int, what: str) -> torch.Tensor:
 
 def unshuffle_rows(t: torch.Tensor) -> torch.Tensor:
     """Inverse of shuffle_matrix_a's rows: in[b + 4c + a] = out[b + 8a + c] (blocks of 32); rows are the
-    second-to-last dim of a 2-D or 3-D (stacked experts) tensor."""
+    second-to-last dim of a 2-D or 3-D (stacked experts) tensor; a 1-D tensor is one column."""
+    if t.dim() == 1:
+        return unshuffle_rows(t.reshape(-1, 1)).reshape(t.shape)
     lead, m = t.shape[:-2], t.shape[-2]
     return t.reshape(*lead, m // 32, 4, 8, -1).transpose(-3, -2).reshape(t.shape)
 
@@ -67,5 +69,7 @@ def unshuffle_rows(t: torch.Tensor) -> torch.Tensor:
 def ungate_rows(t: torch.Tensor) -> torch.Tensor:
     """Inverse of reorder_rows_for_gated_act_gemm: in[i] = out[2i], in[M/2 + i] = out[2i + 1] (rows as in
     ``unshuffle_rows``)."""
+    if t.dim() == 1:
+        return ungate_rows(t.reshape(-1, 1)).reshape(t.shape)
     lead, m = t.shape[:-2], t.shape[-2]
     return t.reshape(*lead, m // 2, 2, -1).transpose(-3, -2).reshape(t.shape)

@@ -77,9 +77,18 @@ class _Experts:
         raise NotImplementedError
 
     def all_bytes(self, mod, experts, i_slice: tuple[int, int]) -> bool:
-        """Every expert's bytes at once, stacked (the same exact comparisons as ``expert_bytes``, a few
-        calls instead of a few per expert): True when all match. On False the caller goes expert by
-        expert to say which differs. Subclasses without it return False."""
+        """Every expert's bytes, stacked a chunk of experts at a time (the same exact comparisons as
+        ``expert_bytes``, a few calls instead of a few per expert): True when all match. False also
+        for a layout fault or a device out of memory: the caller then goes expert by expert, which
+        names the expert and holds one at a time."""
+        per = max(1, STACKED_BYTES // max(1, sum(t[0].nbytes for t in (mod.w13_weight, mod.w2_weight))))
+        try:
+            return all(self.stacked_bytes(mod, experts[a:a + per], a, i_slice) for a in range(0, len(experts), per))
+        except (LayoutError, torch.OutOfMemoryError):
+            return False
+
+    def stacked_bytes(self, mod, experts, first: int, i_slice: tuple[int, int]) -> bool:
+        """``all_bytes`` for local experts ``first`` .. ``first + len(experts)``; kinds without it: False."""
         return False
 
     @staticmethod
@@ -136,14 +145,15 @@ class _Fp8Experts(_Experts):
             apply_table("requant", self.rows(ex.gate, WEIGHT, i0, i1, dev), s1, big)])
         problems.expect_equal(f"w2_weight ({name})", w2, self.cols(ex.down, WEIGHT, i0, i1, dev))
 
-    def all_bytes(self, mod, experts, i_slice):
+    def stacked_bytes(self, mod, experts, first, i_slice):
         layout, (i0, i1), dev = self.rt.layout, i_slice, mod.w13_weight.device
+        part = slice(first, first + len(experts))
         sc = [(self.src.scalar(ex.gate, WEIGHT_SCALE), self.src.scalar(ex.up, WEIGHT_SCALE)) for ex in experts]
         want13 = self._stacked([apply_table("requant", self.rows(ex.up, WEIGHT, i0, i1, dev), s3, torch.maximum(s1, s3)),
                                 apply_table("requant", self.rows(ex.gate, WEIGHT, i0, i1, dev), s1, torch.maximum(s1, s3))]
                                for ex, (s1, s3) in zip(experts, sc, strict=True))
-        return (bit_equal(layout.moe_rows_decode(mod.w13_weight, gated=True), want13)
-                and bit_equal(layout.moe_rows_decode(mod.w2_weight, gated=False),
+        return (bit_equal(layout.moe_rows_decode(mod.w13_weight[part], gated=True), want13)
+                and bit_equal(layout.moe_rows_decode(mod.w2_weight[part], gated=False),
                               self._stacked(self.cols(ex.down, WEIGHT, i0, i1, dev) for ex in experts)))
 
     @property
@@ -201,14 +211,14 @@ class _Nvfp4Experts(_Experts):
                                                f"{mod.name}.w2_weight_scale[{local}]"), gated=False)
         problems.expect_equal(f"w2_weight_scale ({name})", bs2, self.cols(ex.down, WEIGHT_SCALE, i0 // 16, i1 // 16, dev))
 
-    def all_bytes(self, mod, experts, i_slice):
+    def stacked_bytes(self, mod, experts, first, i_slice):
         layout, (i0, i1), dev = self.rt.layout, i_slice, mod.w13_weight.device
-        i, h = i1 - i0, mod.hidden
-        if not bit_equal(layout.moe_rows_decode(mod.w13_weight, gated=True),
+        i, h, part = i1 - i0, mod.hidden, slice(first, first + len(experts))
+        if not bit_equal(layout.moe_rows_decode(mod.w13_weight[part], gated=True),
                          self._stacked([self.rows(ex.up, WEIGHT, i0, i1, dev), self.rows(ex.gate, WEIGHT, i0, i1, dev)]
                                        for ex in experts)):
             return False
-        if not bit_equal(layout.moe_rows_decode(mod.w2_weight, gated=False),
+        if not bit_equal(layout.moe_rows_decode(mod.w2_weight[part], gated=False),
                          self._stacked(self.cols(ex.down, WEIGHT, i0 // 2, i1 // 2, dev) for ex in experts)):
             return False
         want13 = []
@@ -217,9 +227,9 @@ class _Nvfp4Experts(_Experts):
             big = torch.maximum(s1, s3)
             want13.append([apply_table("rescale", self.rows(ex.up, WEIGHT_SCALE, i0, i1, dev), s3, big),
                            apply_table("rescale", self.rows(ex.gate, WEIGHT_SCALE, i0, i1, dev), s1, big)])
-        bs13 = layout.moe_rows_decode(unswizzle(mod.w13_weight_scale, 2 * i, h // 16, f"{mod.name}.w13_weight_scale"),
+        bs13 = layout.moe_rows_decode(unswizzle(mod.w13_weight_scale[part], 2 * i, h // 16, "w13_weight_scale"),
                                       gated=True)
-        bs2 = layout.moe_rows_decode(unswizzle(mod.w2_weight_scale, h, i // 16, f"{mod.name}.w2_weight_scale"),
+        bs2 = layout.moe_rows_decode(unswizzle(mod.w2_weight_scale[part], h, i // 16, "w2_weight_scale"),
                                      gated=False)
         return (bit_equal(bs13, self._stacked(want13))
                 and bit_equal(bs2, self._stacked(self.cols(ex.down, WEIGHT_SCALE, i0 // 16, i1 // 16, dev)
@@ -246,9 +256,11 @@ class _Nvfp4Experts(_Experts):
         return flashinfer_args.run_cutlass_fused_moe_nvfp4(mod, x, ids, w)
 
 
-# Devices where a layer's expert bytes are compared stacked (``_Experts.all_bytes``): on the CPU the
-# stacked copies would cost a layer's worth of memory that the expert-by-expert path never holds.
+# Devices where a layer's expert bytes are compared stacked (``_Experts.all_bytes``), and how many
+# output bytes at a time (the source's and the decoded copies come to about three times that). On the
+# CPU the copies would cost memory and passes the expert-by-expert path never makes.
 STACKED_BYTES_ON = ("cuda",)
+STACKED_BYTES = 512 << 20
 
 MOE: dict[ModuleKind, type[_Experts]] = {ModuleKind.FP8_MOE: _Fp8Experts, ModuleKind.NVFP4_MOE: _Nvfp4Experts}
 
