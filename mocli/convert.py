@@ -70,10 +70,10 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
                      {"--target": target, "--tp": tp, "--ep": ep, "--max-shard-size": max_shard_bytes})
     result = engine.run(job)
     return {
-        "output": str(out), "target": str(target), "device": result.device, "tensors": len(plan.tensors),
+        "output": str(out), "target": str(target), **result.device_fields(str(dev)), "tensors": len(plan.tensors),
         "parallel": parallel.to_dict(), "bytes": result.bytes, "shards": len(result.files),
         "units": result.units, "resumed_units": result.resumed_units, "modules": len(plan.modules),
         "seconds": round(time.perf_counter() - t0, 3), "repairs": plan.unified_scales,
         "warnings": [f.to_dict() for f in report.findings.warnings],
         "discarded_partial_bytes": result.discarded_partial,
-    } | ({"device_requested": str(dev)} if result.device != str(dev) else {})
+    }

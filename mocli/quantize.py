@@ -204,12 +204,11 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
     online = ONLINE_QUANTIZED_ROUTERS.get(ckpt.architecture or "")
     deviations = [{"layer": n, "here": "kept in the source dtype (SEMANTICS §12)", "engine_online": online}
                   for n in ignored if online and any(n.endswith("." + r) for r in ROUTERS)]
-    return {"output": str(out), "scheme": scheme, "device": result.device, "quantized_modules": sum(len(g.modules) for g in qp.groups),
+    return {"output": str(out), "scheme": scheme, **result.device_fields(str(dev)), "quantized_modules": sum(len(g.modules) for g in qp.groups),
             "deviations_from_online": deviations,
             "groups": len(qp.groups), "ignored_layers": ignored, "notes": qp.notes, "tensors": len(plan.tensors),
             "bytes": result.bytes, "shards": len(result.files), "units": result.units,
-            "resumed_units": result.resumed_units, "seconds": round(time.perf_counter() - t0, 3)} \
-        | ({"device_requested": str(dev)} if result.device != str(dev) else {})
+            "resumed_units": result.resumed_units, "seconds": round(time.perf_counter() - t0, 3)}
 
 
 def _plan(ckpt: Checkpoint, qp: QuantizePlan):

@@ -87,6 +87,10 @@ class JobResult:
     device: str = "cpu"  # where the units ran: the job's device, or the CPU for a plan with nothing to compute
     discarded_partial: int = 0  # bytes of a stale partial (other arguments) that was replaced
 
+    def device_fields(self, requested: str) -> dict[str, str]:
+        """A summary's ``device``, with ``device_requested`` where the units ran elsewhere than asked."""
+        return {"device": self.device} | ({"device_requested": requested} if self.device != requested else {})
+
 
 def _files(job: Job, root: Path) -> list[tuple[str, Path, ShardFile]]:
     return [(g, root / g / f.name if g else root / f.name, f) for g, lay in job.layouts.items() for f in lay.files]

@@ -11,6 +11,7 @@ of the layout) cannot read as a fault.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 import time
 
 import torch
@@ -71,30 +72,43 @@ class _Experts:
     def expected_scales(self, w13, s2, a13, a2, e: int) -> dict[Role, torch.Tensor]:
         raise NotImplementedError
 
-    def expert_bytes(self, mod, local: int, ex, i_slice: tuple[int, int], problems: Problems) -> None:
-        """One expert's weights (and block scales) after the target's inverse row orders, exactly; on the
-        device the module is on (the source's bytes go there, not the converted ones to the CPU)."""
+    def decoded(self, mod, which: int | slice, i_slice: tuple[int, int]) -> dict[str, Callable[[], torch.Tensor]]:
+        """The stored bytes of local expert ``which`` (an index; a slice: those experts stacked) after the
+        target's inverse transforms, by role in the order they are checked; each decoded when called."""
         raise NotImplementedError
 
+    def expected(self, ex, i_slice: tuple[int, int], dev) -> dict[str, list[torch.Tensor]]:
+        """What ``decoded`` must hold for source expert ``ex``, by role: parts laid end to end on dim 0,
+        on the device the module is on (the source's bytes go there, not the converted ones to the CPU)."""
+        raise NotImplementedError
+
+    def expert_bytes(self, mod, local: int, ex, i_slice: tuple[int, int], problems: Problems) -> None:
+        """One expert's weights (and block scales), exactly."""
+        got = self.decoded(mod, local, i_slice)
+        for role, parts in self.expected(ex, i_slice, mod.w13_weight.device).items():
+            what = f"{role} (expert {ex.index})"
+            if len(parts) == 1:
+                problems.expect_equal(what, got[role](), parts[0])
+            else:
+                problems.expect_parts(what, got[role](), parts)
+
     def all_bytes(self, mod, experts, i_slice: tuple[int, int]) -> bool:
-        """Every expert's bytes, stacked a chunk of experts at a time (the same exact comparisons as
-        ``expert_bytes``, a few calls instead of a few per expert): True when all match. False also
-        for a layout fault or a device out of memory: the caller then goes expert by expert, which
-        names the expert and holds one at a time."""
+        """Every expert's bytes, stacked a chunk of experts at a time (the comparisons of ``expert_bytes``
+        in a few calls instead of a few per expert): True when all match. False also for a layout fault
+        or a device out of memory: the caller then goes expert by expert, which names the expert and
+        holds one at a time."""
         per = max(1, STACKED_BYTES // max(1, sum(t[0].nbytes for t in (mod.w13_weight, mod.w2_weight))))
         try:
-            return all(self.stacked_bytes(mod, experts[a:a + per], a, i_slice) for a in range(0, len(experts), per))
+            return all(self._stacked_bytes(mod, experts[a:a + per], a, i_slice) for a in range(0, len(experts), per))
         except (LayoutError, torch.OutOfMemoryError):
             return False
 
-    def stacked_bytes(self, mod, experts, first: int, i_slice: tuple[int, int]) -> bool:
-        """``all_bytes`` for local experts ``first`` .. ``first + len(experts)``; kinds without it: False."""
-        return False
-
-    @staticmethod
-    def _stacked(parts) -> torch.Tensor:
-        """[E, ...]: each expert's tensor, or (a list) its parts laid end to end on dim 0."""
-        return torch.stack([torch.cat(p) if isinstance(p, list) else p for p in parts])
+    def _stacked_bytes(self, mod, experts, first: int, i_slice: tuple[int, int]) -> bool:
+        got = self.decoded(mod, slice(first, first + len(experts)), i_slice)
+        wants = [self.expected(ex, i_slice, mod.w13_weight.device) for ex in experts]
+        return all(bit_equal(got[role](), torch.stack([torch.cat(w[role]) if len(w[role]) > 1 else w[role][0]
+                                                       for w in wants]))
+                   for role in got)
 
     def rows(self, m, role: str, a: int, b: int, dev) -> torch.Tensor:
         return self.src.near(m.tensors[role].name)[a:b].to(dev)
@@ -133,28 +147,18 @@ class _Fp8Experts(_Experts):
                 Role.OUTPUT1_SCALES_SCALAR: g1 * torch.reciprocal(a2), Role.OUTPUT1_SCALES_GATE_SCALAR: g1,
                 Role.OUTPUT2_SCALES_SCALAR: g2}
 
-    def expert_bytes(self, mod, local, ex, i_slice, problems):
-        layout, (i0, i1), dev = self.rt.layout, i_slice, mod.w13_weight.device
+    def decoded(self, mod, which, i_slice):
+        layout = self.rt.layout
+        return {"w13_weight": lambda: layout.moe_rows_decode(mod.w13_weight[which], gated=True),
+                "w2_weight": lambda: layout.moe_rows_decode(mod.w2_weight[which], gated=False)}
+
+    def expected(self, ex, i_slice, dev):
+        (i0, i1) = i_slice
         s1, s3 = self.src.scalar(ex.gate, WEIGHT_SCALE), self.src.scalar(ex.up, WEIGHT_SCALE)
         big = torch.maximum(s1, s3)
-        name = f"expert {ex.index}"
-        w13 = layout.moe_rows_decode(mod.w13_weight[local], gated=True)
-        w2 = layout.moe_rows_decode(mod.w2_weight[local], gated=False)
-        problems.expect_parts(f"w13_weight ({name})", w13, [
-            apply_table("requant", self.rows(ex.up, WEIGHT, i0, i1, dev), s3, big),
-            apply_table("requant", self.rows(ex.gate, WEIGHT, i0, i1, dev), s1, big)])
-        problems.expect_equal(f"w2_weight ({name})", w2, self.cols(ex.down, WEIGHT, i0, i1, dev))
-
-    def stacked_bytes(self, mod, experts, first, i_slice):
-        layout, (i0, i1), dev = self.rt.layout, i_slice, mod.w13_weight.device
-        part = slice(first, first + len(experts))
-        sc = [(self.src.scalar(ex.gate, WEIGHT_SCALE), self.src.scalar(ex.up, WEIGHT_SCALE)) for ex in experts]
-        want13 = self._stacked([apply_table("requant", self.rows(ex.up, WEIGHT, i0, i1, dev), s3, torch.maximum(s1, s3)),
-                                apply_table("requant", self.rows(ex.gate, WEIGHT, i0, i1, dev), s1, torch.maximum(s1, s3))]
-                               for ex, (s1, s3) in zip(experts, sc, strict=True))
-        return (bit_equal(layout.moe_rows_decode(mod.w13_weight[part], gated=True), want13)
-                and bit_equal(layout.moe_rows_decode(mod.w2_weight[part], gated=False),
-                              self._stacked(self.cols(ex.down, WEIGHT, i0, i1, dev) for ex in experts)))
+        return {"w13_weight": [apply_table("requant", self.rows(ex.up, WEIGHT, i0, i1, dev), s3, big),
+                               apply_table("requant", self.rows(ex.gate, WEIGHT, i0, i1, dev), s1, big)],
+                "w2_weight": [self.cols(ex.down, WEIGHT, i0, i1, dev)]}
 
     @property
     def grouped(self) -> bool:
@@ -191,49 +195,26 @@ class _Nvfp4Experts(_Experts):
                 Role.OUTPUT1_SCALE_SCALAR: g1 * torch.reciprocal(a2_v), Role.OUTPUT1_SCALE_GATE_SCALAR: g1,
                 Role.OUTPUT2_SCALE_SCALAR: g2}
 
-    def expert_bytes(self, mod, local, ex, i_slice, problems):
-        layout, (i0, i1), dev = self.rt.layout, i_slice, mod.w13_weight.device
-        i, h = i1 - i0, mod.hidden
+    def decoded(self, mod, which, i_slice):
+        layout, i, h = self.rt.layout, i_slice[1] - i_slice[0], mod.hidden
+        at = f"[{which}]" if isinstance(which, int) else ""
+        return {
+            "w13_weight": lambda: layout.moe_rows_decode(mod.w13_weight[which], gated=True),
+            "w13_weight_scale": lambda: layout.moe_rows_decode(unswizzle(
+                mod.w13_weight_scale[which], 2 * i, h // 16, f"{mod.name}.w13_weight_scale{at}"), gated=True),
+            "w2_weight": lambda: layout.moe_rows_decode(mod.w2_weight[which], gated=False),
+            "w2_weight_scale": lambda: layout.moe_rows_decode(unswizzle(
+                mod.w2_weight_scale[which], h, i // 16, f"{mod.name}.w2_weight_scale{at}"), gated=False)}
+
+    def expected(self, ex, i_slice, dev):
+        (i0, i1) = i_slice
         s1, s3 = self.src.scalar(ex.gate, WEIGHT_SCALE_2), self.src.scalar(ex.up, WEIGHT_SCALE_2)
         big = torch.maximum(s1, s3)
-        name = f"expert {ex.index}"
-        w13 = layout.moe_rows_decode(mod.w13_weight[local], gated=True)
-        w2 = layout.moe_rows_decode(mod.w2_weight[local], gated=False)
-        problems.expect_parts(f"w13_weight ({name})", w13, [self.rows(ex.up, WEIGHT, i0, i1, dev),
-                                                             self.rows(ex.gate, WEIGHT, i0, i1, dev)])
-        bs13 = layout.moe_rows_decode(unswizzle(mod.w13_weight_scale[local], 2 * i, h // 16,
-                                                f"{mod.name}.w13_weight_scale[{local}]"), gated=True)
-        problems.expect_parts(f"w13_weight_scale ({name})", bs13, [
-            apply_table("rescale", self.rows(ex.up, WEIGHT_SCALE, i0, i1, dev), s3, big),
-            apply_table("rescale", self.rows(ex.gate, WEIGHT_SCALE, i0, i1, dev), s1, big)])
-        problems.expect_equal(f"w2_weight ({name})", w2, self.cols(ex.down, WEIGHT, i0 // 2, i1 // 2, dev))
-        bs2 = layout.moe_rows_decode(unswizzle(mod.w2_weight_scale[local], h, i // 16,
-                                               f"{mod.name}.w2_weight_scale[{local}]"), gated=False)
-        problems.expect_equal(f"w2_weight_scale ({name})", bs2, self.cols(ex.down, WEIGHT_SCALE, i0 // 16, i1 // 16, dev))
-
-    def stacked_bytes(self, mod, experts, first, i_slice):
-        layout, (i0, i1), dev = self.rt.layout, i_slice, mod.w13_weight.device
-        i, h, part = i1 - i0, mod.hidden, slice(first, first + len(experts))
-        if not bit_equal(layout.moe_rows_decode(mod.w13_weight[part], gated=True),
-                         self._stacked([self.rows(ex.up, WEIGHT, i0, i1, dev), self.rows(ex.gate, WEIGHT, i0, i1, dev)]
-                                       for ex in experts)):
-            return False
-        if not bit_equal(layout.moe_rows_decode(mod.w2_weight[part], gated=False),
-                         self._stacked(self.cols(ex.down, WEIGHT, i0 // 2, i1 // 2, dev) for ex in experts)):
-            return False
-        want13 = []
-        for ex in experts:
-            s1, s3 = self.src.scalar(ex.gate, WEIGHT_SCALE_2), self.src.scalar(ex.up, WEIGHT_SCALE_2)
-            big = torch.maximum(s1, s3)
-            want13.append([apply_table("rescale", self.rows(ex.up, WEIGHT_SCALE, i0, i1, dev), s3, big),
-                           apply_table("rescale", self.rows(ex.gate, WEIGHT_SCALE, i0, i1, dev), s1, big)])
-        bs13 = layout.moe_rows_decode(unswizzle(mod.w13_weight_scale[part], 2 * i, h // 16, "w13_weight_scale"),
-                                      gated=True)
-        bs2 = layout.moe_rows_decode(unswizzle(mod.w2_weight_scale[part], h, i // 16, "w2_weight_scale"),
-                                     gated=False)
-        return (bit_equal(bs13, self._stacked(want13))
-                and bit_equal(bs2, self._stacked(self.cols(ex.down, WEIGHT_SCALE, i0 // 16, i1 // 16, dev)
-                                                 for ex in experts)))
+        return {"w13_weight": [self.rows(ex.up, WEIGHT, i0, i1, dev), self.rows(ex.gate, WEIGHT, i0, i1, dev)],
+                "w13_weight_scale": [apply_table("rescale", self.rows(ex.up, WEIGHT_SCALE, i0, i1, dev), s3, big),
+                                     apply_table("rescale", self.rows(ex.gate, WEIGHT_SCALE, i0, i1, dev), s1, big)],
+                "w2_weight": [self.cols(ex.down, WEIGHT, i0 // 2, i1 // 2, dev)],
+                "w2_weight_scale": [self.cols(ex.down, WEIGHT_SCALE, i0 // 16, i1 // 16, dev)]}
 
     def expert_gemms(self, mod, n, local, i, x, shared):
         layout, rt, h = self.rt.layout, self.rt, mod.hidden
