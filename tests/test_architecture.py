@@ -20,7 +20,7 @@ LAYERS: list[list[str]] = [
     ["mocli", "mocli.errors", "mocli.progress", "mocli.trace", "mocli.findings", "mocli.tables", "mocli.io", "mocli.io.*",
      "mocli.ops", "mocli.ops.*", "mocli.parallel", "mocli.engine.dist", "mocli.targets.decode",
      "mocli.verify.quant", "mocli.verify.expect", "mocli.verify.html", "mocli.verify.junit"],
-    ["mocli.formats", "mocli.devices"],
+    ["mocli.formats", "mocli.devices", "mocli.procenv"],
     ["mocli.quant_config", "mocli.kinds"],
     ["mocli.checkpoint", "mocli.census", "mocli.exclusions", "mocli.scales", "mocli.deep_scan", "mocli.targets",
      "mocli.targets.*", "mocli.formats.*"],

@@ -163,3 +163,45 @@ def test_rescale_block_scales_hand_value():
     assert out.float().tolist() == [[1.0, 2.0]]
     same = rescale_block_scales(bs, torch.tensor(2.0), torch.tensor(2.0))
     assert same is bs
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cols", [1, 3, 8, 24])
+def test_row_decoders_keep_dtype_shape_and_bytes(dtype, cols):
+    """The decoders move rows as wide words where the row's bytes allow: same result as moving the
+    row's elements one by one (the loops in tests.reference), for every width."""
+    raw = torch.randint(0, 256, (2, 64, cols * torch.tensor([], dtype=dtype).element_size()), dtype=torch.uint8)
+    x = raw.view(dtype)
+    idx = gated_act_row_indices(64)[shuffle_row_indices(64)]
+    got = decode.ungate_rows(decode.unshuffle_rows(x[:, idx]))
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got.view(torch.uint8), raw)
+
+
+def test_as_words_is_the_same_memory_at_the_widest_width():
+    t = torch.zeros(4, 16, dtype=torch.uint8)
+    assert decode.as_words(t).dtype == torch.int64 and decode.as_words(t).data_ptr() == t.data_ptr()
+    assert decode.as_words(torch.zeros(4, 6, dtype=torch.uint8)).dtype == torch.int16
+    assert decode.as_words(torch.zeros(4, 5, dtype=torch.uint8)).dtype == torch.uint8
+    assert decode.as_words(t[:, 1:9]).dtype == torch.uint8  # a row starting off a word boundary
+    assert decode.as_words(torch.tensor(1.0)).shape == (1,)
+
+
+def test_bit_equal_hand_cases():
+    from mocli.verify.expect import bit_equal
+
+    a = torch.arange(256, dtype=torch.uint8).reshape(8, 32)
+    assert bit_equal(a, a.clone())
+    b = a.clone()
+    b[7, 31] ^= 0x80  # one bit, in the last word
+    assert not bit_equal(a, b)
+    # a transposed view against its copy, and against the copy with one bit flipped
+    t = a.view(torch.int64).t()
+    assert bit_equal(t, t.contiguous()) and not bit_equal(t, b.view(torch.int64).t().contiguous())
+    assert not bit_equal(a, a.reshape(32, 8))  # same bytes, other shape
+    assert not bit_equal(a.view(torch.int16), a.view(torch.int16).reshape(8, 16).to(torch.int32))
+    # -0.0 and 0.0 are equal numbers and different bytes; NaN is not equal to itself and is the same bytes
+    assert not bit_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
+    nan = torch.tensor([float("nan")])
+    assert bit_equal(nan, nan.clone())
+    assert bit_equal(torch.empty(0, 3), torch.empty(0, 3))

@@ -102,3 +102,27 @@ def test_drop_pages_gives_back_mapped_pages_and_views_still_read_the_file(tmp_pa
         assert touched - before > 48 << 10  # 64 MiB mapped in
         assert touched - dropped > 48 << 10  # and given back
         assert torch.equal(v, t)  # faulted back in, same bytes
+
+
+def test_views_from_several_threads(tmp_path, monkeypatch):
+    """verify checks bytes on a second thread through the same reader: views stay right while both
+    threads map, evict and re-map files (two maps at most here, four files)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    want = {}
+    for i in range(4):
+        t = {f"t{i}_{j}": torch.randint(0, 256, (64, 33), dtype=torch.uint8) for j in range(3)}
+        save_file(t, str(tmp_path / f"{i}.safetensors"))
+        want |= {n: (tmp_path / f"{i}.safetensors", v) for n, v in t.items()}
+    entries = {n: read_header(f).tensors[n] for n, (f, _) in want.items()}
+    monkeypatch.setattr(TensorReader, "MAX_OPEN", 2)
+    with TensorReader() as r:
+        def check(k: int) -> int:
+            names = list(want)
+            for step in range(300):
+                n = names[(k * 7 + step * 5) % len(names)]
+                assert torch.equal(r.view(entries[n]), want[n][1]), n
+            return k
+
+        with ThreadPoolExecutor(4) as ex:
+            assert sorted(ex.map(check, range(4))) == [0, 1, 2, 3]

@@ -279,6 +279,25 @@ def test_stacked_expert_bytes_check_per_rank(cli, tmp_path, monkeypatch, par, ex
     assert f"w13_weight (expert {n}) differs" in failed[0]["message"], failed
 
 
+def test_a_layout_fault_in_the_bytes_wins_over_the_gemms(cli, converted, monkeypatch):
+    """On the CPU the expert bytes are checked on a second thread beside the GEMMs. A layout fault the
+    bytes find is reported as when the bytes ran first: the module is a layout failure, its numbers are
+    not reported, and the fault the GEMMs hit on their own decoding comes second to it."""
+    from mocli.targets.decode import LayoutError
+    from mocli.verify import moe
+
+    def planted(t, rows, cols, what):
+        raise LayoutError(f"planted: {what}")
+
+    monkeypatch.setattr(moe, "unswizzle", planted)  # the bytes' decoding and the GEMMs' both
+    code, mods = _verify(cli, converted["qwen", TRTLLM])
+    m = mods[Q0]
+    assert code == 1 and m["kernel"] == "layout check" and m["error"] is None, m
+    assert m["message"].startswith(f"planted: {Q0}.w13_weight_scale[0]"), m["message"]
+    assert m["checks"]["numeric"] == "not run"
+    assert [n for n, x in mods.items() if not x["passed"]] == [n for n in mods if n.endswith(".mlp.experts")]
+
+
 # --- CLI behaviour ----------------------------------------------------------------------------------
 
 def test_junit_xml_and_human_output(cli, converted, tmp_path):

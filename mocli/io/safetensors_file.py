@@ -12,6 +12,7 @@ import json
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -180,7 +181,9 @@ def tensor_bytes_view(t: torch.Tensor) -> memoryview:
 
 class TensorReader:
     """Reads single tensors by offset. Keeps the most recently used files open (at most ``MAX_OPEN``:
-    checkpoints with over a thousand shards exist, past any open-file limit). Not thread-safe.
+    checkpoints with over a thousand shards exist, past any open-file limit). ``view`` may be called from
+    several threads (verify checks bytes beside its GEMMs); reads share descriptors that another
+    thread's ``fd`` may close once ``MAX_OPEN`` files are in use, so threads that read keep a reader each.
     ``follow``: whether files may be symbolic links (see io.paths; mocli's own outputs may not)."""
 
     MAX_OPEN = 8
@@ -189,8 +192,13 @@ class TensorReader:
         self._files: dict[Path, int] = {}  # in order of last use
         self._maps: dict[Path, object] = {}
         self.follow = follow
+        self._lock = threading.Lock()  # the two tables above
 
     def fd(self, path: Path) -> int:
+        with self._lock:
+            return self._fd(path)
+
+    def _fd(self, path: Path) -> int:
         fd = self._files.pop(path, None)
         if fd is None:
             if len(self._files) >= self.MAX_OPEN:
@@ -253,12 +261,13 @@ class TensorReader:
                                    "that torch cannot represent", hint="mocli cannot process this tensor")
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=dtypes[entry.dtype])
-        mm = self._maps.pop(entry.file, None)
-        if mm is None:
-            if len(self._maps) >= self.MAX_OPEN:  # a map holds a descriptor of its own until it is unmapped
-                del self._maps[next(iter(self._maps))]  # unmapped once no tensor views it any more
-            mm = mmap.mmap(self.fd(entry.file), 0, access=mmap.ACCESS_COPY)
-        self._maps[entry.file] = mm
+        with self._lock:
+            mm = self._maps.pop(entry.file, None)
+            if mm is None:
+                if len(self._maps) >= self.MAX_OPEN:  # a map holds a descriptor of its own until it is unmapped
+                    del self._maps[next(iter(self._maps))]  # unmapped once no tensor views it any more
+                mm = mmap.mmap(self._fd(entry.file), 0, access=mmap.ACCESS_COPY)
+            self._maps[entry.file] = mm
         if entry.start + entry.nbytes > len(mm):
             raise CorruptFileError(f"{entry.file}: unexpected end of file reading '{entry.name}'",
                                    hint="the file was truncated after it was opened; download it again")
@@ -273,14 +282,16 @@ class TensorReader:
         (12.9 GiB verifying a 6.4 GB output before). Views must not have been written to."""
         import mmap
 
-        for mm in self._maps.values():
-            mm.madvise(mmap.MADV_DONTNEED)
+        with self._lock:
+            for mm in self._maps.values():
+                mm.madvise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
-        self._maps.clear()  # the mappings close when the last tensor viewing them goes
-        for fd in self._files.values():
-            os.close(fd)
-        self._files.clear()
+        with self._lock:
+            self._maps.clear()  # the mappings close when the last tensor viewing them goes
+            for fd in self._files.values():
+                os.close(fd)
+            self._files.clear()
 
     def __enter__(self) -> TensorReader:
         return self

@@ -279,7 +279,7 @@ class _Nvfp4Dense(_Dense):
                      loaded: dict[int, torch.Tensor]) -> list:
         """One tp rank's packed weight in the target layout: source bytes the kernel copies when no
         transform touches them, else its rows and columns permuted and padded here."""
-        layout, n, k = self.pc.layout, sl.n, sl.k
+        layout, n = self.pc.layout, sl.n
         c0, c1 = sl.cols
         idx = layout.nvfp4_weight_rows(n)
         if self._copied(sl, wshape):

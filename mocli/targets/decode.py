@@ -31,6 +31,26 @@ def _word_offsets(rows: int, words: int, kp: int, device: str = "cpu") -> tuple[
     return off, mask
 
 
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as the widest integers its layout allows (int64 where each row's bytes and every
+    stride are multiples of 8), same memory: comparing or copying 8 bytes per element instead of one is
+    what makes a multi-GB check run at memory speed (torch.equal on uint8 ran at 1.6 GB/s on the build
+    machine, on int64 at 7)."""
+    raw = t.detach()
+    if raw.dim() == 0:
+        raw = raw.reshape(1)
+    if raw.element_size() != 1:
+        raw = raw.view(torch.uint8) if raw.stride(-1) == 1 else raw.contiguous().view(torch.uint8)
+    if raw.stride(-1) != 1:
+        raw = raw.contiguous()
+    for wide in (torch.int64, torch.int32, torch.int16):
+        try:
+            return raw.view(wide)
+        except RuntimeError:  # a row's bytes or a stride not a multiple of the width
+            continue
+    return raw
+
+
 def roundup128(x: int) -> int:
     return (x + 127) // 128 * 128
 
@@ -57,13 +77,19 @@ def unpad(t: torch.Tensor, rows: int, cols: int, what: str) -> torch.Tensor:
     return t[:rows, :cols]
 
 
+def _as(w: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Words back to ``like``'s dtype and shape (``w`` contiguous, ``like``'s bytes)."""
+    return w.view(torch.uint8).view(like.dtype).reshape(like.shape) if w.dtype != like.dtype else w
+
+
 def unshuffle_rows(t: torch.Tensor) -> torch.Tensor:
     """Inverse of shuffle_matrix_a's rows: in[b + 4c + a] = out[b + 8a + c] (blocks of 32); rows are the
     second-to-last dim of a 2-D or 3-D (stacked experts) tensor; a 1-D tensor is one column."""
     if t.dim() == 1:
         return unshuffle_rows(t.reshape(-1, 1)).reshape(t.shape)
     lead, m = t.shape[:-2], t.shape[-2]
-    return t.reshape(*lead, m // 32, 4, 8, -1).transpose(-3, -2).reshape(t.shape)
+    w = as_words(t)
+    return _as(w.reshape(*lead, m // 32, 4, 8, -1).transpose(-3, -2).reshape(w.shape), t)
 
 
 def ungate_rows(t: torch.Tensor) -> torch.Tensor:
@@ -72,4 +98,5 @@ def ungate_rows(t: torch.Tensor) -> torch.Tensor:
     if t.dim() == 1:
         return ungate_rows(t.reshape(-1, 1)).reshape(t.shape)
     lead, m = t.shape[:-2], t.shape[-2]
-    return t.reshape(*lead, m // 2, 2, -1).transpose(-3, -2).reshape(t.shape)
+    w = as_words(t)
+    return _as(w.reshape(*lead, m // 2, 2, -1).transpose(-3, -2).reshape(w.shape), t)

@@ -13,6 +13,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from mocli.targets.decode import as_words
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -105,7 +107,14 @@ def heads_of(config: dict) -> tuple[int, int] | None:
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape and bytes; compared on the GPU when either tensor is there."""
+    if a.shape != b.shape or a.element_size() != b.element_size():
+        return False
     dev = a.device if a.device.type != "cpu" else b.device
-    a, b = a.detach().to(dev).contiguous(), b.detach().to(dev).contiguous()
-    return a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a.view(-1).view(torch.uint8),
-                                              b.view(torch.uint8) if b.element_size() == 1 else b.view(-1).view(torch.uint8))
+    a, b = a.detach().to(dev), b.detach().to(dev)
+    if a.numel() == 0:
+        return True
+    # the same flat byte order on both sides first (a transposed view is copied, as rows of words)
+    wa, wb = as_words(a).contiguous().reshape(-1), as_words(b).contiguous().reshape(-1)
+    if wa.dtype != wb.dtype:
+        wa, wb = wa.view(torch.uint8), wb.view(torch.uint8)
+    return torch.equal(wa, wb)

@@ -11,8 +11,10 @@ of the layout) cannot read as a fault.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import os
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -282,18 +284,20 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheckpo
                 i_slice = tuple(meta.get("intermediate_slice", [0, meta["intermediate"]]))
                 experts = [layer.experts[off + e] for e in range(mod.experts)]
                 case.consistency(mod, experts, a13, a2, problems)
-                # the whole layer in a few calls (about 2 ms an expert one by one on a GPU, a second for a
-                # 6-layer, 64-expert model); expert by expert where that finds a difference, to name it
-                if not (rt.device.type in STACKED_BYTES_ON and case.all_bytes(mod, experts, i_slice)):
-                    for local, ex in enumerate(experts):
-                        case.expert_bytes(mod, local, ex, i_slice, problems)
+                # the bytes beside the GEMMs on the CPU: each leaves cores idle that the other can use
+                found = _BYTES.submit(_all_expert_bytes, case, mod, experts, i_slice) \
+                    if rt.device.type == "cpu" and (os.cpu_count() or 1) > 1 else _done(_all_expert_bytes(
+                        case, mod, experts, i_slice))
                 fp4 = kind is ModuleKind.NVFP4_MOE
-                if rt.fi is not None and rt.kernels is Kernels.FLASHINFER or (fp4 and rt.fp4_kernels()):
-                    res.kernel, res.emulated, res.stages, (res.error, res.threshold) = _fused(
-                        case, mod, experts, x, ref_in, a2.to(rt.device), opts)
-                else:
-                    res.kernel, res.emulated, res.stages, (res.error, res.threshold), outs = _stages(
-                        case, mod, off, i_slice, x, ref_in, source, opts)
+                try:
+                    if rt.fi is not None and rt.kernels is Kernels.FLASHINFER or (fp4 and rt.fp4_kernels()):
+                        numbers = (*_fused(case, mod, experts, x, ref_in, a2.to(rt.device), opts), None)
+                    else:
+                        numbers = _stages(case, mod, off, i_slice, x, ref_in, source, opts)
+                finally:
+                    problems += found.result()  # a byte check's own layout fault first, as when it ran first
+                res.kernel, res.emulated, res.stages, (res.error, res.threshold), outs = numbers
+                if outs is not None:
                     per_rank[rank] = (i_slice, outs)
             except (LayoutError, CorruptFileError) as e:
                 res.kernel = "layout check"
@@ -303,6 +307,27 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheckpo
     if len({i_slice for i_slice, _ in per_rank.values()}) > 1 and len(per_rank) == len(infos):
         cross = _cross(name, case, per_rank, ref_in, source, layer.intermediate)
     return results, cross
+
+
+# One thread for the expert byte checks of the CPU path (torch drops the GIL in its operations).
+_BYTES = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mocli-verify-bytes")
+
+
+def _done(value) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def _all_expert_bytes(case: _Experts, mod, experts, i_slice: tuple[int, int]) -> Problems:
+    """Every expert's bytes of one rank, as problems in expert order. The whole layer in a few calls
+    where that runs (about 2 ms an expert one by one on a GPU, a second for a 6-layer, 64-expert model);
+    expert by expert where it finds a difference, to name the expert."""
+    found = Problems()
+    if not (case.rt.device.type in STACKED_BYTES_ON and case.all_bytes(mod, experts, i_slice)):
+        for local, ex in enumerate(experts):
+            case.expert_bytes(mod, local, ex, i_slice, found)
+    return found
 
 
 def _expert_tensors(layer, infos: dict[int, dict]) -> list[str]:

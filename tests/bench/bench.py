@@ -64,6 +64,11 @@ def fresh(path: Path) -> None:
     process itself must stay small."""
     shutil.rmtree(path, ignore_errors=True)
     os.sync()
+    warm_memory()
+
+
+def warm_memory() -> None:
+    """Touch (then free) a few GiB of memory right before a timed command (see ``fresh``)."""
     if WARM_BYTES:
         subprocess.run([sys.executable, "-c", f"import numpy; numpy.ones({WARM_BYTES}, dtype=numpy.uint8)"],
                        check=True)
@@ -162,7 +167,10 @@ def bench_convert(scratch: Path, rounds: int, device: str, results: list, algos:
                 fresh(scratch / "out-cpu")
         if algo == "NVFP4":
             # the output of the last round (trtllm) is what verify and the loader read
-            v = [timed(mocli("verify", str(scratch / "out"), "--device", device)) for _ in range(rounds)]
+            v = []
+            for _ in range(rounds):  # from the state each convert started from
+                warm_memory()
+                v.append(timed(mocli("verify", str(scratch / "out"), "--device", device)))
             results.append(line(f"verify {size_gib(src):.2f} GiB NVFP4 output --device {device} / its convert", v, a,
                                 1.0, "verify", "convert"))
             if device == "cuda":

@@ -1,0 +1,42 @@
+"""Process-wide settings for commands whose CPU work is many short torch operations (verify).
+
+Both must be made before the work starts; ``passive_omp`` before torch is imported (OpenMP reads its
+environment once, when torch loads it)."""
+
+from __future__ import annotations
+
+import os
+
+
+def passive_omp() -> None:
+    """Let OpenMP's idle threads sleep instead of spinning between operations (unless the user chose).
+
+    verify runs thousands of short tensor operations beside its hashing threads; spinning OpenMP
+    workers took a core from those threads. On the 2-core build machine a verify's user time went
+    from 11-14 s to 9-10 s with the workers sleeping."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 256 << 20
+TRIM_THRESHOLD = 512 << 20
+
+
+def reuse_freed_memory() -> None:
+    """Keep freed blocks of up to ``MMAP_THRESHOLD`` in the heap for the next allocation, instead of
+    mapping fresh pages for every tensor over 32 MiB (glibc's dynamic limit) and giving them back when it
+    is freed: fresh pages are faulted in and zeroed by the kernel each time. verify makes tens of
+    tensors of a layer's size in turn (decoded weights, dequantized experts); with this, its GEMM
+    stage took 1.6-2.0 s instead of 3.2 s on the build machine and its system time fell by a third.
+    Freed memory up to ``TRIM_THRESHOLD`` stays with the process. Does nothing outside glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
