@@ -205,3 +205,24 @@ def test_bit_equal_hand_cases():
     nan = torch.tensor([float("nan")])
     assert bit_equal(nan, nan.clone())
     assert bit_equal(torch.empty(0, 3), torch.empty(0, 3))
+
+
+@pytest.mark.parametrize("target", ["flashinfer-cutlass", "flashinfer-trtllm"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_row_halves_are_views_of_the_decoded_rows(target, gated):
+    """What verify compares without copying: part k of ``moe_rows_halves``, its leading dims read in
+    order, is the k-th half of the decoded rows (the whole of them ungated), and shares the stored memory."""
+    from mocli.targets import layout_of
+
+    layout = layout_of(target)
+    x = torch.randint(0, 256, (128, 24), dtype=torch.uint8)
+    stored = x
+    if target == "flashinfer-trtllm":
+        idx = gated_act_row_indices(128)[shuffle_row_indices(128)] if gated else shuffle_row_indices(128)
+        stored = x[idx].contiguous()
+    halves = layout.moe_rows_halves(stored, gated)
+    assert halves.shape[0] == (2 if gated else 1) and halves.data_ptr() == stored.data_ptr()
+    parts = x.chunk(halves.shape[0])
+    for h, p in zip(halves, parts, strict=True):
+        assert torch.equal(h.reshape(p.shape), p)
+    assert layout.moe_rows_halves(stored[:127], gated) is None or not gated and target == "flashinfer-cutlass"

@@ -103,6 +103,14 @@ class TargetLayout:
         """One expert's stored rows -> logical order ([w3; w1] for w13)."""
         return stored
 
+    def moe_rows_halves(self, stored: torch.Tensor, gated: bool) -> torch.Tensor | None:
+        """``moe_rows_decode`` of one expert's [M, cols] as a view, no byte moved: [parts, ..., cols],
+        parts 2 where gated (the halves, [w3] and [w1]) else 1; a part's leading dims read in order are
+        its rows (see ``decode.shuffled_halves``). None where the rows do not split so."""
+        if stored.dim() != 2 or gated and stored.shape[0] % 2:
+            return None
+        return stored.unflatten(0, (2, stored.shape[0] // 2)) if gated else stored.unsqueeze(0)
+
     def moe_extra_scales(self, kind: ModuleKind, g1: torch.Tensor, g2: torch.Tensor,
                          a2_inv: torch.Tensor) -> dict[Role, tuple[torch.Tensor, str]]:
         """Extra per-expert scale vectors this target's kernel takes (role -> (value, how))."""

@@ -92,6 +92,19 @@ def unshuffle_rows(t: torch.Tensor) -> torch.Tensor:
     return _as(w.reshape(*lead, m // 32, 4, 8, -1).transpose(-3, -2).reshape(w.shape), t)
 
 
+def shuffled_halves(t: torch.Tensor, gated: bool) -> torch.Tensor:
+    """``unshuffle_rows`` (then ``ungate_rows`` where ``gated``) of one expert's [M, cols] rows as a view,
+    no byte moved: [parts, M/32, 8, r, cols] with parts 2 and r 2 where gated (the first and the second
+    half of the decoded rows), else 1 and 4. A part's leading dims read in order are its rows.
+    For checks that only compare (reshaping this to [M, cols] would copy every byte)."""
+    m, cols = t.shape[-2], t.shape[-1]
+    v = t.reshape(m // 32, 4, 8, cols).transpose(1, 2)  # [M/32, 8, 4, cols]: row 32a + 4b + c
+    if not gated:
+        return v.unsqueeze(0)
+    # row 32a + 4b + 2c' + g of the unshuffled rows is row g * M/2 + 16a + 2b + c' once ungated
+    return v.unflatten(2, (2, 2)).movedim(3, 0)
+
+
 def ungate_rows(t: torch.Tensor) -> torch.Tensor:
     """Inverse of reorder_rows_for_gated_act_gemm: in[i] = out[2i], in[M/2 + i] = out[2i + 1] (rows as in
     ``unshuffle_rows``)."""

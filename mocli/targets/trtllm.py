@@ -64,6 +64,11 @@ class TrtllmLayout(TargetLayout):
         rows = decode.unshuffle_rows(stored)
         return decode.ungate_rows(rows) if gated else rows
 
+    def moe_rows_halves(self, stored: torch.Tensor, gated: bool) -> torch.Tensor | None:
+        from mocli.targets import decode
+
+        return decode.shuffled_halves(stored, gated) if stored.dim() == 2 and stored.shape[0] % 32 == 0 else None
+
     def moe_extra_scales(self, kind: ModuleKind, g1: torch.Tensor, g2: torch.Tensor,
                          a2_inv: torch.Tensor) -> dict[Role, tuple[torch.Tensor, str]]:
         # SEMANTICS §4/§7.6: output1 = g1 * (1/a2) with the float32 reciprocal, as vLLM computes it

@@ -13,7 +13,7 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -234,13 +234,39 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm()) / denom if denom > 0 else float((out - ref).norm())
 
 
+class Halves(NamedTuple):
+    """Decoded rows as a view (``TargetLayout.moe_rows_halves``): ``parts[k]``'s leading dims, read in
+    order, are the rows of the k-th half (one part where nothing is gated)."""
+
+    parts: torch.Tensor
+
+    def rows(self) -> int:
+        p = self.parts
+        return p.shape[0] * (p[0].numel() // p.shape[-1] if p.shape[-1] else 0)
+
+
+def _same_rows(view: torch.Tensor, rows: torch.Tensor) -> bool:
+    """``rows`` ([n, cols]) has as many rows and columns as ``view``'s leading dims and last dim hold."""
+    return rows.dim() == 2 and rows.shape[1] == view.shape[-1] and rows.numel() == view.numel()
+
+
 class Problems(list):
-    def expect_equal(self, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
-        if not bit_equal(got, want):
+    def expect_equal(self, what: str, got: torch.Tensor | Halves, want: torch.Tensor) -> None:
+        if isinstance(got, Halves):
+            self.expect_parts(what, got, [want])
+        elif not bit_equal(got, want):
             self.append(f"{what} differs from the source")
 
-    def expect_parts(self, what: str, got: torch.Tensor, parts: list[torch.Tensor]) -> None:
-        """``got`` equals ``parts`` stacked on dim 0, compared block by block (no concatenation)."""
+    def expect_parts(self, what: str, got: torch.Tensor | Halves, parts: list[torch.Tensor]) -> None:
+        """``got`` equals ``parts`` stacked on dim 0, compared block by block (no concatenation; a
+        ``Halves`` part by part, the source's rows shaped as its view: nothing copied)."""
+        if isinstance(got, Halves):
+            if got.rows() != sum(p.shape[0] for p in parts):
+                self.append(f"{what} has {got.rows()} rows, the source gives {sum(p.shape[0] for p in parts)}")
+            elif len(parts) != got.parts.shape[0] or not all(
+                    _same_rows(g, p) and bit_equal(g, p.reshape(g.shape)) for g, p in zip(got.parts, parts, strict=True)):
+                self.append(f"{what} differs from the source")
+            return
         if got.shape[0] != sum(p.shape[0] for p in parts):
             self.append(f"{what} has {got.shape[0]} rows, the source gives {sum(p.shape[0] for p in parts)}")
             return

@@ -113,8 +113,8 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = a.detach().to(dev), b.detach().to(dev)
     if a.numel() == 0:
         return True
-    # the same flat byte order on both sides first (a transposed view is copied, as rows of words)
-    wa, wb = as_words(a).contiguous().reshape(-1), as_words(b).contiguous().reshape(-1)
-    if wa.dtype != wb.dtype:
-        wa, wb = wa.view(torch.uint8), wb.view(torch.uint8)
-    return torch.equal(wa, wb)
+    wa, wb = as_words(a), as_words(b)
+    if wa.dtype == wb.dtype and wa.shape == wb.shape:
+        return torch.equal(wa, wb)  # views compared in place, strided or not
+    # else the same flat byte order on both sides first (a transposed view is copied, as rows of words)
+    return torch.equal(wa.contiguous().view(torch.uint8).reshape(-1), wb.contiguous().view(torch.uint8).reshape(-1))

@@ -29,6 +29,7 @@ from mocli.verify.common import (
     FUSED_MOE_THRESHOLD,
     THRESHOLDS,
     CrossResult,
+    Halves,
     Kernels,
     ModuleResult,
     Problems,
@@ -74,10 +75,22 @@ class _Experts:
     def expected_scales(self, w13, s2, a13, a2, e: int) -> dict[Role, torch.Tensor]:
         raise NotImplementedError
 
-    def decoded(self, mod, which: int | slice, i_slice: tuple[int, int]) -> dict[str, Callable[[], torch.Tensor]]:
+    def decoded(self, mod, which: int | slice, i_slice: tuple[int, int],
+                halves: bool = False) -> dict[str, Callable[[], torch.Tensor | Halves]]:
         """The stored bytes of local expert ``which`` (an index; a slice: those experts stacked) after the
-        target's inverse transforms, by role in the order they are checked; each decoded when called."""
+        target's inverse transforms, by role in the order they are checked; each decoded when called.
+        ``halves`` (one expert): row orders undone as views where they can be (``Halves``), to compare."""
         raise NotImplementedError
+
+    def rows_decode(self, halves: bool) -> Callable[[torch.Tensor, bool], torch.Tensor | Halves]:
+        layout = self.rt.layout
+        if not halves:
+            return layout.moe_rows_decode
+
+        def rows(stored: torch.Tensor, gated: bool) -> torch.Tensor | Halves:
+            v = layout.moe_rows_halves(stored, gated)
+            return layout.moe_rows_decode(stored, gated) if v is None else Halves(v)
+        return rows
 
     def expected(self, ex, i_slice: tuple[int, int], dev) -> dict[str, list[torch.Tensor]]:
         """What ``decoded`` must hold for source expert ``ex``, by role: parts laid end to end on dim 0,
@@ -86,7 +99,7 @@ class _Experts:
 
     def expert_bytes(self, mod, local: int, ex, i_slice: tuple[int, int], problems: Problems) -> None:
         """One expert's weights (and block scales), exactly."""
-        got = self.decoded(mod, local, i_slice)
+        got = self.decoded(mod, local, i_slice, halves=True)
         for role, parts in self.expected(ex, i_slice, mod.w13_weight.device).items():
             what = f"{role} (expert {ex.index})"
             if len(parts) == 1:
@@ -149,10 +162,10 @@ class _Fp8Experts(_Experts):
                 Role.OUTPUT1_SCALES_SCALAR: g1 * torch.reciprocal(a2), Role.OUTPUT1_SCALES_GATE_SCALAR: g1,
                 Role.OUTPUT2_SCALES_SCALAR: g2}
 
-    def decoded(self, mod, which, i_slice):
-        layout = self.rt.layout
-        return {"w13_weight": lambda: layout.moe_rows_decode(mod.w13_weight[which], gated=True),
-                "w2_weight": lambda: layout.moe_rows_decode(mod.w2_weight[which], gated=False)}
+    def decoded(self, mod, which, i_slice, halves=False):
+        rows = self.rows_decode(halves)
+        return {"w13_weight": lambda: rows(mod.w13_weight[which], True),
+                "w2_weight": lambda: rows(mod.w2_weight[which], False)}
 
     def expected(self, ex, i_slice, dev):
         (i0, i1) = i_slice
@@ -197,16 +210,16 @@ class _Nvfp4Experts(_Experts):
                 Role.OUTPUT1_SCALE_SCALAR: g1 * torch.reciprocal(a2_v), Role.OUTPUT1_SCALE_GATE_SCALAR: g1,
                 Role.OUTPUT2_SCALE_SCALAR: g2}
 
-    def decoded(self, mod, which, i_slice):
-        layout, i, h = self.rt.layout, i_slice[1] - i_slice[0], mod.hidden
+    def decoded(self, mod, which, i_slice, halves=False):
+        rows, i, h = self.rows_decode(halves), i_slice[1] - i_slice[0], mod.hidden
         at = f"[{which}]" if isinstance(which, int) else ""
         return {
-            "w13_weight": lambda: layout.moe_rows_decode(mod.w13_weight[which], gated=True),
-            "w13_weight_scale": lambda: layout.moe_rows_decode(unswizzle(
-                mod.w13_weight_scale[which], 2 * i, h // 16, f"{mod.name}.w13_weight_scale{at}"), gated=True),
-            "w2_weight": lambda: layout.moe_rows_decode(mod.w2_weight[which], gated=False),
-            "w2_weight_scale": lambda: layout.moe_rows_decode(unswizzle(
-                mod.w2_weight_scale[which], h, i // 16, f"{mod.name}.w2_weight_scale{at}"), gated=False)}
+            "w13_weight": lambda: rows(mod.w13_weight[which], True),
+            "w13_weight_scale": lambda: rows(unswizzle(
+                mod.w13_weight_scale[which], 2 * i, h // 16, f"{mod.name}.w13_weight_scale{at}"), True),
+            "w2_weight": lambda: rows(mod.w2_weight[which], False),
+            "w2_weight_scale": lambda: rows(unswizzle(
+                mod.w2_weight_scale[which], h, i // 16, f"{mod.name}.w2_weight_scale{at}"), False)}
 
     def expected(self, ex, i_slice, dev):
         (i0, i1) = i_slice
