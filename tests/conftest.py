@@ -19,6 +19,9 @@ from mocli.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT / "fixtures" / "real"
+# for child processes: this checkout first, then whatever the caller had on the path (dependencies
+# installed outside the environment, as on the GPU machines)
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 REAL_LLAMA = REAL / "llama-fp8_kv"
 REAL_QWEN = REAL / "qwen3_moe-nvfp4_kv"
 
@@ -78,7 +81,7 @@ def interrupt_after(monkeypatch, calls: int, method: str = "write"):
 
 def run_killed(args: list[str], after: int) -> subprocess.CompletedProcess:
     """``mocli ARGS`` in a real process that SIGKILLs itself at its ``after + 1``-th shard write."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "KILL_AFTER": str(after)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "KILL_AFTER": str(after)}
     return subprocess.run([sys.executable, "-c", _KILLER, *args], env=env, capture_output=True)
 
 

@@ -108,12 +108,12 @@ def test_torchrun_two_gpus_nccl_matches_one_process(tmp_path):
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    from tests.conftest import ROOT, run_cli
+    from tests.conftest import PYTHONPATH, run_cli
 
     src = make_checkpoint(tmp_path / "src", arch="mixtral", algo="FP8", experts=8, shards=2)
     assert run_cli("-q", "convert", src, "-o", tmp_path / "one", "--target", "flashinfer-trtllm", "--tp", "2",
                    "--device", "cpu").exit_code == 0
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NCCL_NVLS_ENABLE": "0"}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "NCCL_NVLS_ENABLE": "0"}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mocli", "-q",
                         "convert", str(src), "-o", str(tmp_path / "two"), "--target", "flashinfer-trtllm", "--tp", "2",
                         "--device", "cuda"], capture_output=True, text=True, env=env, timeout=300)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.generate import make_checkpoint
-from tests.conftest import REAL_LLAMA, REAL_QWEN, ROOT
+from tests.conftest import PYTHONPATH, REAL_LLAMA, REAL_QWEN
 
 
 def _header(path: Path) -> tuple[bytes, bytes]:
@@ -195,7 +195,7 @@ def test_quiet_and_verbose_after_the_command(cli, tmp_path):
 
 def _run(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mocli", *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, **kw)
+                          env={**os.environ, "PYTHONPATH": PYTHONPATH}, **kw)
 
 
 def test_closed_pipe_stops_quietly():
@@ -203,7 +203,7 @@ def test_closed_pipe_stops_quietly():
     r, w = os.pipe()
     os.close(r)  # the reader is gone before the first byte: every write meets EPIPE, whatever the timing
     p = subprocess.Popen([sys.executable, "-m", "mocli", "inspect", str(REAL_QWEN)], stdout=w,
-                         stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": PYTHONPATH})
     os.close(w)
     err = p.stderr.read().decode()
     assert p.wait() == 141 and err == "", err

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from fixtures.generate import make_checkpoint
 from mocli.loader import Fp8Linear, Nvfp4Linear, Nvfp4MoE, load_converted
 from tests import reference as ref
-from tests.conftest import REAL, REAL_LLAMA, REAL_QWEN, ROOT, digest_tree, interrupt_after
+from tests.conftest import PYTHONPATH, REAL, REAL_LLAMA, REAL_QWEN, digest_tree, interrupt_after
 
 CUTLASS, TRTLLM = "flashinfer-cutlass", "flashinfer-trtllm"
 FP8 = torch.float8_e4m3fn
@@ -245,7 +245,7 @@ def test_loader_needs_a_rank_for_a_multi_rank_output(cli, tmp_path):
 
 
 def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                            "--master-port", str(29500 + os.getpid() % 1000), "-m", "mocli", *args],
                           capture_output=True, text=True, env=env, timeout=300)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fixtures.generate import _edit_tensors, make_checkpoint
-from tests.conftest import ROOT, digest_tree, load_tensors, run_killed, u8
+from tests.conftest import PYTHONPATH, digest_tree, load_tensors, run_killed, u8
 
 FP8 = torch.float8_e4m3fn
 
@@ -202,7 +202,7 @@ def test_refusals(cli, tmp_path):
 @pytest.mark.slow
 def test_kill_9_then_resume_is_byte_identical(tmp_path):
     src = make_checkpoint(tmp_path / "src", arch="mixtral", algo="BF16", kv_cache=False, experts=8, shards=2)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     args = ["-q", "quantize", str(src), "-o", str(tmp_path / "o")]
     p = run_killed(args, after=40)
     assert p.returncode == -9 and (tmp_path / ".o.mocli-partial").is_dir()

@@ -13,7 +13,7 @@ import torch
 
 from fixtures.generate import make_checkpoint
 from mocli import engine
-from tests.conftest import ROOT, digest_tree, interrupt_after, run_killed
+from tests.conftest import PYTHONPATH, digest_tree, interrupt_after, run_killed
 
 
 @pytest.fixture
@@ -70,12 +70,12 @@ def test_kill_9_then_resume(tmp_path, moe_src):
     assert p.returncode == -9
     assert not out.exists() and (tmp_path / ".o.mocli-partial").is_dir()
     p = subprocess.run([sys.executable, "-m", "mocli", "--json", *args[1:]], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       env={**os.environ, "PYTHONPATH": PYTHONPATH})
     assert p.returncode == 0, p.stderr
     import json
     assert json.loads(p.stdout)["resumed_units"] > 0
     p = subprocess.run([sys.executable, "-m", "mocli", "-q", "convert", str(moe_src), "-o", str(tmp_path / "clean"),
-                        "--target", "flashinfer-cutlass"], env={**os.environ, "PYTHONPATH": str(ROOT)})
+                        "--target", "flashinfer-cutlass"], env={**os.environ, "PYTHONPATH": PYTHONPATH})
     assert p.returncode == 0
     assert digest_tree(out) == digest_tree(tmp_path / "clean")
 

@@ -13,7 +13,7 @@ import pytest
 
 from fixtures.generate import make_checkpoint
 from mocli.io.shard_writer import ShardWriter
-from tests.conftest import ROOT, digest_tree
+from tests.conftest import PYTHONPATH, digest_tree
 
 TARGET = "flashinfer-cutlass"
 
@@ -152,7 +152,7 @@ main(sys.argv[1:])
 
 
 def _mocli(*args: str, delay: float = 0.0) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DELAY": str(delay)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "DELAY": str(delay)}
     return subprocess.Popen([sys.executable, "-c", SLOW, *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -180,7 +180,7 @@ main(sys.argv[1:])
 def test_second_run_on_the_same_output_is_refused_naming_the_first(tmp_path, src):
     out = tmp_path / "o"
     args = ["convert", str(src), "-o", str(out), "--target", TARGET]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HELD": str(tmp_path / "held")}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "HELD": str(tmp_path / "held")}
     first = subprocess.Popen([sys.executable, "-c", HELD, "-q", *args], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120

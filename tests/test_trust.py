@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fixtures.generate import make_checkpoint
-from tests.conftest import REAL_QWEN, ROOT, digest_tree, interrupt_after, run_killed
+from tests.conftest import PYTHONPATH, REAL_QWEN, digest_tree, interrupt_after, run_killed
 
 CUTLASS = "flashinfer-cutlass"
 
@@ -220,7 +220,7 @@ def test_a_source_changed_between_kill_and_resume_starts_over(tmp_path):
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0x01  # one data byte (a BF16 norm's mantissa): headers and sizes unchanged
     shard.write_bytes(bytes(data))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     p = subprocess.run([sys.executable, "-m", "mocli", "--json", *args[1:]], capture_output=True, text=True, env=env)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["resumed_units"] == 0
@@ -243,7 +243,7 @@ def _two_processes(argsets: list[list[str]], kill_rank: int | None = None, after
     port = _free_port()
     procs = []
     for rank, args in enumerate(argsets):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+        env = {**os.environ, "PYTHONPATH": PYTHONPATH, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "KILL_AFTER": str(after if rank == kill_rank else 10**9)}
         procs.append(subprocess.Popen([sys.executable, "-c", _KILLER, *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
@@ -298,7 +298,7 @@ def test_a_fifo_is_an_error_not_a_hang(tmp_path, moe, where):
     from tests.conftest import run_cli
 
     out = _fifo_case(run_cli, tmp_path, moe, where)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     p = subprocess.run([sys.executable, "-m", "mocli", "verify", str(out), "--device", "cpu"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode in (1, 2) and "Traceback" not in p.stderr
@@ -344,7 +344,7 @@ def test_more_shards_than_open_files_allowed(tmp_path):
     src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4", shards=200)
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))\n"
             "from mocli.cli import main; main(sys.argv[1:])")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 40
     for args in (["validate", str(src), "--deep"],
                  ["-q", "convert", str(src), "-o", str(tmp_path / "o"), "--target", CUTLASS]):

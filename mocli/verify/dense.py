@@ -205,6 +205,7 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheck
     bias_full = torch.cat([src.cpu(m.tensors["bias"].name) for m in shards]).float() if "bias" in shards[0].tensors \
         else None
     results, outs = [], {}
+    xq_full = None
     for rank, info in infos.items():
         t0 = time.perf_counter()
         meta = info["meta"]
@@ -232,7 +233,9 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheck
             if split == "row":
                 ref = xq_r @ w_sample[:, c0:c1].to(xq_r.device).T
             else:
-                ref = (case.quant(x) @ w_sample.to(x.device).T)[:, cols.to(x.device)]
+                if xq_full is None:  # the same for every rank; the rank's own when it holds every column
+                    xq_full = xq_r if (c0, c1) == (0, k_full) else case.quant(x)
+                ref = (xq_full @ w_sample.to(x.device).T)[:, cols.to(x.device)]
             if getattr(mod, "bias", None) is not None:
                 problems.expect_parts("bias", mod.bias, [src.cpu(m.tensors["bias"].name)[a:e]
                                                          for m, (a, e, _, _) in zip(shards, slices, strict=True)])

@@ -368,7 +368,7 @@ def _stages(case: _Experts, mod, off: int, i_slice, x, ref_in, source, opts):
     for n, local in enumerate(sample):
         gid = off + local
         w1, w3, w2 = source(gid)
-        ref1 = ref_in @ torch.cat([w3[i0:i1], w1[i0:i1]]).T  # [up | gate] (SEMANTICS §4)
+        ref1 = torch.cat([ref_in @ w3[i0:i1].T, ref_in @ w1[i0:i1].T], dim=1)  # [up | gate] (SEMANTICS §4)
         o1, o2, h_true, kernel, emulated, t1 = case.expert_gemms(mod, n, local, i, x, shared)
         ref2 = h_true @ w2[:, i0:i1].T
         e1, e2 = rel_error(o1, ref1), rel_error(o2, ref2)
