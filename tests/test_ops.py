@@ -204,6 +204,16 @@ def test_bit_equal_hand_cases():
     assert not bit_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
     nan = torch.tensor([float("nan")])
     assert bit_equal(nan, nan.clone())
+    # float8 with no wider view (odd width, odd offset): still bytes, never numbers
+    fp8 = torch.float8_e4m3fn
+    z = torch.tensor([[0x00, 1, 2]], dtype=torch.uint8)
+    assert not bit_equal(z.view(fp8), torch.tensor([[0x80, 1, 2]], dtype=torch.uint8).view(fp8))
+    n = torch.tensor([[0x7F, 1, 2]], dtype=torch.uint8).view(fp8)  # a NaN code
+    assert bit_equal(n, n.clone())
+    base = torch.zeros(2, 10, dtype=torch.uint8)
+    other = base.clone()
+    other[0, 3] = 0x80
+    assert not bit_equal(base.view(fp8)[:, 1:9], other.view(fp8)[:, 1:9])
     assert bit_equal(torch.empty(0, 3), torch.empty(0, 3))
 
 

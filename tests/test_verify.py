@@ -298,6 +298,29 @@ def test_a_layout_fault_in_the_bytes_wins_over_the_gemms(cli, converted, monkeyp
     assert [n for n, x in mods.items() if not x["passed"]] == [n for n in mods if n.endswith(".mlp.experts")]
 
 
+def test_differences_found_before_a_layout_fault_are_kept(cli, converted, tmp_path, monkeypatch):
+    """A layout fault at expert 1 stops that layer's byte checks; what they found before it (a flipped
+    byte in expert 0) is still reported, after the fault."""
+    from mocli.targets.decode import LayoutError
+    from mocli.verify import moe
+
+    real = moe.unswizzle
+
+    def planted(t, rows, cols, what):
+        if what.endswith("w13_weight_scale[1]"):
+            raise LayoutError(f"planted: {what}")
+        return real(t, rows, cols, what)
+
+    out = _copy(converted, "qwen", TRTLLM, tmp_path)
+    _mutate(out, _flip_expert_byte(f"{Q0}.w13_weight", 0))
+    monkeypatch.setattr(moe, "unswizzle", planted)
+    code, mods = _verify(cli, out)
+    m = mods[Q0]
+    assert code == 1 and m["kernel"] == "layout check", m
+    assert m["message"].startswith(f"planted: {Q0}.w13_weight_scale[1]"), m["message"]
+    assert "w13_weight (expert 0) differs from the source" in m["message"], m["message"]
+
+
 # --- CLI behaviour ----------------------------------------------------------------------------------
 
 def test_junit_xml_and_human_output(cli, converted, tmp_path):

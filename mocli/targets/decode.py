@@ -39,7 +39,9 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
     raw = t.detach()
     if raw.dim() == 0:
         raw = raw.reshape(1)
-    if raw.element_size() != 1:
+    if raw.element_size() == 1:
+        raw = raw.view(torch.uint8)  # never a float8 left as is: +0 and -0 would compare equal
+    else:
         raw = raw.view(torch.uint8) if raw.stride(-1) == 1 else raw.contiguous().view(torch.uint8)
     if raw.stride(-1) != 1:
         raw = raw.contiguous()

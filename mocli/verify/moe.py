@@ -308,7 +308,10 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheckpo
                     else:
                         numbers = _stages(case, mod, off, i_slice, x, ref_in, source, opts)
                 finally:
-                    problems += found.result()  # a byte check's own layout fault first, as when it ran first
+                    differ, fault = found.result()
+                    problems += differ
+                    if fault is not None:  # a byte check's own layout fault first, as when it ran first
+                        raise fault
                 res.kernel, res.emulated, res.stages, (res.error, res.threshold), outs = numbers
                 if outs is not None:
                     per_rank[rank] = (i_slice, outs)
@@ -332,15 +335,19 @@ def _done(value) -> Future:
     return f
 
 
-def _all_expert_bytes(case: _Experts, mod, experts, i_slice: tuple[int, int]) -> Problems:
-    """Every expert's bytes of one rank, as problems in expert order. The whole layer in a few calls
-    where that runs (about 2 ms an expert one by one on a GPU, a second for a 6-layer, 64-expert model);
-    expert by expert where it finds a difference, to name the expert."""
+def _all_expert_bytes(case: _Experts, mod, experts, i_slice: tuple[int, int]) -> tuple[Problems, Exception | None]:
+    """Every expert's bytes of one rank: the differences in expert order, and the layout fault that
+    stopped the check, if one did (the differences found before it are kept). The whole layer in a
+    few calls where that runs (about 2 ms an expert one by one on a GPU, a second for a 6-layer,
+    64-expert model); expert by expert where it finds a difference, to name the expert."""
     found = Problems()
-    if not (case.rt.device.type in STACKED_BYTES_ON and case.all_bytes(mod, experts, i_slice)):
-        for local, ex in enumerate(experts):
-            case.expert_bytes(mod, local, ex, i_slice, found)
-    return found
+    try:
+        if not (case.rt.device.type in STACKED_BYTES_ON and case.all_bytes(mod, experts, i_slice)):
+            for local, ex in enumerate(experts):
+                case.expert_bytes(mod, local, ex, i_slice, found)
+    except (LayoutError, CorruptFileError) as e:
+        return found, e
+    return found, None
 
 
 def _expert_tensors(layer, infos: dict[int, dict]) -> list[str]:
