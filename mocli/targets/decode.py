@@ -39,12 +39,9 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
     raw = t.detach()
     if raw.dim() == 0:
         raw = raw.reshape(1)
-    if raw.element_size() == 1:
-        raw = raw.view(torch.uint8)  # never a float8 left as is: +0 and -0 would compare equal
-    else:
-        raw = raw.view(torch.uint8) if raw.stride(-1) == 1 else raw.contiguous().view(torch.uint8)
     if raw.stride(-1) != 1:
         raw = raw.contiguous()
+    raw = raw.view(torch.uint8)  # bytes, never a float8 left as is: +0 and -0 would compare equal
     for wide in (torch.int64, torch.int32, torch.int16):
         try:
             return raw.view(wide)
@@ -89,9 +86,14 @@ def unshuffle_rows(t: torch.Tensor) -> torch.Tensor:
     second-to-last dim of a 2-D or 3-D (stacked experts) tensor; a 1-D tensor is one column."""
     if t.dim() == 1:
         return unshuffle_rows(t.reshape(-1, 1)).reshape(t.shape)
-    lead, m = t.shape[:-2], t.shape[-2]
     w = as_words(t)
-    return _as(w.reshape(*lead, m // 32, 4, 8, -1).transpose(-3, -2).reshape(w.shape), t)
+    return _as(_unshuffled(w).reshape(w.shape), t)
+
+
+def _unshuffled(t: torch.Tensor) -> torch.Tensor:
+    """The rows of [..., M, cols] in unshuffled order as a view [..., M/32, 8, 4, cols]: row 32a + 4b + c."""
+    lead, m = t.shape[:-2], t.shape[-2]
+    return t.reshape(*lead, m // 32, 4, 8, t.shape[-1]).transpose(-3, -2)
 
 
 def shuffled_halves(t: torch.Tensor, gated: bool) -> torch.Tensor:
@@ -99,8 +101,7 @@ def shuffled_halves(t: torch.Tensor, gated: bool) -> torch.Tensor:
     no byte moved: [parts, M/32, 8, r, cols] with parts 2 and r 2 where gated (the first and the second
     half of the decoded rows), else 1 and 4. A part's leading dims read in order are its rows.
     For checks that only compare (reshaping this to [M, cols] would copy every byte)."""
-    m, cols = t.shape[-2], t.shape[-1]
-    v = t.reshape(m // 32, 4, 8, cols).transpose(1, 2)  # [M/32, 8, 4, cols]: row 32a + 4b + c
+    v = _unshuffled(t)
     if not gated:
         return v.unsqueeze(0)
     # row 32a + 4b + 2c' + g of the unshuffled rows is row g * M/2 + 16a + 2b + c' once ungated
