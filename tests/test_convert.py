@@ -252,6 +252,20 @@ def test_reruns_are_byte_identical_and_input_untouched(cli, tmp_path):
     assert digest_tree(src) == before
 
 
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("arch,algo", [("qwen3_moe", "NVFP4"), ("mixtral", "FP8"), ("llama", "FP8"), ("llama", "NVFP4")])
+def test_inputs_mapped_or_read_give_the_same_bytes(cli, tmp_path, monkeypatch, arch, algo, target):
+    """The suite maps every input (conftest), as a real checkpoint's weights are; its small tensors
+    are read into buffers instead. Both give the same output, and the maps never reach the source."""
+    src = make_checkpoint(tmp_path / "src", arch=arch, algo=algo, unify_scale_2=False, shards=2)
+    before = digest_tree(src)
+    convert(cli, src, tmp_path / "mapped", target)
+    monkeypatch.setattr("mocli.engine.pool.MAP_MIN", 1 << 62)
+    convert(cli, src, tmp_path / "read", target)
+    assert digest_tree(tmp_path / "mapped") == digest_tree(tmp_path / "read")
+    assert digest_tree(src) == before
+
+
 def test_refuses_non_empty_output_unless_overwrite(cli, tmp_path):
     out = tmp_path / "o"
     out.mkdir()

@@ -126,3 +126,48 @@ def test_views_from_several_threads(tmp_path, monkeypatch):
 
         with ThreadPoolExecutor(4) as ex:
             assert sorted(ex.map(check, range(4))) == [0, 1, 2, 3]
+
+
+def _two_files(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 256, (6, 5), dtype=torch.uint8, generator=g)  # 5-byte rows: no row is aligned
+    b = torch.randint(0, 256, (4, 5), dtype=torch.uint8, generator=g)
+    save_file({"a": a, "pad": torch.zeros(3, dtype=torch.uint8), "b": b}, str(tmp_path / "one.safetensors"))
+    save_file({"b": b}, str(tmp_path / "two.safetensors"))
+    return a, b, read_header(tmp_path / "one.safetensors").tensors, read_header(tmp_path / "two.safetensors").tensors
+
+
+def test_gather_rows_mapped_from_one_file_or_read_from_two(tmp_path, monkeypatch):
+    """``cat(row ranges)[idx]`` against torch's own cat and indexing, gathered from a map of one
+    file's pages (the parts in either order in it) or read from two files."""
+    from mocli.engine import BufferPool, UnitContext
+
+    a, b, one, two = _two_files(tmp_path)
+    maps = []
+    real = TensorReader.mapped
+    monkeypatch.setattr(TensorReader, "mapped", lambda self, *x: maps.append(x) or real(self, *x))
+    idx = torch.tensor([4, 0, 5, 2, 1, 3])
+    with TensorReader() as reader:
+        ctx = UnitContext(reader, torch.device("cpu"), BufferPool())
+        for parts, want, mapped in (
+                ([(one["a"], 1, 4), (one["b"], 0, 3)], torch.cat([a[1:4], b[0:3]]), True),
+                ([(one["b"], 1, 4), (one["a"], 3, 6)], torch.cat([b[1:4], a[3:6]]), True),
+                ([(one["a"], 1, 4), (two["b"], 0, 3)], torch.cat([a[1:4], b[0:3]]), False)):
+            maps.clear()
+            assert torch.equal(ctx.gather_rows(parts, idx), want[idx])
+            assert bool(maps) == mapped
+
+
+def test_mapped_bytes_are_private_and_a_truncated_file_is_a_named_error(tmp_path):
+    a, _, one, _ = _two_files(tmp_path)
+    f = tmp_path / "one.safetensors"
+    before = f.read_bytes()
+    with TensorReader() as reader:
+        t = reader.mapped(one["a"], 5, 20)
+        assert torch.equal(t, a.reshape(-1)[5:20])
+        t.fill_(7)  # copy-on-write: the file keeps its bytes
+        assert f.read_bytes() == before
+        with open(f, "r+b") as fh:
+            fh.truncate(one["a"].start + 10)
+        with pytest.raises(CorruptFileError, match="unexpected end of file reading 'a'"):
+            reader.mapped(one["a"], 0, 20)

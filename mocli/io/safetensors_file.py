@@ -275,6 +275,30 @@ class TensorReader:
         return raw.view(dtypes[entry.dtype]).reshape(entry.shape) if entry.start % dtypes[entry.dtype].itemsize == 0 \
             else raw.clone().view(dtypes[entry.dtype]).reshape(entry.shape)
 
+    def mapped(self, entry: TensorEntry, a: int, b: int) -> torch.Tensor:
+        """Bytes [a, b) of the entry (bytes into the tensor) as a uint8 tensor over a copy-on-write
+        map of the file's pages made for this call: nothing is read or copied, and a write stays
+        private. The map goes when the last tensor viewing it does, so its pages count in the
+        process's RSS only as long as the caller keeps them. For the conversions' CPU units: reading
+        a weight into a buffer cost as much CPU as the row gather that followed (0.27 against
+        0.13 s per 400 MB on the build VM)."""
+        import mmap
+
+        import torch
+
+        fd = self.fd(entry.file)
+        lo, hi = entry.start + a, entry.start + b
+        try:
+            size = os.fstat(fd).st_size
+            if hi > size:
+                raise CorruptFileError(f"{entry.file}: unexpected end of file reading '{entry.name}'",
+                                       hint="the file was truncated after it was opened; download it again")
+            base = lo - lo % mmap.ALLOCATIONGRANULARITY
+            mm = mmap.mmap(fd, hi - base, access=mmap.ACCESS_COPY, offset=base)
+        except OSError as e:
+            raise read_error(entry.file, e) from None
+        return torch.frombuffer(mm, dtype=torch.uint8, count=hi - lo, offset=lo - base)
+
     def drop_pages(self) -> None:
         """Unmap the pages that views have touched: they stay in the page cache, and a view that
         reads them again faults them back in with the same bytes. Verify calls this after every

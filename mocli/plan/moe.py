@@ -263,8 +263,7 @@ class _Nvfp4Moe(_Moe):
             idx = layout.w13_rows(2 * (i1 - i0))
             if idx is None:  # [w3; w1] rows are source bytes: copied in the kernel, never read here
                 return [ctx.src(u.tensors[WEIGHT]).rows(i0, i1), ctx.src(g.tensors[WEIGHT]).rows(i0, i1)]
-            cat = _stacked_halves(ctx, [(u, None), (g, None)], rows, h, None)
-            return [permute_rows(cat, idx, ctx.out(cat))]
+            return [ctx.gather_rows([(u.tensors[WEIGHT], i0, i1), (g.tensors[WEIGHT], i0, i1)], idx)]
 
         self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], emit,
                          compute=layout.w13_rows(2 * self.i) is not None)  # rows gathered in memory
@@ -298,7 +297,7 @@ class _Nvfp4Moe(_Moe):
             if "w2" not in loaded:
                 loaded["w2"] = ctx.load(d.tensors[WEIGHT])
             part = loaded["w2"][:, i0 // 2:i1 // 2]
-            return [permute_rows(part, idx) if idx is not None else part.contiguous()]
+            return [permute_rows(part, idx, ctx.out(part)) if idx is not None else part.contiguous()]
 
         # rows gathered (trtllm) or columns sliced (tensor parallel) in memory
         sliced = any(self.i_r(r) != self.i for r in self.ranks)
@@ -322,28 +321,23 @@ class _Nvfp4Moe(_Moe):
         self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], emit, prepare)
 
 
-def _stacked_halves(ctx: UnitContext, halves: list[tuple[Module, torch.Tensor | None]], rows: tuple[int, int],
-                    h: int, new_scale: torch.Tensor | None) -> torch.Tensor:
-    """[up rows; gate rows] of one expert on the compute device, read straight into one pooled buffer
-    (no concatenation copy); FP8 halves checked for NaN and requantized to ``new_scale``."""
+def _stacked_halves(ctx: UnitContext, halves: list[tuple[Module, torch.Tensor]], rows: tuple[int, int],
+                    h: int, new_scale: torch.Tensor) -> torch.Tensor:
+    """[up rows; gate rows] of one FP8 expert on the compute device, each half checked for NaN and
+    requantized to ``new_scale`` straight into one output buffer (no concatenation copy)."""
     i0, i1 = rows
     i = i1 - i0
-    dtype = torch.float8_e4m3fn if new_scale is not None else torch.uint8
-    width = h if new_scale is not None else h // 2
-    raw = ctx.buffer((2 * i, width), dtype)
-    for k, (m, _) in enumerate(halves):
-        ctx.read_rows(m.tensors[WEIGHT], i0, i1, raw[k * i:(k + 1) * i])
-        if new_scale is not None:
-            _check(raw[k * i:(k + 1) * i], m, WEIGHT)
-    if new_scale is None:
-        return raw if ctx.device.type == "cpu" else raw.to(ctx.device, non_blocking=True)
-    src = raw if ctx.device.type == "cpu" else raw.to(ctx.device, non_blocking=True)
-    out = ctx.out(src) if ctx.device.type == "cpu" else torch.empty_like(src)
-    for k, (_, scale) in enumerate(halves):
-        half = slice(k * i, (k + 1) * i)
-        res = requantize_fp8(src[half], scale, new_scale, out=out[half] if ctx.device.type == "cpu" else None)
-        if ctx.device.type != "cpu":
-            out[half] = res
+    cpu = ctx.device.type == "cpu"
+    out = ctx.buffer((2 * i, h), torch.float8_e4m3fn) if cpu else \
+        torch.empty((2 * i, h), dtype=torch.float8_e4m3fn, device=ctx.device)
+    for k, (m, scale) in enumerate(halves):
+        half = ctx.rows(m.tensors[WEIGHT], i0, i1)  # on the CPU mapped, not read (UnitContext.rows)
+        _check(half, m, WEIGHT)
+        part = out[k * i:(k + 1) * i]
+        if cpu:
+            requantize_fp8(half, scale, new_scale, out=part)
+        else:
+            part.copy_(requantize_fp8(half.to(ctx.device, non_blocking=True), scale, new_scale))
     return out
 
 
