@@ -9,7 +9,6 @@ import torch
 from mocli.engine.units import Piece, SourceRange
 from mocli.io.safetensors_file import TensorEntry, TensorReader, tensor_bytes_view, torch_dtypes
 
-
 # Tensors of at least this many bytes are mapped rather than read on a CPU run (``UnitContext.rows``):
 # below it a read costs less than mapping, faulting the pages in and unmapping them.
 MAP_MIN = 1 << 20

@@ -256,7 +256,7 @@ class _Nvfp4Moe(_Moe):
             self.module(r, {})
 
     def _w13_unit(self, e: int, g: Module, u: Module) -> None:
-        layout, h = self.pc.layout, self.h
+        layout = self.pc.layout
 
         def emit(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
             i0, i1 = rows
