@@ -125,17 +125,11 @@ class _Experts:
                                                        for w in wants]))
                    for role in got)
 
-    def _src(self, m, role: str, dev) -> torch.Tensor:
-        """A source tensor where it is cheapest to have on ``dev``: on the CPU always the page-cache
-        view (never a copy back from the device that ``Source.on_device`` may have put it on)."""
-        name = m.tensors[role].name
-        return self.src.cpu(name) if torch.device(dev).type == "cpu" else self.src.near(name)
-
     def rows(self, m, role: str, a: int, b: int, dev) -> torch.Tensor:
-        return self._src(m, role, dev)[a:b].to(dev)
+        return self.src.near(m.tensors[role].name)[a:b].to(dev)
 
     def cols(self, m, role: str, a: int, b: int, dev) -> torch.Tensor:
-        return self._src(m, role, dev)[:, a:b].to(dev)
+        return self.src.near(m.tensors[role].name)[:, a:b].to(dev)
 
     @property
     def grouped(self) -> bool:
@@ -288,15 +282,8 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheckpo
             weights[gid] = (src.dequant(ex.gate), src.dequant(ex.up), src.dequant(ex.down))
         return weights[gid]
 
-    fp4 = kind is ModuleKind.NVFP4_MOE
-    fused = rt.fi is not None and rt.kernels is Kernels.FLASHINFER or (fp4 and rt.fp4_kernels())
-    # On CUDA without the fused kernel the module stays in the page cache: its bytes are compared there
-    # on CPU threads while the GPU runs the sampled experts' GEMMs, and only those experts (output and
-    # source) go to the device. Moving every expert there cost more than both checks together.
-    split = rt.cuda and not fused
-    only = (lambda n: sample_experts(n, rt, opts, name, every=case.grouped)) if split else None
     results, per_rank = [], {}
-    with src.on_device(_expert_tensors(layer, infos, only)):
+    with src.on_device(_expert_tensors(layer, infos)):
         for rank, info in infos.items():
             t0 = time.perf_counter()
             meta = info["meta"]
@@ -305,21 +292,21 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheckpo
                                tensors=list(info["tensors"].values()))
             problems = Problems()
             try:
-                mod = cks[rank].load_module(name, "cpu" if split else rt.device)
+                mod = cks[rank].load_module(name, rt.device)
                 off = meta.get("expert_offset", 0)
                 i_slice = tuple(meta.get("intermediate_slice", [0, meta["intermediate"]]))
                 experts = [layer.experts[off + e] for e in range(mod.experts)]
                 case.consistency(mod, experts, a13, a2, problems)
-                # the bytes beside the GEMMs where they are on the CPU: each leaves cores idle the other can use
-                found = _expert_bytes_beside(case, mod, experts, i_slice) \
-                    if mod.w13_weight.device.type == "cpu" and (os.cpu_count() or 1) > 1 else _done(_all_expert_bytes(
+                # the bytes beside the GEMMs on the CPU: each leaves cores idle that the other can use
+                found = _BYTES.submit(_all_expert_bytes, case, mod, experts, i_slice) \
+                    if rt.device.type == "cpu" and (os.cpu_count() or 1) > 1 else _done(_all_expert_bytes(
                         case, mod, experts, i_slice))
+                fp4 = kind is ModuleKind.NVFP4_MOE
                 try:
-                    if fused:
+                    if rt.fi is not None and rt.kernels is Kernels.FLASHINFER or (fp4 and rt.fp4_kernels()):
                         numbers = (*_fused(case, mod, experts, x, ref_in, a2.to(rt.device), opts), None)
                     else:
-                        numbers = _stages(case, _vectors_on(mod, rt.device) if split else mod, off, i_slice, x,
-                                          ref_in, source, opts)
+                        numbers = _stages(case, mod, off, i_slice, x, ref_in, source, opts)
                 finally:
                     differ, fault = found.result()
                     problems += differ
@@ -338,43 +325,8 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheckpo
     return results, cross
 
 
-# Threads for the expert byte checks where the module is on the CPU (torch drops the GIL in its
-# operations): one per four cores, at least one; a layer's experts are split between them.
-_BYTES_THREADS = max(1, (os.cpu_count() or 1) // 4)
-_BYTES = ThreadPoolExecutor(max_workers=_BYTES_THREADS, thread_name_prefix="mocli-verify-bytes")
-
-
-class _Joined:
-    """The byte checks of a layer's expert chunks as one result: chunks in expert order, stopping at
-    the first chunk a layout fault stopped (what one pass over every expert would have found)."""
-
-    def __init__(self, futures: list[Future]) -> None:
-        self.futures = futures
-
-    def result(self) -> tuple[Problems, Exception | None]:
-        found, fault = Problems(), None
-        for f in self.futures:
-            differ, err = f.result()  # every chunk waited for: none still reads when the pages are dropped
-            if fault is None:
-                found += differ
-                fault = err
-        return found, fault
-
-
-def _expert_bytes_beside(case: _Experts, mod, experts, i_slice: tuple[int, int]) -> _Joined:
-    per = -(-len(experts) // _BYTES_THREADS) or 1
-    return _Joined([_BYTES.submit(_all_expert_bytes, case, mod, experts[a:a + per], i_slice, a)
-                    for a in range(0, len(experts), per)])
-
-
-def _vectors_on(mod, device: torch.device):
-    """The module with its small tensors (scale vectors, scalars) on ``device`` and its weights where
-    they are: the GEMMs move the sampled experts' weights themselves."""
-    from dataclasses import fields, replace
-
-    small = {f.name: v.to(device) for f in fields(mod)
-             if isinstance(v := getattr(mod, f.name), torch.Tensor) and v.numel() <= 1 << 16}
-    return replace(mod, **small)
+# One thread for the expert byte checks of the CPU path (torch drops the GIL in its operations).
+_BYTES = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mocli-verify-bytes")
 
 
 def _done(value) -> Future:
@@ -383,29 +335,26 @@ def _done(value) -> Future:
     return f
 
 
-def _all_expert_bytes(case: _Experts, mod, experts, i_slice: tuple[int, int],
-                      first: int = 0) -> tuple[Problems, Exception | None]:
+def _all_expert_bytes(case: _Experts, mod, experts, i_slice: tuple[int, int]) -> tuple[Problems, Exception | None]:
     """Every expert's bytes of one rank: the differences in expert order, and the layout fault that
     stopped the check, if one did (the differences found before it are kept). The whole layer in a
     few calls where that runs (about 2 ms an expert one by one on a GPU, a second for a 6-layer,
     64-expert model); expert by expert where it finds a difference, to name the expert."""
     found = Problems()
     try:
-        if not (mod.w13_weight.device.type in STACKED_BYTES_ON and case.all_bytes(mod, experts, i_slice)):
-            for local, ex in enumerate(experts, first):
+        if not (case.rt.device.type in STACKED_BYTES_ON and case.all_bytes(mod, experts, i_slice)):
+            for local, ex in enumerate(experts):
                 case.expert_bytes(mod, local, ex, i_slice, found)
     except (LayoutError, CorruptFileError) as e:
         return found, e
     return found, None
 
 
-def _expert_tensors(layer, infos: dict[int, dict], only: Callable[[int], list[int]] | None = None) -> list[str]:
-    """Weights and block scales of the source experts the checked ranks hold (``only``: those of them
-    it picks, by local index, from each rank's expert count); none if a manifest's meta is malformed:
-    the checks below report that."""
+def _expert_tensors(layer, infos: dict[int, dict]) -> list[str]:
+    """Weights and block scales of the source experts the checked ranks hold (none if a manifest's meta
+    is malformed: the checks below report that)."""
     try:
-        gids = {int(i["meta"].get("expert_offset", 0)) + e for i in infos.values()
-                for e in (only or range)(int(i["meta"]["experts"]))}
+        gids = {int(i["meta"].get("expert_offset", 0)) + e for i in infos.values() for e in range(int(i["meta"]["experts"]))}
     except (KeyError, TypeError, ValueError):
         return []
     return [m.tensors[role].name for g in sorted(gids & set(layer.experts)) for m in (layer.experts[g].gate,
@@ -480,8 +429,8 @@ def _fp8_grouped(mod, sample: list[int], x: torch.Tensor, rt: Runtime):
     """All sampled experts in two torch._scaled_grouped_mm calls (SEMANTICS §9), the same tokens each."""
     layout, i, h, t = rt.layout, mod.intermediate, mod.hidden, x.shape[0]
     e = len(sample)
-    w13 = torch.stack([layout.moe_rows_decode(mod.w13_weight[s], gated=True) for s in sample]).to(rt.device)
-    w2 = torch.stack([layout.moe_rows_decode(mod.w2_weight[s], gated=False) for s in sample]).to(rt.device)
+    w13 = torch.stack([layout.moe_rows_decode(mod.w13_weight[s], gated=True) for s in sample])
+    w2 = torch.stack([layout.moe_rows_decode(mod.w2_weight[s], gated=False) for s in sample])
     xq = (x.float() * mod.w13_input_scale_inv.float()).clamp(-448, 448).to(FP8).repeat(e, 1)
     offs = torch.arange(1, e + 1, device=rt.device, dtype=torch.int32) * t
     ones = torch.ones(xq.shape[0], device=rt.device)
