@@ -171,3 +171,27 @@ def test_mapped_bytes_are_private_and_a_truncated_file_is_a_named_error(tmp_path
             fh.truncate(one["a"].start + 10)
         with pytest.raises(CorruptFileError, match="unexpected end of file reading 'a'"):
             reader.mapped(one["a"], 0, 20)
+
+
+def test_a_file_that_cannot_be_mapped_is_read_instead(tmp_path, monkeypatch):
+    """Some file systems refuse mmap: ``mapped`` says so (None, asked once per file) and the units
+    read the same bytes instead."""
+    import mmap
+
+    from mocli.engine import BufferPool, UnitContext
+
+    a, b, one, _ = _two_files(tmp_path)
+    tries = []
+
+    def refuse(*args, **kw):
+        tries.append(args)
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    idx = torch.tensor([4, 0, 5, 2, 1, 3])
+    with TensorReader() as reader:
+        ctx = UnitContext(reader, torch.device("cpu"), BufferPool())
+        assert reader.mapped(one["a"], 0, 10) is None
+        assert torch.equal(ctx.gather_rows([(one["a"], 1, 4), (one["b"], 0, 3)], idx), torch.cat([a[1:4], b[0:3]])[idx])
+        assert torch.equal(ctx.rows(one["b"], 1, 3), b[1:3])
+    assert len(tries) == 1

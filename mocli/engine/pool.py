@@ -83,7 +83,9 @@ class UnitContext:
         shape = (b - a, *entry.shape[1:]) if entry.shape else ()
         row = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else entry.nbytes
         if self.device.type == "cpu" and (b - a) * row >= MAP_MIN and (entry.start + a * row) % dtype.itemsize == 0:
-            return self.reader.mapped(entry, a * row, b * row).view(dtype).view(shape)
+            mapped = self.reader.mapped(entry, a * row, b * row)
+            if mapped is not None:
+                return mapped.view(dtype).view(shape)
         t = self.buffer(shape, dtype)
         if b > a and row:
             self.reader.read_range(entry, a * row, tensor_bytes_view(t))
@@ -97,10 +99,11 @@ class UnitContext:
         dtype = torch_dtypes()[first.dtype]
         row = first.nbytes // first.shape[0]
         shape = (len(idx), *first.shape[1:])
-        if self.device.type == "cpu" and len({e.file for e, _, _ in parts}) == 1 and row and len(idx):
-            lo = min(e.start + a * row for e, a, _ in parts)
-            hi = max(e.start + b * row for e, _, b in parts)
-            span = self.reader.mapped(parts[0][0], lo - first.start, hi - first.start)
+        lo = min(e.start + a * row for e, a, _ in parts)
+        hi = max(e.start + b * row for e, _, b in parts)
+        span = self.reader.mapped(first, lo - first.start, hi - first.start) if (
+            self.device.type == "cpu" and len({e.file for e, _, _ in parts}) == 1 and row and len(idx)) else None
+        if span is not None:
             windows = span.unfold(0, row, 1)  # windows[k] = the row's bytes starting k bytes in
             starts = torch.cat([torch.arange(a, b, dtype=torch.int64) * row + (e.start - lo) for e, a, b in parts])
             out = self.buffer((len(idx), row), torch.uint8)

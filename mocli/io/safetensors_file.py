@@ -191,6 +191,7 @@ class TensorReader:
     def __init__(self, follow: bool = True) -> None:
         self._files: dict[Path, int] = {}  # in order of last use
         self._maps: dict[Path, object] = {}
+        self._unmappable: set[Path] = set()  # files mmap refused (``mapped`` returns None for them)
         self.follow = follow
         self._lock = threading.Lock()  # the two tables above
 
@@ -275,28 +276,35 @@ class TensorReader:
         return raw.view(dtypes[entry.dtype]).reshape(entry.shape) if entry.start % dtypes[entry.dtype].itemsize == 0 \
             else raw.clone().view(dtypes[entry.dtype]).reshape(entry.shape)
 
-    def mapped(self, entry: TensorEntry, a: int, b: int) -> torch.Tensor:
+    def mapped(self, entry: TensorEntry, a: int, b: int) -> torch.Tensor | None:
         """Bytes [a, b) of the entry (bytes into the tensor) as a uint8 tensor over a copy-on-write
         map of the file's pages made for this call: nothing is read or copied, and a write stays
         private. The map goes when the last tensor viewing it does, so its pages count in the
         process's RSS only as long as the caller keeps them. For the conversions' CPU units: reading
         a weight into a buffer cost as much CPU as the row gather that followed (0.27 against
-        0.13 s per 400 MB on the build VM)."""
+        0.13 s per 400 MB on the build VM). None where the file cannot be mapped (some network and
+        FUSE file systems): the caller reads instead."""
         import mmap
 
         import torch
 
+        if entry.file in self._unmappable:
+            return None
         fd = self.fd(entry.file)
         lo, hi = entry.start + a, entry.start + b
         try:
             size = os.fstat(fd).st_size
-            if hi > size:
-                raise CorruptFileError(f"{entry.file}: unexpected end of file reading '{entry.name}'",
-                                       hint="the file was truncated after it was opened; download it again")
-            base = lo - lo % mmap.ALLOCATIONGRANULARITY
-            mm = mmap.mmap(fd, hi - base, access=mmap.ACCESS_COPY, offset=base)
         except OSError as e:
             raise read_error(entry.file, e) from None
+        if hi > size:
+            raise CorruptFileError(f"{entry.file}: unexpected end of file reading '{entry.name}'",
+                                   hint="the file was truncated after it was opened; download it again")
+        base = lo - lo % mmap.ALLOCATIONGRANULARITY
+        try:
+            mm = mmap.mmap(fd, hi - base, access=mmap.ACCESS_COPY, offset=base)
+        except OSError:
+            self._unmappable.add(entry.file)
+            return None
         return torch.frombuffer(mm, dtype=torch.uint8, count=hi - lo, offset=lo - base)
 
     def drop_pages(self) -> None:
