@@ -179,6 +179,11 @@ def tensor_bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
+def _truncated(entry: TensorEntry) -> CorruptFileError:
+    return CorruptFileError(f"{entry.file}: unexpected end of file reading '{entry.name}'",
+                            hint="the file was truncated after it was opened; download it again")
+
+
 class TensorReader:
     """Reads single tensors by offset. Keeps the most recently used files open (at most ``MAX_OPEN``:
     checkpoints with over a thousand shards exist, past any open-file limit). ``view`` may be called from
@@ -191,9 +196,9 @@ class TensorReader:
     def __init__(self, follow: bool = True) -> None:
         self._files: dict[Path, int] = {}  # in order of last use
         self._maps: dict[Path, object] = {}
+        self._lock = threading.Lock()  # the two tables above
         self._unmappable: set[Path] = set()  # files mmap refused (``mapped`` returns None for them)
         self.follow = follow
-        self._lock = threading.Lock()  # the two tables above
 
     def fd(self, path: Path) -> int:
         with self._lock:
@@ -217,8 +222,7 @@ class TensorReader:
             while done < n:
                 got = os.preadv(fd, [view[done:]], entry.start + start + done)
                 if got <= 0:
-                    raise CorruptFileError(f"{entry.file}: unexpected end of file reading '{entry.name}'",
-                                           hint="the file was truncated after it was opened; download it again")
+                    raise _truncated(entry)
                 done += got
         except OSError as e:
             raise read_error(entry.file, e) from None
@@ -270,8 +274,7 @@ class TensorReader:
                 mm = mmap.mmap(self._fd(entry.file), 0, access=mmap.ACCESS_COPY)
             self._maps[entry.file] = mm
         if entry.start + entry.nbytes > len(mm):
-            raise CorruptFileError(f"{entry.file}: unexpected end of file reading '{entry.name}'",
-                                   hint="the file was truncated after it was opened; download it again")
+            raise _truncated(entry)
         raw = torch.frombuffer(mm, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
         return raw.view(dtypes[entry.dtype]).reshape(entry.shape) if entry.start % dtypes[entry.dtype].itemsize == 0 \
             else raw.clone().view(dtypes[entry.dtype]).reshape(entry.shape)
@@ -297,8 +300,7 @@ class TensorReader:
         except OSError as e:
             raise read_error(entry.file, e) from None
         if hi > size:
-            raise CorruptFileError(f"{entry.file}: unexpected end of file reading '{entry.name}'",
-                                   hint="the file was truncated after it was opened; download it again")
+            raise _truncated(entry)
         base = lo - lo % mmap.ALLOCATIONGRANULARITY
         try:
             mm = mmap.mmap(fd, hi - base, access=mmap.ACCESS_COPY, offset=base)
