@@ -28,7 +28,6 @@ from mocli.errors import (
     os_error,
 )
 from mocli.output import Output
-from mocli.preload import torch_in_background
 from mocli.targets import Target
 
 EXIT_CODES = ("Exit codes: 0 ok; 1 findings (validation or verification failed, nothing written); 2 usage "
@@ -293,13 +292,12 @@ def convert_cmd(
 
         shard_bytes = parse_size(max_shard_size)
         with out.progress_bar("converting") as progress:
-            torch_in_background()  # planning and the kernel's copies go on without it
             progress.phase("reading headers")
             ckpt = open_checkpoint(model)
             digests = SourceDigests([h.path for h in ckpt.files])  # hashing overlaps the torch import
-            # and so does CUDA's start-up: the driver always (--device is checked without torch), the
-            # device's context where the plan will use the GPU (a hint: Plan.compute decides)
-            warm_cuda(device.value, context=target is Target.FLASHINFER_TRTLLM or ckpt.has_fp8_weights)
+            if target is Target.FLASHINFER_TRTLLM or ckpt.has_fp8_weights:  # and CUDA's start-up, where the
+                warm_cuda(device.value)  # plan will use the GPU (a hint: Plan.compute decides, after torch)
+            progress.phase("loading torch")
             from mocli.convert import convert
             from mocli.render import render_convert
 
@@ -333,8 +331,6 @@ def repair_cmd(
         from mocli.io.digests import SourceDigests
 
         with out.progress_bar("repairing") as progress:
-            if not dry_run:
-                torch_in_background()  # what repair copies as it is goes on without it
             progress.phase("reading headers")
             ckpt = open_checkpoint(model)
             digests = None if dry_run else SourceDigests([h.path for h in ckpt.files])
@@ -380,7 +376,6 @@ def quantize_cmd(
 
         shard_bytes = parse_size(max_shard_size)
         with out.progress_bar("quantizing") as progress:
-            torch_in_background()  # reading headers and planning overlap it
             progress.phase("reading headers")
             ckpt = open_checkpoint(model)
             digests = SourceDigests([h.path for h in ckpt.files])

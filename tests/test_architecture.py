@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "mocli"
 
 # Lower layers first; a module may import its own layer and those below (README "Code layout").
 LAYERS: list[list[str]] = [
-    ["mocli", "mocli.errors", "mocli.progress", "mocli.trace", "mocli.preload", "mocli.findings", "mocli.tables", "mocli.io", "mocli.io.*",
+    ["mocli", "mocli.errors", "mocli.progress", "mocli.trace", "mocli.findings", "mocli.tables", "mocli.io", "mocli.io.*",
      "mocli.ops", "mocli.ops.*", "mocli.parallel", "mocli.engine.dist", "mocli.targets.decode",
      "mocli.verify.quant", "mocli.verify.expect", "mocli.verify.html", "mocli.verify.junit"],
     ["mocli.formats", "mocli.devices", "mocli.procenv"],
@@ -127,56 +127,3 @@ def test_every_kind_table_covers_every_kind():
     assert set(DENSE) == {k for k, s in KINDS.items() if not s.moe}
     assert set(MOE) == {k for k, s in KINDS.items() if s.moe}
     assert all(THRESHOLDS[k].gemm2 is not None for k in MOE)
-
-
-PLAN_WITHOUT_TORCH = """
-import sys
-sys.modules["torch"] = None  # any import of torch fails from here on
-from pathlib import Path
-from mocli.census import build_census
-from mocli.checkpoint import open_checkpoint
-from mocli.engine import BufferPool, SourceRange, UnitContext, fingerprint
-from mocli.formats import layout
-from mocli.io.safetensors_file import TensorReader
-from mocli.io.shard_writer import group_layouts
-from mocli.parallel import Heads, ParallelLayout
-from mocli.plan import build_plan
-from mocli.scales import read_scales
-from mocli.targets import Target
-from mocli.validate import validate
-
-ckpt = open_checkpoint(sys.argv[1])
-census = build_census(ckpt.tensors)
-scales = read_scales(census)
-copied = {}
-for target in Target:
-    for tp, ep in ((1, 1), (2, 1), (2, 2)):
-        par = ParallelLayout(tp, ep)
-        assert not validate(ckpt, target, census, scales, parallel=par).findings.errors
-        plan = build_plan(census, scales, target, par, Heads.from_config(ckpt.config))
-        lays = group_layouts(list(plan.tensors.values()))
-        fingerprint("convert", ckpt.files, lays, {"tensors": {f"{g}/{n}": t.to_dict() for (g, n), t in plan.tensors.items()}})
-        layout.manifest_body(plan, target, par)
-        ctx = UnitContext(TensorReader(), None, BufferPool())
-        units = [u for u in plan.units if u.copies]
-        for u in units:
-            assert all(isinstance(p.data, SourceRange) for p in u.run(ctx)), u.id
-        copied[f"{target} tp{tp} ep{ep}"] = sorted({u.id.split(":")[0] for u in units})
-print(copied)
-"""
-
-
-def test_convert_plans_and_copies_without_torch():
-    """convert's planning (validate, plan, shard layout, fingerprint, manifest) and every unit marked
-    ``copies`` run with torch unimportable: the engine runs those while torch loads (mocli.preload).
-    On the real NVFP4 MoE export, cutlass copies every expert's weights at one rank and under expert
-    parallel; trtllm shuffles their rows (computed) and copies only what passes through."""
-    real = ROOT.parent / "fixtures" / "real" / "qwen3_moe-nvfp4_kv"
-    r = subprocess.run([sys.executable, "-c", PLAN_WITHOUT_TORCH, str(real)], capture_output=True, text=True,
-                       cwd=ROOT.parent)
-    assert r.returncode == 0, r.stderr
-    copied = eval(r.stdout)  # noqa: S307 - our own subprocess's repr of a dict of lists
-    for tp, ep in ((1, 1), (2, 2)):
-        assert copied[f"flashinfer-cutlass tp{tp} ep{ep}"] == ["copy", "w13", "w2"]
-        assert copied[f"flashinfer-trtllm tp{tp} ep{ep}"] == ["copy"]
-    assert copied["flashinfer-cutlass tp2 ep1"] == ["copy", "w13"]  # w2's columns are sliced per rank

@@ -6,16 +6,14 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
 
 from mocli.engine.pool import BufferPool
 from mocli.io.digests import DIGEST, hash_range, new_hasher
 from mocli.io.paths import open_regular
 from mocli.io.safetensors_file import tensor_bytes_view
 from mocli.io.shard_writer import ShardFile
-
-if TYPE_CHECKING:
-    import torch
 
 
 class OrderedHasher:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+
+import torch
 
 from mocli.engine.units import Piece, SourceRange
 from mocli.io.safetensors_file import TensorEntry, TensorReader, tensor_bytes_view, torch_dtypes
-
-if TYPE_CHECKING:  # units that only copy (``Unit.copies``) run before torch is loaded
-    import torch
 
 # Tensors of at least this many bytes are mapped rather than read on a CPU run (``UnitContext.rows``):
 # below it a read costs less than mapping, faulting the pages in and unmapping them.
@@ -41,8 +39,6 @@ class BufferPool:
             if stack:
                 self.kept -= nbytes
                 return stack.pop()
-        import torch
-
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
     def give(self, bufs: list[torch.Tensor]) -> None:
@@ -60,17 +56,14 @@ class UnitContext:
     """What a unit may use: a reader, the compute device, and pooled buffers it borrows.
 
     Buffers a unit borrows go back to the pool once the engine has written the unit's pieces.
-    ``device`` is None while only copying units run (before torch is loaded: ``Unit.copies``).
     """
 
-    def __init__(self, reader: TensorReader, device: torch.device | None, pool: BufferPool) -> None:
+    def __init__(self, reader: TensorReader, device: torch.device, pool: BufferPool) -> None:
         self.reader, self.device, self.pool = reader, device, pool
         self.borrowed: list[torch.Tensor] = []
 
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A CPU tensor from the pool, valid until the unit's pieces are written (garbage content)."""
-        import torch
-
         n = dtype.itemsize
         for d in shape:
             n *= d
@@ -102,8 +95,6 @@ class UnitContext:
         """``torch.cat([rows a:b of each entry])[idx]`` on the compute device, for entries of one dtype
         and row size. On a CPU run with every part in one file the rows are gathered straight from a
         map of its pages into the output buffer: one copy, where reading them in first made two."""
-        import torch
-
         first = parts[0][0]
         dtype = torch_dtypes()[first.dtype]
         row = first.nbytes // first.shape[0]
@@ -146,11 +137,7 @@ class UnitContext:
         """Hand over the buffers the unit's pieces still point into (they go back to the pool once
         written); the rest - inputs already consumed, on CUDA everything read and copied to the device
         once the stream is synchronized - go back to the pool now. Half the bytes a quantize unit
-        borrowed, were its inputs, held until the writer was done."""
-        if not self.borrowed:
-            return []
-        import torch
-
+        borrowed were its inputs, held until the writer was done."""
         held = {p.data.untyped_storage().data_ptr() for p in pieces
                 if isinstance(p.data, torch.Tensor) and p.data.device.type == "cpu"}
         keep = [b for b in self.borrowed if b.untyped_storage().data_ptr() in held]

@@ -99,9 +99,6 @@ class Unit:
     # units. Weights copied as they are (in the kernel) with small scale tensors swizzled beside them
     # are not; a plan without such units runs on the CPU even under --device cuda (``Plan.compute``).
     compute: bool = False
-    # Every piece is a source range and ``run`` needs no torch: the engine runs these first, copying
-    # while torch is still being imported (``mocli.preload``), and they borrow no buffers.
-    copies: bool = False
 
     @property
     def input_bytes(self) -> int:
@@ -139,8 +136,7 @@ class Plan:
             if batch:
                 keys = [(group, e.name) for e in batch]
                 pieces = [Piece((group, e.name), 0, SourceRange(e, 0, e.nbytes)) for e in batch]
-                self.units.append(Unit(f"copy:{batch[0].name}", list(batch), keys, lambda ctx, p=pieces: p,
-                                       copies=True))
+                self.units.append(Unit(f"copy:{batch[0].name}", list(batch), keys, lambda ctx, p=pieces: p))
             batch, size = [], 0
 
         for e in entries:

@@ -5,16 +5,14 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from typing import TYPE_CHECKING
+
+import torch
 
 from mocli.engine.hashing import OrderedHasher
 from mocli.engine.pool import BufferPool
 from mocli.engine.units import Key, Piece, SourceRange, Unit
 from mocli.io.safetensors_file import TensorReader
 from mocli.io.shard_writer import ShardWriter
-
-if TYPE_CHECKING:
-    import torch
 
 
 def writer_lanes(files: int) -> int:

@@ -13,12 +13,10 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
 
 from mocli.io.safetensors_file import tensor_bytes_view
-
-if TYPE_CHECKING:  # tensors come from units; copies and layouts need no torch
-    import torch
 
 SHARD_PATTERN = "model-{index:05d}-of-{count:05d}.safetensors"
 # Below the Hugging Face default (5GB): each shard's SHA-256 is one sequential pass, so more shards

@@ -11,10 +11,17 @@ from functools import lru_cache
 
 import torch
 
-from mocli.ops import SHUFFLE_BLOCK, SWIZZLE_COLS, SWIZZLE_ROWS, roundup, swizzled_shape
+SWIZZLE_ROWS = 128
+SWIZZLE_COLS = 4
+SHUFFLE_BLOCK = 32
 
-__all__ = ["SHUFFLE_BLOCK", "SWIZZLE_COLS", "SWIZZLE_ROWS", "gated_act_row_indices", "pad_2d", "permute_rows",
-           "roundup", "shuffle_row_indices", "swizzle_block_scales", "swizzled_shape"]
+
+def roundup(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
+    return roundup(rows, SWIZZLE_ROWS), roundup(cols, SWIZZLE_COLS)
 
 
 def swizzle_block_scales(scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

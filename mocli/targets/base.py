@@ -61,9 +61,6 @@ class TargetLayout:
     supported: dict[str, frozenset[Algo]] = SUPPORTED
     # FlashInfer's NVFP4 kernels (mm_fp4, NVFP4 cutlass_fused_moe) read this layout (sm_100+)
     fp4_kernels: bool = False
-    # Whether ``nvfp4_weight_rows``, ``w13_rows`` and ``w2_rows`` permute rows: planners ask this, not
-    # for the indices, which are torch tensors (a plan is made before torch is loaded)
-    shuffles_rows: bool = False
 
     # --- dense NVFP4 (SEMANTICS §6) ---------------------------------------------------------------
 

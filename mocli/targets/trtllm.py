@@ -15,7 +15,6 @@ if TYPE_CHECKING:
 
 class TrtllmLayout(TargetLayout):
     target = Target.FLASHINFER_TRTLLM
-    shuffles_rows = True
     constraints = SHARED_CONSTRAINTS + (
         # SEMANTICS §6: shuffle_matrix_a(., 128) and the 128x4 scale interleave without padding.
         Constraint("linear", Algo.NVFP4, "N", 128, "trtllm NVFP4 GEMM shuffles rows in 128-row tiles (SEMANTICS §6)"),
