@@ -294,10 +294,10 @@ def convert_cmd(
         with out.progress_bar("converting") as progress:
             progress.phase("reading headers")
             ckpt = open_checkpoint(model)
-            digests = SourceDigests([h.path for h in ckpt.files])  # hashing overlaps the torch import
-            if target is Target.FLASHINFER_TRTLLM or ckpt.has_fp8_weights:  # and CUDA's start-up, where the
-                warm_cuda(device.value)  # plan will use the GPU (a hint: Plan.compute decides, after torch)
-            progress.phase("loading torch")
+            digests = SourceDigests([h.path for h in ckpt.files])  # hashing overlaps planning (and torch's import)
+            # and so does CUDA's start-up: the driver always (--device is checked without torch), the
+            # device's context where the plan will use the GPU (FP8 weights; Plan.compute decides)
+            warm_cuda(device.value, context=ckpt.has_fp8_weights)
             from mocli.convert import convert
             from mocli.render import render_convert
 

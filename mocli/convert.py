@@ -23,12 +23,13 @@ from mocli.targets import Target
 def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", overwrite: bool = False,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress=None, tp: int = 1, ep: int = 1,
             digests: SourceDigests | None = None, dist=None) -> dict[str, Any]:
-    """Convert ``ckpt`` for ``target`` (at ``tp``/``ep`` ranks) into ``out``; returns the summary."""
-    import torch
+    """Convert ``ckpt`` for ``target`` (at ``tp``/``ep`` ranks) into ``out``; returns the summary.
 
+    Nothing before the engine imports torch: the engine copies weights that need no transform while
+    torch loads (``mocli.preload``), and loads it for the first unit that computes."""
     from mocli import engine
     from mocli.census import build_census
-    from mocli.devices import resolve_device
+    from mocli.devices import check_device
     from mocli.formats import layout
     from mocli.plan import build_plan
     from mocli.scales import read_scales
@@ -38,7 +39,6 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
     t0 = time.perf_counter()
     progress = progress or engine.Progress()
     dist = dist or engine.Dist()
-    dev = resolve_device(device)
     out = Path(out)
     if tp < 1 or ep < 1:
         raise InputError(f"--tp {tp} --ep {ep}: sizes must be at least 1", hint="e.g. --tp 8, or --tp 2 --ep 2")
@@ -52,8 +52,7 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
     if report.findings.errors:
         raise Refused(report.findings)
 
-    plan = build_plan(census, {k: torch.from_numpy(v.copy()) for k, v in scales.items()}, target, parallel,
-                      Heads.from_config(ckpt.config))
+    plan = build_plan(census, scales, target, parallel, Heads.from_config(ckpt.config))
     layouts = group_layouts(list(plan.tensors.values()), max_shard_bytes)
     fp = engine.fingerprint("convert", ckpt.files, layouts, {
         "layout_version": layout.LAYOUT_VERSION, "target": str(target), "parallel": parallel.to_dict(),
@@ -66,11 +65,12 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
                                       parallel=parallel.to_dict())
         layout.write_layout(partial, ckpt.path, body, layouts, files, provenance)
 
-    job = engine.Job("convert", out, ckpt.path, plan, layouts, fp, finish, overwrite, dev, progress, dist, digests,
+    check_device(device)  # refused before anything is written (the driver answered while we planned)
+    job = engine.Job("convert", out, ckpt.path, plan, layouts, fp, finish, overwrite, device, progress, dist, digests,
                      {"--target": target, "--tp": tp, "--ep": ep, "--max-shard-size": max_shard_bytes})
     result = engine.run(job)
     return {
-        "output": str(out), "target": str(target), **result.device_fields(str(dev)), "tensors": len(plan.tensors),
+        "output": str(out), "target": str(target), **result.device_fields(), "tensors": len(plan.tensors),
         "parallel": parallel.to_dict(), "bytes": result.bytes, "shards": len(result.files),
         "units": result.units, "resumed_units": result.resumed_units, "modules": len(plan.modules),
         "seconds": round(time.perf_counter() - t0, 3), "repairs": plan.unified_scales,

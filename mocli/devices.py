@@ -39,8 +39,9 @@ def resolve_device(device: str):
     return torch.device("cpu")
 
 
-def warm_cuda(device: str) -> None:
-    """Start CUDA for ``device`` on a background thread, before torch is imported.
+def warm_cuda(device: str, context: bool = True) -> None:
+    """Start CUDA for ``device`` on a background thread, before torch is imported: the driver, so that
+    ``check_device`` can answer without torch, and (``context``) the device's primary context.
 
     The driver's start-up and the device's primary context (the one torch's runtime then attaches to)
     took 0.31-0.34 s at torch's first CUDA call on an H200, and 0.02 s once warmed here; importing torch
@@ -48,23 +49,30 @@ def warm_cuda(device: str) -> None:
     (ctypes drops the GIL while it waits). Nothing
     happens for ``cpu``, without a driver or without a device, and any failure is left for torch to
     report in its own words: this only moves work earlier."""
-    if device == "cpu" or not (device == "auto" or device.startswith("cuda")):
+    if device == "cpu" or not (device == "auto" or device.startswith("cuda")) or device in _probes:
         return
     import threading
 
-    threading.Thread(target=_warm, args=(device,), name="mocli-cuda-warm", daemon=True).start()
+    _probes[device] = (threading.Event(), [0])
+    threading.Thread(target=_warm, args=(device, context), name="mocli-cuda-warm", daemon=True).start()
 
 
 _held: dict[int, int] = {}  # device index -> the primary context retained for it (tests look)
+_probes: dict[str, tuple] = {}  # device -> (set once the driver has counted, [the count])
 
 
-def _warm(device: str) -> None:
+def _warm(device: str, context: bool) -> None:
     import ctypes
 
+    counted, box = _probes[device]
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
         count, dev, ctx = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_void_p()
         if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value < 1:
+            return
+        box[0] = count.value
+        counted.set()
+        if not context:
             return
         # the device resolve_device will pick: cuda:N, else this process's LOCAL_RANK
         index = int(device.split(":", 1)[1]) if ":" in device else int(os.environ.get("LOCAL_RANK", "0")) % count.value
@@ -72,3 +80,34 @@ def _warm(device: str) -> None:
             _held[index] = ctx.value  # held for the life of the process
     except (OSError, ValueError, AttributeError):
         return
+    finally:
+        counted.set()
+
+
+def check_device(device: str) -> None:
+    """``resolve_device``'s refusals, without torch (a conversion checks before it writes anything, and
+    one whose units need no torch never loads it): ``--device cuda`` where the CUDA driver counts no
+    device. The driver is asked on ``warm_cuda``'s thread. Where the driver has a device but torch has
+    no CUDA (a CPU build of torch), ``resolve_device`` still refuses, if torch is loaded."""
+    if device in ("auto", "cpu"):
+        return
+    if not (device == "cuda" or device.startswith("cuda:") and device[5:].isdigit()):
+        raise InputError(f"--device {device}: not a device", hint="auto, cpu or cuda")
+    warm_cuda(device, context=False)
+    counted, box = _probes[device]
+    counted.wait()
+    if box[0] < 1:
+        raise InputError(f"--device {device}: no CUDA device is available", hint="use --device cpu or auto")
+
+
+def requested_device(device: str) -> str:
+    """What ``resolve_device`` names for ``device``, as the CUDA driver sees it (no torch): a summary's
+    ``device_requested`` where the units ran on the CPU without torch."""
+    if device == "cpu" or device.startswith("cuda:"):
+        return device
+    if device not in ("auto", "cuda"):
+        return "cpu"
+    warm_cuda(device, context=False)
+    counted, box = _probes[device]
+    counted.wait()
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % box[0]}" if box[0] else "cpu"

@@ -198,13 +198,13 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
                                 output_shards=dict(sorted(files.items())))
         write_fp8(partial, ckpt.path, layouts[""], ignored, prov)
 
-    job = engine.Job("quantize", out, ckpt.path, plan, layouts, fp, finish, overwrite, dev, progress, dist, digests,
+    job = engine.Job("quantize", out, ckpt.path, plan, layouts, fp, finish, overwrite, str(dev), progress, dist, digests,
                      {"--scheme": scheme, "--exclude": sorted(exclude or []), "--max-shard-size": max_shard_bytes})
     result = engine.run(job)
     online = ONLINE_QUANTIZED_ROUTERS.get(ckpt.architecture or "")
     deviations = [{"layer": n, "here": "kept in the source dtype (SEMANTICS §12)", "engine_online": online}
                   for n in ignored if online and any(n.endswith("." + r) for r in ROUTERS)]
-    return {"output": str(out), "scheme": scheme, **result.device_fields(str(dev)), "quantized_modules": sum(len(g.modules) for g in qp.groups),
+    return {"output": str(out), "scheme": scheme, **result.device_fields(), "quantized_modules": sum(len(g.modules) for g in qp.groups),
             "deviations_from_online": deviations,
             "groups": len(qp.groups), "ignored_layers": ignored, "notes": qp.notes, "tensors": len(plan.tensors),
             "bytes": result.bytes, "shards": len(result.files), "units": result.units,

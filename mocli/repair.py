@@ -232,24 +232,23 @@ def _reconcile_config(plan: RepairPlan, ckpt: Checkpoint, census: Census, codes:
 
 def _rescaler(entry: TensorEntry, s2: float, big: float) -> Callable:
     def make(ctx):
-        import torch
+        import numpy as np
 
         from mocli.engine.units import BadData
-        from mocli.ops.fp8 import has_nan_fp8, rescale_block_scales
+        from mocli.ops import nvfp4
 
-        raw = ctx.load(entry)
-        if has_nan_fp8(raw):
+        raw = ctx.array(entry)
+        if nvfp4.has_nan_fp8(raw):
             raise BadData(entry.name, "FP8 block scales encode NaN")
-        return rescale_block_scales(raw, torch.tensor(s2, dtype=torch.float32), torch.tensor(big, dtype=torch.float32),
-                                    out=ctx.out(raw))
+        return np.ascontiguousarray(nvfp4.rescale_block_scales(raw, np.float32(s2), np.float32(big)))
     return make
 
 
 def _constant(value: float, shape: tuple[int, ...]) -> Callable:
     def make(ctx):
-        import torch
+        import numpy as np
 
-        return torch.full(shape, value, dtype=torch.float32)
+        return np.full(shape, value, dtype=np.float32)
     return make
 
 
@@ -326,8 +325,8 @@ def _stream_plan(ckpt: Checkpoint, rp: RepairPlan):
             copies = []
             edit = rp.edits[n]
             plan.add(OutTensor(n, *edit.spec, "repaired", [n], []))
-            plan.units.append(Unit(f"repair:{n}", edit.inputs, [("", n)],
-                                   lambda ctx, n=n, make=edit.make: [Piece(("", n), 0, make(ctx))]))
+            plan.units.append(Unit(f"repair:{n}", edit.inputs, [("", n)],  # numpy: repair never loads torch
+                                   lambda ctx, n=n, make=edit.make: [Piece(("", n), 0, make(ctx))], torch_free=True))
         plan.copy_units(copies, role="copy")
         # each shard keeps its source's own metadata (the layout adds format: pt where it is missing)
         specs = [TensorSpec(n, plan.tensors["", n].dtype, plan.tensors["", n].shape, plan.tensors["", n].nbytes)

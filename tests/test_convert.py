@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import blake3
 import pytest
@@ -298,26 +301,27 @@ class _Ran(Exception):
 
 @pytest.mark.parametrize("arch,algo,target,tp,device", [
     ("qwen3_moe", "NVFP4", "flashinfer-cutlass", 1, "cpu"), ("llama", "NVFP4", "flashinfer-cutlass", 1, "cpu"),
-    ("qwen3_moe", "NVFP4", "flashinfer-trtllm", 1, "cuda"), ("llama", "NVFP4", "flashinfer-trtllm", 1, "cuda"),
-    ("qwen3_moe", "NVFP4", "flashinfer-cutlass", 2, "cuda"),  # w2's columns sliced per rank in memory
-    ("padded", "NVFP4", "flashinfer-cutlass", 1, "cuda"),  # N = 48 padded to 128 in memory
+    ("qwen3_moe", "NVFP4", "flashinfer-trtllm", 1, "cpu"), ("llama", "NVFP4", "flashinfer-trtllm", 1, "cpu"),
+    ("qwen3_moe", "NVFP4", "flashinfer-cutlass", 2, "cpu"),  # w2's columns sliced per rank in memory
+    ("padded", "NVFP4", "flashinfer-cutlass", 1, "cpu"),  # N = 48 padded to 128 in memory
     ("mixtral", "FP8", "flashinfer-cutlass", 1, "cuda"), ("llama", "FP8", "flashinfer-cutlass", 1, "cuda"),
     ("llama", "FP8_PB_WO", "flashinfer-trtllm", 1, "cuda")])
 def test_only_plans_that_compute_ask_for_the_gpu(tmp_path, monkeypatch, arch, algo, target, tp, device):
-    """Under --device cuda, work over every weight byte runs on the GPU: FP8 (NaN checks, requantization),
-    trtllm's row shuffles, weights sliced or padded per rank. NVFP4 for cutlass whose weights are only
-    copied in the kernel (block scales swizzled beside them) stays on the CPU. The engine is stopped
-    where it starts."""
+    """Under --device cuda, work over every weight byte runs on the GPU where it is arithmetic: FP8
+    (NaN checks, requantization). NVFP4 only moves bytes (copied in the kernel, or shuffled, sliced,
+    padded and its block scales rescaled in numpy): every target and layout stays on the CPU, and its
+    units are all torch-free. The engine is stopped where it starts."""
     import mocli.devices
     import mocli.engine.job as job_mod
 
     seen = []
 
     def spy(job):
-        seen.append(job.device.type)
+        seen.append(job_mod.compute_device(job)[1].type)
         raise _Ran
 
     monkeypatch.setattr(mocli.devices, "resolve_device", lambda d: torch.device("cuda"))
+    monkeypatch.setattr(mocli.devices, "check_device", lambda d: None)
     monkeypatch.setattr(job_mod, "_run", spy)
     from mocli.checkpoint import open_checkpoint
     from mocli.convert import convert as run_convert
@@ -328,20 +332,35 @@ def test_only_plans_that_compute_ask_for_the_gpu(tmp_path, monkeypatch, arch, al
     with pytest.raises(_Ran):
         run_convert(ckpt, tmp_path / "o", Target(target), device="cuda", tp=tp)
     assert seen == [device]
+    plan = build_plan_for(ckpt, target, tp)
+    assert all(u.torch_free for u in plan.units) == (algo == "NVFP4")
 
 
+def build_plan_for(ckpt, target: str, tp: int):
+    from mocli.census import build_census
+    from mocli.parallel import Heads, ParallelLayout
+    from mocli.plan import build_plan
+    from mocli.scales import read_scales
+    from mocli.targets import Target
+
+    census = build_census(ckpt.tensors)
+    return build_plan(census, read_scales(census), Target(target), ParallelLayout(tp, 1), Heads.from_config(ckpt.config))
+
+
+@pytest.mark.parametrize("target", ["flashinfer-cutlass", "flashinfer-trtllm"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "llama"])
-def test_layout_only_conversion_under_device_cuda_runs_on_the_cpu(cli, tmp_path, monkeypatch, arch):
-    """The whole NVFP4 cutlass run with --device cuda taken as granted: on a machine without CUDA anything that
+def test_nvfp4_conversion_under_device_cuda_runs_on_the_cpu(cli, tmp_path, monkeypatch, arch, target):
+    """The whole NVFP4 run with --device cuda taken as granted: on a machine without CUDA anything that
     touched it (pinned buffers, a copy to the device) would fail. It says where it ran, and the bytes
     are those of --device cpu."""
     import mocli.devices
 
-    target = "flashinfer-cutlass"
     src = make_checkpoint(tmp_path / "src", arch=arch, algo="NVFP4", unify_scale_2=False)
     plain = convert(cli, src, tmp_path / "cpu", target, "--device", "cpu")
     assert plain["device"] == "cpu" and "device_requested" not in plain
     monkeypatch.setattr(mocli.devices, "resolve_device", lambda d: torch.device("cuda"))
+    monkeypatch.setattr(mocli.devices, "check_device", lambda d: None)
+    monkeypatch.setattr(mocli.devices, "requested_device", lambda d: "cuda")
     r = convert(cli, src, tmp_path / "cuda", target, "--device", "cuda")
     assert (r["device"], r["device_requested"]) == ("cpu", "cuda")
     assert digest_tree(tmp_path / "cuda") == digest_tree(tmp_path / "cpu")
@@ -382,3 +401,30 @@ def test_loader_hands_over_the_pass_through_tensors_with_the_source_bytes(cli, t
         assert t.dtype == src[n].dtype and t.shape == src[n].shape
         assert torch.equal(t.reshape(-1).view(torch.uint8), src[n].reshape(-1).view(torch.uint8))
     assert load_converted(tmp_path / "o", modules=["model.layers.0.mlp.experts"]).passthrough == {}
+
+
+WITHOUT_TORCH = """
+import sys
+sys.modules["torch"] = None  # any import of torch fails from here on
+from mocli.cli import main
+sys.argv = ["mocli", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("target", ["flashinfer-cutlass", "flashinfer-trtllm"])
+@pytest.mark.parametrize("par", [(), ("--tp", "2", "--ep", "2")])
+def test_nvfp4_convert_runs_without_torch(cli, tmp_path, target, par):
+    """``mocli convert`` of the real NVFP4 MoE export in a fresh process where torch cannot be imported
+    (an NVFP4 conversion never loads it: ``mocli.ops.nvfp4``), under --device auto: it finishes, says it
+    ran on the CPU, and the output verifies against the source (verify's own tables, in torch). An FP8
+    export in the same process fails, which shows torch really was unimportable there."""
+    root = Path(__file__).resolve().parents[1]
+    run = lambda *a: subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *map(str, a)],  # noqa: E731
+                                    capture_output=True, text=True, cwd=root)
+    r = run("convert", REAL_QWEN, "-o", tmp_path / "o", "--target", target, *par, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["device"] == "cpu"
+    assert cli("verify", tmp_path / "o").exit_code == 0
+    fp8 = run("convert", REAL_LLAMA, "-o", tmp_path / "fp8", "--target", target)
+    assert fp8.returncode != 0 and "torch" in fp8.stderr

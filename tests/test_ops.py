@@ -2,22 +2,35 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mocli.ops.fp8 import has_nan_fp8, requantize_fp8, rescale_block_scales
-from mocli.ops.layout import (
-    gated_act_row_indices,
-    pad_2d,
-    permute_rows,
-    shuffle_row_indices,
-    swizzle_block_scales,
-)
+from mocli.ops import nvfp4
+from mocli.ops.fp8 import has_nan_fp8, requantize_fp8
+from mocli.ops.layout import permute_rows
+from mocli.ops.rows import gated_act_row_indices, gated_shuffled_row_indices
+from mocli.ops.rows import shuffle_row_indices as _shuffle_np
 from mocli.targets import decode
 from mocli.verify.quant import unpack_e2m1
 from tests import reference as ref
+
+
+def shuffle_row_indices(m: int) -> torch.Tensor:
+    return torch.from_numpy(_shuffle_np(m).copy())
+
+
+def gated_rows(m: int) -> torch.Tensor:
+    return torch.from_numpy(gated_act_row_indices(m).copy())
+
+
+def swizzle_block_scales(s: torch.Tensor) -> torch.Tensor:
+    """The numpy swizzle on a tensor's bytes ([E, M, Kb]: per expert), back as a tensor of s's dtype."""
+    raw = s.view(torch.uint8).numpy()
+    out = np.stack([nvfp4.swizzle_block_scales(x) for x in raw]) if raw.ndim == 3 else nvfp4.swizzle_block_scales(raw)
+    return torch.from_numpy(out).view(s.dtype)
 
 
 def test_e2m1_unpack_hand_values():
@@ -55,15 +68,12 @@ def test_unswizzle_inverts_swizzle(m, kb, experts):
             dirty[-1].view(-1)[-1] = 1  # the last expert's last byte: padding in the 128x4 tiles
             with pytest.raises(decode.LayoutError):
                 decode.unswizzle(dirty, m, kb, "t")
-    out = torch.full_like(sw, 0x55) if not experts else None
-    if out is not None:  # into a dirty reused buffer: the padding still comes out zero
-        assert torch.equal(swizzle_block_scales(s, out).view(torch.uint8), sw.view(torch.uint8))
 
 
 def test_shuffle_and_reorder_match_loops():
     x = torch.arange(128 * 2).reshape(128, 2)
     assert torch.equal(x[shuffle_row_indices(128)], ref.shuffle_rows(x))
-    assert torch.equal(x[gated_act_row_indices(128)], ref.gated_reorder(x))
+    assert torch.equal(x[gated_rows(128)], ref.gated_reorder(x))
     with pytest.raises(ValueError):
         shuffle_row_indices(48)
 
@@ -75,7 +85,7 @@ def test_layout_helpers_match_flashinfer():
 
     x = torch.randint(0, 256, (256, 64), dtype=torch.uint8)
     assert torch.equal(x[shuffle_row_indices(256)], fi.shuffle_matrix_a(x, 128))
-    assert torch.equal(x[gated_act_row_indices(256)], reorder_rows_for_gated_act_gemm(x))
+    assert torch.equal(x[gated_rows(256)], reorder_rows_for_gated_act_gemm(x))
 
 
 @settings(max_examples=30, deadline=None)
@@ -83,16 +93,23 @@ def test_layout_helpers_match_flashinfer():
 def test_row_orders_are_undone_by_their_independent_inverses(blocks, cols):
     x = torch.randint(0, 256, (32 * blocks, cols), dtype=torch.uint8)
     assert torch.equal(decode.unshuffle_rows(x[shuffle_row_indices(32 * blocks)]), x)
-    assert torch.equal(decode.ungate_rows(x[gated_act_row_indices(32 * blocks)]), x)
+    assert torch.equal(decode.ungate_rows(x[gated_rows(32 * blocks)]), x)
     v = torch.arange(32 * blocks)  # a vector (per-row scales): its elements are the rows
     assert torch.equal(decode.unshuffle_rows(v[shuffle_row_indices(32 * blocks)]), v)
-    assert torch.equal(decode.ungate_rows(v[gated_act_row_indices(32 * blocks)]), v)
+    assert torch.equal(decode.ungate_rows(v[gated_rows(32 * blocks)]), v)
     # three experts stacked: each one's rows undone on its own (rows are the second-to-last dim)
     e = torch.randint(0, 256, (3, 32 * blocks, cols), dtype=torch.uint8)
-    idx = gated_act_row_indices(32 * blocks)[shuffle_row_indices(32 * blocks)]
+    idx = torch.from_numpy(gated_shuffled_row_indices(32 * blocks).copy())
     assert torch.equal(decode.ungate_rows(decode.unshuffle_rows(e[:, idx])), e)
     out = torch.empty_like(x)
-    assert torch.equal(permute_rows(x, shuffle_row_indices(32 * blocks), out), ref.shuffle_rows(x))
+    assert torch.equal(permute_rows(x, _shuffle_np(32 * blocks), out), ref.shuffle_rows(x))
+    # the numpy gather (NVFP4 units) moves the same rows
+    assert np.array_equal(nvfp4.permute_rows(x.numpy(), gated_shuffled_row_indices(32 * blocks)),
+                          decode_free_gather(x, idx))
+
+
+def decode_free_gather(x: torch.Tensor, idx: torch.Tensor) -> np.ndarray:
+    return np.stack([x[int(i)].numpy() for i in idx])
 
 
 def test_tables_equal_the_float_formulas_for_every_code():
@@ -105,7 +122,8 @@ def test_tables_equal_the_float_formulas_for_every_code():
         big = s * (1 + torch.rand((), generator=g) * 20)
         assert torch.equal(requantize_fp8(codes, s, big).view(torch.uint8), ref.fp8_requant(codes, s, big).view(torch.uint8))
         want = (codes.float() * s / big).clamp(-448, 448).to(torch.float8_e4m3fn)
-        assert torch.equal(rescale_block_scales(codes, s, big).view(torch.uint8), want.view(torch.uint8))
+        got = nvfp4.rescale_block_scales(codes.view(torch.uint8).numpy(), s.numpy(), big.numpy())
+        assert np.array_equal(got, want.view(torch.uint8).numpy())
     odd = codes[:5]  # an odd byte count takes the tail path
     assert torch.equal(requantize_fp8(odd, s, big).view(torch.uint8), ref.fp8_requant(odd, s, big).view(torch.uint8))
 
@@ -124,10 +142,53 @@ def test_nan_codes_are_found():
 
 
 def test_pad_2d_zero_fills():
-    t = torch.ones(3, 5).to(torch.float8_e4m3fn)
-    p = pad_2d(t, 4, 8)
-    assert p.shape == (4, 8) and p.dtype == torch.float8_e4m3fn
-    assert p.float().sum() == 15 and p[3].float().abs().sum() == 0
+    p = nvfp4.pad_2d(np.full((3, 5), 7, dtype=np.uint8), 4, 8)
+    assert p.shape == (4, 8) and p.dtype == np.uint8
+    assert p.sum() == 7 * 15 and p[3].sum() == 0 and p[:, 5:].sum() == 0
+
+
+def test_numpy_fp8_rounding_is_torchs_cast():
+    """The numpy e4m3 encoder (NVFP4 rescaling without torch) against torch's own cast: every code's
+    value, every midpoint between neighbours (the ties), both signs, zeros, saturation, NaN, and a
+    million random values across the range."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn).float()
+    pos = finite[finite > 0].sort().values
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([finite, (pos[1:] + pos[:-1]) / 2, -(pos[1:] + pos[:-1]) / 2, pos / 3, pos * 1.0001,
+                   torch.tensor([0.0, -0.0, 448, 449, 464, 465, 1e9, -1e9, float("inf"), -float("inf"), 1e-12]),
+                   torch.randn(10**6, generator=g) * 10 ** torch.randint(-8, 3, (10**6,), generator=g)])
+    want = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    assert np.array_equal(nvfp4.encode_fp8(x.numpy()), want)
+    assert nvfp4.encode_fp8(np.array([np.nan], dtype=np.float32))[0] == 0x7F
+    assert np.array_equal(np.nan_to_num(nvfp4.decode_fp8(codes.numpy()), nan=-1),
+                          np.nan_to_num(codes.view(torch.float8_e4m3fn).float().numpy(), nan=-1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(s=st.floats(2.0**-20, 8.0, width=32), big=st.floats(2.0**-20, 8.0, width=32))
+def test_numpy_rescale_table_is_the_torch_formula_on_every_code(s, big):
+    """SEMANTICS §6 rescale, all 256 codes at once, for any pair (not only s <= big): the numpy table
+    against the formula run in torch; NaN codes stay NaN (0x7F)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    s32, b32 = torch.tensor(s, dtype=torch.float32), torch.tensor(big, dtype=torch.float32)
+    want = (codes.view(torch.float8_e4m3fn).float() * s32 / b32).clamp(-448, 448).to(torch.float8_e4m3fn)
+    want = want.view(torch.uint8).numpy().copy()
+    want[[0x7F, 0xFF]] = 0x7F
+    got = nvfp4.rescale_block_scales(codes.numpy(), s32.numpy(), b32.numpy())
+    assert np.array_equal(got, want) or s32 == b32 and np.array_equal(got, codes.numpy())
+    odd = nvfp4.rescale_block_scales(codes.numpy()[:5].reshape(5, 1), s32.numpy(), b32.numpy())  # the odd tail
+    assert odd.shape == (5, 1) and np.array_equal(odd.reshape(-1), got[:5])
+
+
+def test_numpy_nan_check():
+    x = np.zeros(1000, dtype=np.uint8)
+    assert not nvfp4.has_nan_fp8(x) and not nvfp4.has_nan_fp8(x[:0])
+    for code in (0x7F, 0xFF):
+        x[777] = code
+        assert nvfp4.has_nan_fp8(x)
+    x[777] = 0xFE
+    assert not nvfp4.has_nan_fp8(x)
 
 
 # --- requantization properties (SEMANTICS §3) ------------------------------------------------------
@@ -158,10 +219,10 @@ def test_max_scale_shard_is_byte_identical(raw, s):
 
 
 def test_rescale_block_scales_hand_value():
-    bs = torch.tensor([[2.0, 4.0]]).to(torch.float8_e4m3fn)
-    out = rescale_block_scales(bs, torch.tensor(1.0), torch.tensor(2.0))
-    assert out.float().tolist() == [[1.0, 2.0]]
-    same = rescale_block_scales(bs, torch.tensor(2.0), torch.tensor(2.0))
+    bs = np.array([[0x40, 0x48]], dtype=np.uint8)  # 2.0, 4.0 in e4m3
+    out = nvfp4.rescale_block_scales(bs, np.float32(1.0), np.float32(2.0))
+    assert out.tolist() == [[0x38, 0x40]]  # 1.0, 2.0
+    same = nvfp4.rescale_block_scales(bs, np.float32(2.0), np.float32(2.0))
     assert same is bs
 
 
@@ -172,7 +233,7 @@ def test_row_decoders_keep_dtype_shape_and_bytes(dtype, cols):
     row's elements one by one (the loops in tests.reference), for every width."""
     raw = torch.randint(0, 256, (2, 64, cols * torch.tensor([], dtype=dtype).element_size()), dtype=torch.uint8)
     x = raw.view(dtype)
-    idx = gated_act_row_indices(64)[shuffle_row_indices(64)]
+    idx = torch.from_numpy(gated_shuffled_row_indices(64).copy())
     got = decode.ungate_rows(decode.unshuffle_rows(x[:, idx]))
     assert got.dtype == dtype and got.shape == x.shape
     assert torch.equal(got.view(torch.uint8), raw)
@@ -228,7 +289,7 @@ def test_row_halves_are_views_of_the_decoded_rows(target, gated):
     x = torch.randint(0, 256, (128, 24), dtype=torch.uint8)
     stored = x
     if target == "flashinfer-trtllm":
-        idx = gated_act_row_indices(128)[shuffle_row_indices(128)] if gated else shuffle_row_indices(128)
+        idx = torch.from_numpy(gated_shuffled_row_indices(128).copy()) if gated else shuffle_row_indices(128)
         stored = x[idx].contiguous()
     halves = layout.moe_rows_halves(stored, gated)
     assert halves.shape[0] == (2 if gated else 1) and halves.data_ptr() == stored.data_ptr()

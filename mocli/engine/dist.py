@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
-
 
 class Dist:
     """One process. ``TorchDist`` is the torchrun version; the engine only needs these four calls."""
@@ -31,6 +29,7 @@ class TorchDist(Dist):
     NCCL beside it on GPU machines (each process on its own GPU, cuda:LOCAL_RANK)."""
 
     def __init__(self) -> None:
+        import torch
         import torch.distributed as td
 
         self.td = td

@@ -11,13 +11,11 @@ import os
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from mocli import trace
+from mocli import devices, trace
 from mocli.engine.dist import Dist
 from mocli.engine.hashing import OrderedHasher
 from mocli.engine.journal import (
@@ -54,6 +52,9 @@ from mocli.io.shard_writer import (
 )
 from mocli.progress import Progress
 
+if TYPE_CHECKING:  # loaded only where a unit needs it (``Unit.torch_free``)
+    import torch
+
 
 @dataclass
 class Job:
@@ -68,7 +69,8 @@ class Job:
     fingerprint: str
     finish: Callable[[Path, dict[str, str]], None]
     overwrite: bool = False
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # as asked (auto | cpu | cuda | cuda:N), resolved when a unit needs torch (``compute_device``)
+    device: str = "cpu"
     progress: Progress = field(default_factory=Progress)
     dist: Dist = field(default_factory=Dist)
     # the source's digests, taken in the background (io.digests.SourceDigests): recorded in the partial
@@ -85,11 +87,12 @@ class JobResult:
     files: dict[str, dict[str, str]]  # relative path -> digest record ({"blake3": hex})
     bytes: int
     device: str = "cpu"  # where the units ran: the job's device, or the CPU for a plan with nothing to compute
+    requested: str = "cpu"  # the job's device, resolved (auto -> cuda:0 or cpu)
     discarded_partial: int = 0  # bytes of a stale partial (other arguments) that was replaced
 
-    def device_fields(self, requested: str) -> dict[str, str]:
+    def device_fields(self) -> dict[str, str]:
         """A summary's ``device``, with ``device_requested`` where the units ran elsewhere than asked."""
-        return {"device": self.device} | ({"device_requested": requested} if self.device != requested else {})
+        return {"device": self.device} | ({"device_requested": self.requested} if self.device != self.requested else {})
 
 
 def _files(job: Job, root: Path) -> list[tuple[str, Path, ShardFile]]:
@@ -202,12 +205,8 @@ def run(job: Job) -> JobResult:
     input itself is at fault (nothing to resume)."""
     # Everything alive now (torch's modules, the plan, the census) lives until the run ends: frozen, the
     # cyclic collector stops re-scanning it at every full collection (8% of a 2-core conversion's CPU).
+    # torch's modules are frozen too once loaded (``compute_device``).
     gc.freeze()
-    if job.device.type != "cpu" and not job.plan.compute:
-        # Weights copied as they are (in the kernel), small scales re-laid: a GPU would only add pinned
-        # buffers and transfers (NVFP4 for cutlass on an H200: 0.97-1.16 of the I/O floor this way over
-        # three runs, 1.19 through the GPU). Same bytes.
-        job = replace(job, device=torch.device("cpu"))
     try:
         return _run(job)
     finally:
@@ -295,7 +294,7 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
     # outputs, about what a unit reads (FP8 quantize: half); room for every writer lane's unit and the
     # one being computed bounds memory by the largest unit.
     largest = max((u.input_bytes for u in mine), default=0)
-    pool = BufferPool(pin=job.device.type == "cuda", limit=max(64 << 20, (writer_lanes(len(files)) + 1) * largest))
+    pool = BufferPool(limit=max(64 << 20, (writer_lanes(len(files)) + 1) * largest))
     # One process writes every file front to back, so the digests are taken as bytes go out; with
     # several processes the files are hashed once all are written.
     resumed = {i for i, r in rel.items() if r in ends}  # files an interrupted run wrote to: hashed whole at the end
@@ -308,7 +307,8 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
             job.progress.advance(sum(u.input_bytes for u in plan.units if u.id in done), len(plan.units) - len(mine))
     written: dict[Key, int] = {}
     trace.mark(f"streaming {len(mine)} units")
-    error = _stream(job, partial, mine, ShardWriter([(p, f) for _, p, f in files], keys), pool, hasher, written, rel)
+    error, devices_used = _stream(job, partial, mine, ShardWriter([(p, f) for _, p, f in files], keys), pool, hasher,
+                                  written, rel)
     trace.mark("units written")
     error = _agree(dist, error)
     if error is not None:
@@ -333,47 +333,84 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
         _publish(job, partial, digests)
         trace.mark("published")
     dist.barrier()
+    requested, ran = devices_used
     return JobResult(len(plan.units) - len(todo_all), len(plan.units), digests, sum(f.size for _, _, f in files),
-                     str(job.device))
+                     ran, requested)
+
+
+def compute_device(job: Job) -> tuple[torch.device, torch.device]:
+    """(the job's device resolved, the device its units run on), importing torch. A plan with nothing
+    to compute runs on the CPU whatever was
+    asked: weights copied as they are (in the kernel), small scales re-laid, where a GPU would only add
+    pinned buffers and transfers (NVFP4 for cutlass on an H200: 0.97-1.16 of the I/O floor this way over
+    three runs, 1.19 through the GPU). Same bytes."""
+    import torch
+
+    gc.freeze()  # torch's modules, now loaded, live until the run ends (see ``run``)
+    asked = devices.resolve_device(job.device)
+    return asked, asked if asked.type == "cpu" or job.plan.compute else torch.device("cpu")
 
 
 def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, pool: BufferPool,
-            hasher: OrderedHasher | None, written: dict[Key, int], rel: dict[int, str]) -> BaseException | None:
-    """Run ``units`` one after another, their pieces written (and journalled) by the writer lanes.
-    Returns the error that stopped it, so the other processes can be told before it is raised."""
+            hasher: OrderedHasher | None, written: dict[Key, int], rel: dict[int, str],
+            ) -> tuple[BaseException | None, tuple[str, str]]:
+    """Run ``units`` one after another, their pieces written (and journalled) by the writer lanes, on
+    the device ``compute_device`` picks; where every unit is torch-free (``Unit.torch_free``) torch is
+    never imported and they run on the CPU. Returns the error that stopped it (so the other processes
+    can be told before it is raised) and (device asked, device used)."""
     dist = job.dist
-    threads = torch.get_num_threads()
-    if job.device.type == "cpu":
-        # The writer and hash threads each keep a core busy; intra-op threads beyond the rest only
-        # contend with them (measured: 1 compute thread on 2 cores is 18% faster than 2). A plan with
-        # nothing to compute (``Plan.compute``) only re-lays small scales: one thread, and no idle
-        # intra-op threads spinning against the writers.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 2) if job.plan.compute else 1)
+    threads: int | None = None
+    used = ("cpu", "cpu")
     try:
         with TensorReader() as reader, open(partial / journal_name(dist.rank), "a") as journal, \
                 Writer(writer, journal, pool, hasher, written, rel) as sink:
             if dist.rank and journal.tell() == 0:
                 journal.write(json.dumps({"fingerprint": job.fingerprint}) + "\n")
                 journal.flush()
-            ctx = UnitContext(reader, job.device, pool)
+            ctx = UnitContext(reader, None, pool)
+            if not all(u.torch_free for u in units):
+                trace.mark("loading torch")
+                asked, ctx.device = compute_device(job)
+                used = (str(asked), str(ctx.device))
+                trace.mark(f"torch loaded: units run on {ctx.device}")
+                pool.pin = ctx.device.type == "cuda"
+                threads = _compute_threads(job, ctx.device)
+            else:
+                used = (devices.requested_device(job.device), "cpu")
             recorded = job.source_digests is None or dist.rank != 0
             for unit in units:
                 if not recorded and job.source_digests.done():
                     record_source(partial, job.source_digests.result())
                     recorded = True
                 pieces = unit.run(ctx)
-                if job.device.type == "cuda":
+                if ctx.device is not None and ctx.device.type == "cuda":
                     pieces = _to_host(pieces, ctx)
                 sink.put(unit, pieces, ctx.release(pieces))
                 job.progress.advance(unit.input_bytes, name=unit.id)
             if not recorded:  # publishing waits for the digests anyway
                 record_source(partial, job.source_digests.result())
     except BaseException as e:  # reported after the other processes have been told
-        return e
+        return e, used
     finally:
         writer.close()
-        torch.set_num_threads(threads)
-    return None
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+    return None, used
+
+
+def _compute_threads(job: Job, device: torch.device) -> int:
+    """Set torch's intra-op threads for the units; returns the number to restore. The writer and hash
+    threads each keep a core busy; intra-op threads beyond the rest only contend with them (measured:
+    1 compute thread on 2 cores is 18% faster than 2). A plan with nothing to compute (``Plan.compute``)
+    only re-lays small scales: one thread, and no idle intra-op threads spinning against the writers."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 2) if job.plan.compute else 1)
+    return threads
 
 
 def _agree(dist: Dist, error: BaseException | None) -> BaseException | None:
@@ -412,6 +449,8 @@ def _publish(job: Job, partial: Path, digests: dict[str, str]) -> None:
 
 def _to_host(pieces: list[Piece], ctx: UnitContext) -> list[Piece]:
     """Results leave the device through pooled pinned buffers, so the writer only touches CPU memory."""
+    import torch
+
     out = []
     for p in pieces:
         if isinstance(p.data, torch.Tensor) and p.data.device.type != "cpu":

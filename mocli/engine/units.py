@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from mocli.io.safetensors_file import DTYPE_SIZES, TensorEntry
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 Key = tuple[str, str]  # (group: "" or "rank-N", tensor name)
@@ -70,13 +71,11 @@ class Piece:
 
     key: Key
     offset: int
-    data: torch.Tensor | SourceRange
+    data: torch.Tensor | np.ndarray | SourceRange
 
     @property
     def nbytes(self) -> int:
-        if isinstance(self.data, SourceRange):
-            return self.data.nbytes
-        return self.data.numel() * self.data.element_size()
+        return self.data.nbytes
 
 
 class BadData(Exception):
@@ -99,6 +98,10 @@ class Unit:
     # units. Weights copied as they are (in the kernel) with small scale tensors swizzled beside them
     # are not; a plan without such units runs on the CPU even under --device cuda (``Plan.compute``).
     compute: bool = False
+    # ``run`` needs no torch: its pieces are source ranges or numpy arrays made on the CPU (the context's
+    # device is None), and it borrows no pooled buffers. A process whose units are all so (an NVFP4
+    # conversion: ``mocli.ops.nvfp4``) never imports torch.
+    torch_free: bool = False
 
     @property
     def input_bytes(self) -> int:
@@ -136,7 +139,8 @@ class Plan:
             if batch:
                 keys = [(group, e.name) for e in batch]
                 pieces = [Piece((group, e.name), 0, SourceRange(e, 0, e.nbytes)) for e in batch]
-                self.units.append(Unit(f"copy:{batch[0].name}", list(batch), keys, lambda ctx, p=pieces: p))
+                self.units.append(Unit(f"copy:{batch[0].name}", list(batch), keys, lambda ctx, p=pieces: p,
+                                       torch_free=True))
             batch, size = [], 0
 
         for e in entries:

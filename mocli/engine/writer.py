@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 import queue
 import threading
-
-import torch
+from typing import TYPE_CHECKING
 
 from mocli.engine.hashing import OrderedHasher
 from mocli.engine.pool import BufferPool
 from mocli.engine.units import Key, Piece, SourceRange, Unit
 from mocli.io.safetensors_file import TensorReader
 from mocli.io.shard_writer import ShardWriter
+
+if TYPE_CHECKING:
+    import torch
 
 
 def writer_lanes(files: int) -> int:

@@ -31,6 +31,7 @@ DTYPE_SIZES: dict[str, int] = {
 }  # fmt: skip
 
 if TYPE_CHECKING:  # header-only commands (inspect, validate) never import torch
+    import numpy as np
     import torch
 
 
@@ -169,10 +170,14 @@ def _raise_duplicate(raw: bytes, path: Path) -> None:
     json.loads(raw, object_pairs_hook=hook)
 
 
-def tensor_bytes_view(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
+def tensor_bytes_view(t: torch.Tensor | np.ndarray) -> memoryview:
+    """A byte view of a contiguous CPU tensor's or numpy array's memory (no copy; writable for a tensor)."""
     import ctypes
 
+    if not hasattr(t, "data_ptr"):  # numpy
+        if not t.flags.c_contiguous:
+            raise ValueError("array is not contiguous")
+        return memoryview(t.reshape(-1).view("u1"))
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(bytearray(0))
@@ -280,6 +285,13 @@ class TensorReader:
             else raw.clone().view(dtypes[entry.dtype]).reshape(entry.shape)
 
     def mapped(self, entry: TensorEntry, a: int, b: int) -> torch.Tensor | None:
+        """``mapped_array`` as a torch uint8 tensor over the same map."""
+        import torch
+
+        arr = self.mapped_array(entry, a, b)
+        return None if arr is None else torch.from_numpy(arr)
+
+    def mapped_array(self, entry: TensorEntry, a: int, b: int) -> np.ndarray | None:
         """Bytes [a, b) of the entry (bytes into the tensor) as a uint8 tensor over a copy-on-write
         map of the file's pages made for this call: nothing is read or copied, and a write stays
         private. The map goes when the last tensor viewing it does, so its pages count in the
@@ -289,7 +301,7 @@ class TensorReader:
         FUSE file systems): the caller reads instead."""
         import mmap
 
-        import torch
+        import numpy as np
 
         if entry.file in self._unmappable:
             return None
@@ -307,7 +319,7 @@ class TensorReader:
         except OSError:
             self._unmappable.add(entry.file)
             return None
-        return torch.frombuffer(mm, dtype=torch.uint8, count=hi - lo, offset=lo - base)
+        return np.frombuffer(mm, dtype=np.uint8, count=hi - lo, offset=lo - base)
 
     def drop_pages(self) -> None:
         """Unmap the pages that views have touched: they stay in the page cache, and a view that

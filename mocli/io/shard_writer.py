@@ -13,10 +13,13 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from mocli.io.safetensors_file import tensor_bytes_view
+
+if TYPE_CHECKING:  # tensors come from units; copies and layouts need no torch
+    import numpy as np
+    import torch
 
 SHARD_PATTERN = "model-{index:05d}-of-{count:05d}.safetensors"
 # Below the Hugging Face default (5GB): each shard's SHA-256 is one sequential pass, so more shards
@@ -152,11 +155,11 @@ class ShardWriter:
             self.where[key] = (self.fds[idx], start, nbytes)
         self._copy_ok = True
 
-    def write(self, key: tuple[str, str], offset: int, data: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """Write ``data`` at ``offset`` bytes into tensor ``key``; returns the byte count and the
-        contiguous CPU tensor that was written (keep it alive while its bytes are still needed)."""
+    def write(self, key: tuple[str, str], offset: int, data: torch.Tensor | np.ndarray) -> tuple[int, torch.Tensor | np.ndarray]:
+        """Write ``data`` (a CPU tensor or numpy array) at ``offset`` bytes into tensor ``key``; returns the
+        byte count and the contiguous data that was written (keep it alive while its bytes are still needed)."""
         fd, start, nbytes = self.where[key]
-        t = data.detach().contiguous()
+        t = data.detach().contiguous() if hasattr(data, "detach") else data if data.flags.c_contiguous else data.copy()
         view = tensor_bytes_view(t)
         if offset + len(view) > nbytes:
             raise RuntimeError(f"write of {len(view)} bytes at {offset} overflows {key[1]} ({nbytes} bytes)")

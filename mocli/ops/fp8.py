@@ -1,9 +1,9 @@
-"""FP8 (e4m3) requantization and NaN detection (SEMANTICS §3, §4, §6).
+"""FP8 (e4m3) requantization and NaN detection in torch (SEMANTICS §3, §4): the FP8 paths.
 
-Requantizing by a fixed ratio, and rescaling NVFP4 block scales, depend only on the input byte,
-so on the CPU they are a table lookup: the table is built by running the float32 formula on all
-256 codes, which gives the same bytes as running it element by element (tests assert this), ten
-times faster. On CUDA the formula itself runs (elementwise IEEE float32, so the same bytes again).
+Requantizing by a fixed ratio depends only on the input byte, so on the CPU it is a table lookup:
+the table is built by running the float32 formula on all 256 codes, which gives the same bytes as
+running it element by element (tests assert this), ten times faster. On CUDA the formula itself runs
+(elementwise IEEE float32, so the same bytes again). NVFP4's block-scale rescale is ``ops.nvfp4``'s.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from functools import lru_cache
 
 import numpy as np
 import torch
+
+from mocli.ops import nvfp4
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -32,25 +34,18 @@ def _requant_formula(codes: torch.Tensor, scale: torch.Tensor, new_scale: torch.
     return x.to(FP8)
 
 
-def _rescale_formula(codes: torch.Tensor, scale_2: torch.Tensor, new_scale_2: torch.Tensor) -> torch.Tensor:
-    """SEMANTICS §6: bs' = fp8(float(bs) * s2_i / S2)."""
-    dev = codes.device
-    x = codes.to(torch.float32) * scale_2.to(dev, torch.float32)
-    return to_fp8(x / new_scale_2.to(dev, torch.float32))
-
-
 def _bits(x: torch.Tensor) -> int:
     return int(x.reshape(()).to(torch.float32).view(torch.int32))
 
 
 @lru_cache(maxsize=4096)
-def _table(kind: str, a_bits: int, b_bits: int) -> torch.Tensor:
+def _table(a_bits: int, b_bits: int) -> torch.Tensor:
     """Table over byte pairs (int16 bits of a uint16): out[(hi << 8) | lo] = (f(hi) << 8) | f(lo);
     NaN in -> 0x7F."""
     a = torch.tensor(a_bits, dtype=torch.int32).view(torch.float32)
     b = torch.tensor(b_bits, dtype=torch.int32).view(torch.float32)
     codes = torch.arange(256, dtype=torch.uint8).view(FP8)
-    f = (_requant_formula if kind == "requant" else _rescale_formula)(codes, a, b).view(torch.uint8).numpy().copy()
+    f = _requant_formula(codes, a, b).view(torch.uint8).numpy().copy()
     f[[0x7F, 0xFF]] = NAN_CODE
     pairs = np.arange(65536, dtype=np.uint32)
     table = (f[pairs & 0xFF].astype(np.uint16) | (f[pairs >> 8].astype(np.uint16) << 8)).astype(np.uint16)
@@ -94,30 +89,15 @@ def requantize_fp8(q: torch.Tensor, scale: torch.Tensor, new_scale: torch.Tensor
         return q if out is None else out.view(torch.uint8).copy_(q.view(torch.uint8)).view(FP8)
     if q.device.type != "cpu":
         return _requant_formula(q, scale, new_scale)
-    return _apply_table(_table("requant", _bits(scale), _bits(new_scale)), q, out)
-
-
-def rescale_block_scales(block_scale: torch.Tensor, scale_2: torch.Tensor, new_scale_2: torch.Tensor,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
-    """bs' = fp8(float(bs) * s2_i / S2), so bs' * S2 ≈ bs * s2_i (SEMANTICS §6 mocli policy).
-
-    block_scale: F8_E4M3 (or its U8 bytes); scales float32 0-dim (CPU). Unchanged when s2_i == S2.
-    """
-    bs = block_scale if block_scale.dtype == FP8 else block_scale.view(FP8)
-    if bool(scale_2 == new_scale_2):
-        return bs if out is None else out.view(torch.uint8).copy_(bs.view(torch.uint8)).view(FP8)
-    if bs.device.type != "cpu":
-        return _rescale_formula(bs, scale_2, new_scale_2)
-    return _apply_table(_table("rescale", _bits(scale_2), _bits(new_scale_2)), bs, out)
+    return _apply_table(_table(_bits(scale), _bits(new_scale)), q, out)
 
 
 def has_nan_fp8(t: torch.Tensor) -> bool:
-    """Any e4m3 NaN byte (0x7F or 0xFF)? Two max reductions, no temporaries: as uint8, 0xFF is the
-    largest byte; as int8, 0x7F is the largest (finite codes stop at 0x7E / 0xFE)."""
+    """Any e4m3 NaN byte (0x7F or 0xFF)? On the CPU ``nvfp4.has_nan_fp8`` on the bytes (two max
+    reductions, no temporaries)."""
     if t.numel() == 0:
         return False
     raw = t.contiguous().view(torch.uint8).reshape(-1)
     if raw.device.type != "cpu":
         return bool(((raw & 0x7F) == 0x7F).any())
-    a = raw.numpy()
-    return bool(a.max() == 0xFF or a.view(np.int8).max() == 0x7F)
+    return nvfp4.has_nan_fp8(raw.numpy())

@@ -3,14 +3,15 @@
 Nothing here moves weight bytes. ``build_plan`` decides names, dtypes, shapes, roles and ranks;
 ``mocli.engine`` runs the units and writes each result straight to its place; ``mocli.formats.layout``
 writes the manifest. Layouts follow SEMANTICS §3-§8, per rank §10; scalar scale arithmetic is
-float32 on the CPU. A module kind's planner is one entry of ``PLANNERS``.
+float32 on the CPU (numpy: planning never loads torch, so the engine starts copying while it loads).
+A module kind's planner is one entry of ``PLANNERS``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
+import numpy as np
 
 from mocli.census import Census, Kind
 from mocli.kinds import ModuleKind, kind_for
@@ -27,7 +28,7 @@ PLANNERS: dict[ModuleKind, Callable] = {**DENSE_PLANNERS, **MOE_PLANNERS}
 __all__ = ["PLANNERS", "ConvertPlan", "ConvertedModule", "build_plan"]
 
 
-def build_plan(census: Census, scales: dict[str, torch.Tensor], target: Target,
+def build_plan(census: Census, scales: dict[str, np.ndarray], target: Target,
                parallel: ParallelLayout | None = None, heads: Heads | None = None) -> ConvertPlan:
     """The whole conversion: quantized dense modules and MoE layers through their kind's planner,
     everything else passed through unchanged at the top level (SEMANTICS §10: not sliced)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from mocli.census import Census, Module
 from mocli.parallel import Heads, ParallelLayout
@@ -15,12 +15,12 @@ from mocli.targets import TargetLayout
 @dataclass
 class PlanContext:
     census: Census
-    scales: dict[str, torch.Tensor]
+    scales: dict[str, np.ndarray]  # float32, as read (mocli.scales)
     layout: TargetLayout
     parallel: ParallelLayout
     heads: Heads | None
     plan: ConvertPlan = field(default_factory=ConvertPlan)
     consumed: set[str] = field(default_factory=set)
 
-    def scale(self, m: Module, suffix: str) -> torch.Tensor:
+    def scale(self, m: Module, suffix: str) -> np.ndarray:
         return self.scales[m.tensors[suffix].name].reshape(())

@@ -7,13 +7,18 @@ The vocabulary every planner shares (output tensors, units, pieces) is the engin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
 from mocli.engine.units import Plan
 
-F32 = torch.float32
+if TYPE_CHECKING:
+    import torch
+
+# Plans hold scale values as numpy float32 (a plan is made before torch is loaded); units turn them
+# into tensors when they run. Both round every float32 operation the same (IEEE).
+F32 = np.float32
 
 
 @dataclass
@@ -47,5 +52,8 @@ class ConvertPlan(Plan):
     unified_scales: dict[str, Any] = field(default_factory=no_unified_scales)
 
 
-def scalar(v: float | torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(v, dtype=F32).reshape(())
+def scalar(v: float | np.ndarray | np.floating) -> torch.Tensor:
+    """A 0-dim float32 tensor of a plan's value (a unit's; imports torch)."""
+    import torch
+
+    return torch.from_numpy(np.array(v, dtype=F32).reshape(()))

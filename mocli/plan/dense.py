@@ -6,19 +6,25 @@ share a tensor-parallel rank (expert-parallel replicas) get identical bytes, com
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from mocli import ops
 from mocli.census import Module
-from mocli.engine.pool import UnitContext
 from mocli.engine.units import BadData, OutTensor, Piece, SourceRange, Unit, concat_pieces
 from mocli.io.safetensors_file import TensorEntry
 from mocli.kinds import KINDS, ModuleKind, Role
-from mocli.ops.fp8 import has_nan_fp8, requantize_fp8, rescale_block_scales
-from mocli.ops.layout import pad_2d, permute_rows, swizzle_block_scales, swizzled_shape
+from mocli.ops import nvfp4, swizzled_shape
 from mocli.parallel import RankSlice, Split, rank_slices, split_of
 from mocli.plan.context import PlanContext
-from mocli.plan.core import ConvertedModule, scalar
+from mocli.plan.core import F32, ConvertedModule, scalar
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+
+if TYPE_CHECKING:  # units import torch when they run: a plan is made without it
+    import torch
+
+    from mocli.engine.pool import UnitContext
 
 QUANT_SUFFIXES = (WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2, INPUT_SCALE, "bias")
 
@@ -28,6 +34,7 @@ class _Dense:
     manifest modules and the one unit. Subclasses plan their kinds; ``plan()`` adds them."""
 
     compute = False  # whether the unit computes over the weight bytes (``Unit.compute``)
+    torch_free = False  # whether the unit's run needs no torch (``Unit.torch_free``)
 
     def __init__(self, pc: PlanContext, kind: ModuleKind, prefix: str, shards: list[Module]) -> None:
         for m in shards:
@@ -75,7 +82,7 @@ class _Dense:
                                                         self.pc.parallel.group(r)))
         self._plan_bias()
         self.pc.plan.units.append(Unit(f"dense:{self.prefix}", inputs + self._bias_entries(), self.outputs, run,
-                                       self.compute))
+                                       self.compute, self.torch_free))
 
     # A bias is sliced with the rows of a column-parallel layer, whole elsewhere (the engine adds a
     # row-parallel bias once, after the all-reduce).
@@ -103,7 +110,7 @@ class _Dense:
         biases = self._bias_entries()
         if not biases:
             return []
-        whole = [ctx.read(b) for b in biases]
+        whole = [ctx.array(b) for b in biases]  # bytes, one row per element: no torch needed
         pieces = []
         for r in self.ranks:
             s = self.slice_of(r)
@@ -112,7 +119,7 @@ class _Dense:
 
 
 def check_fp8(t: torch.Tensor, entry: TensorEntry) -> None:
-    if has_nan_fp8(t):
+    if ops.fp8.has_nan_fp8(t):
         raise BadData(entry.name, "FP8 bytes encode NaN (0x7F or 0xFF)")
 
 
@@ -136,8 +143,8 @@ class _Fp8TensorDense(_Dense):
         pc, shards = self.pc, self.shards
         weights = [m.tensors[WEIGHT] for m in shards]
         s = [pc.scale(m, WEIGHT_SCALE) for m in shards]
-        big_s = torch.stack(s).max()
-        big_a = torch.stack([pc.scale(m, INPUT_SCALE) for m in shards]).max()
+        big_s = np.stack(s).max()
+        big_a = np.stack([pc.scale(m, INPUT_SCALE) for m in shards]).max()
         requant = [bool(si != big_s) for si in s]
         pc.plan.unified_scales["fp8_requantized_shards"] += sum(requant)
         for r in self.ranks:
@@ -152,7 +159,7 @@ class _Fp8TensorDense(_Dense):
             for w, si in zip(weights, s, strict=True):
                 q = ctx.load(w)
                 check_fp8(q, w)
-                whole.append(requantize_fp8(q, si, big_s, out=ctx.out(q)))
+                whole.append(ops.fp8.requantize_fp8(q, scalar(si), scalar(big_s), out=ctx.out(q)))
             pieces = _weight_pieces(self, whole)
             for r in self.ranks:
                 pieces += [Piece(self.key(r, Role.WEIGHT_SCALE), 0, scalar(big_s)),
@@ -185,14 +192,17 @@ class _Fp8ScaledDense(_Dense):
               for e in scale_entries]
 
         def run(ctx: UnitContext) -> list[Piece]:
+            import torch
+
             whole = []
             for w in weights:
                 q = ctx.load(w)
                 check_fp8(q, w)
                 whole.append(q)
             pieces = _weight_pieces(self, whole)
+            scales = [torch.from_numpy(x.copy()) for x in sc]
             for r in self.ranks:
-                pieces += concat_pieces(self.key(r, Role.WEIGHT_SCALE), self._rank_scales(sc, r, block))
+                pieces += concat_pieces(self.key(r, Role.WEIGHT_SCALE), self._rank_scales(scales, r, block))
             return pieces + self.bias_pieces(ctx)
 
         self.finish(lambda r: {}, weights, run)
@@ -209,13 +219,16 @@ class _Fp8ScaledDense(_Dense):
 
 class _Nvfp4Dense(_Dense):
     """NVFP4: block scales rescaled to the max weight_scale_2, then the target's weight layout and
-    128x4 swizzle per rank; alpha and 1/input_scale precomputed (SEMANTICS §6)."""
+    128x4 swizzle per rank; alpha and 1/input_scale precomputed (SEMANTICS §6). Bytes moved (and
+    scales rescaled) in numpy on the CPU, without torch (``mocli.ops.nvfp4``)."""
+
+    torch_free = True
 
     def plan(self) -> None:
         pc, shards, layout = self.pc, self.shards, self.pc.layout
         s2 = [pc.scale(m, WEIGHT_SCALE_2) for m in shards]
         big_s2 = self._unify(s2)
-        big_a = torch.stack([pc.scale(m, INPUT_SCALE) for m in shards]).max()
+        big_a = np.stack([pc.scale(m, INPUT_SCALE) for m in shards]).max()
         weights = [m.tensors[WEIGHT] for m in shards]
         bscales = [m.tensors[WEIGHT_SCALE] for m in shards]
         shapes = {}
@@ -227,72 +240,68 @@ class _Nvfp4Dense(_Dense):
             self.add(r, Role.WEIGHT, "U8", shapes[r], [w.name for w in weights],
                      self.fused + rows + layout.nvfp4_weight_transforms(n, k))
             strans = (self.fused + rows + (["rescale_to_max_scale_2"] if any(x != big_s2 for x in s2) else [])
-                      + (["shuffle_matrix_a_128"] if layout.nvfp4_weight_rows(n) is not None else []) + ["swizzle_128x4"])
+                      + (["shuffle_matrix_a_128"] if layout.shuffles_rows else []) + ["swizzle_128x4"])
             self.add(r, Role.WEIGHT_SCALE, "F8_E4M3", swizzled_shape(n, k // 16), [b.name for b in bscales], strans)
             self.add(r, Role.WEIGHT_SCALE_2, "F32", (), self.sources(WEIGHT_SCALE_2), ["max"])
             self.add(r, Role.INPUT_SCALE, "F32", (), self.sources(INPUT_SCALE), ["max"])
             self.add(r, Role.ALPHA, "F32", (), [], ["input_scale * weight_scale_2"])
             self.add(r, Role.INPUT_SCALE_INV, "F32", (), [], ["1 / input_scale"])
         scalars = {Role.WEIGHT_SCALE_2: big_s2, Role.INPUT_SCALE: big_a, Role.ALPHA: big_a * big_s2,
-                   Role.INPUT_SCALE_INV: torch.reciprocal(big_a)}
+                   Role.INPUT_SCALE_INV: np.reciprocal(big_a)}
 
         def run(ctx: UnitContext) -> list[Piece]:
             pieces: list[Piece] = []
-            loaded: dict[int, torch.Tensor] = {}  # shard -> packed weight, read only when a rank needs the bytes
+            loaded: dict[int, np.ndarray] = {}  # shard -> packed weight, read only when a rank needs the bytes
             bs = []
             for b, si in zip(bscales, s2, strict=True):
-                raw = ctx.load(b)
-                check_fp8(raw, b)
-                bs.append(rescale_block_scales(raw, si, big_s2, out=ctx.out(raw)))
+                raw = ctx.array(b)
+                if nvfp4.has_nan_fp8(raw):
+                    raise BadData(b.name, "FP8 bytes encode NaN (0x7F or 0xFF)")
+                bs.append(nvfp4.rescale_block_scales(raw, si, big_s2))
             for t, sl in self.slices.items():
                 ranks = [r for r in self.ranks if self.pc.parallel.tp_rank(r) == t]
                 wparts = self._rank_weight(ctx, sl, shapes[ranks[0]], weights, loaded)
                 c0, c1 = sl.cols
-                rank_bs = torch.cat([x[a:bnd, c0 // 16:c1 // 16] for x, (a, bnd) in zip(bs, sl.rows, strict=True)])
-                swz = swizzle_block_scales(permute_rows(rank_bs, layout.nvfp4_weight_rows(sl.n)))
+                rank_bs = np.concatenate([x[a:bnd, c0 // 16:c1 // 16] for x, (a, bnd) in zip(bs, sl.rows, strict=True)])
+                swz = nvfp4.swizzle_block_scales(nvfp4.permute_rows(rank_bs, layout.nvfp4_weight_rows(sl.n)))
                 for r in ranks:
                     pieces += concat_pieces(self.key(r, Role.WEIGHT), wparts)
                     pieces.append(Piece(self.key(r, Role.WEIGHT_SCALE), 0, swz))
-                    pieces += [Piece(self.key(r, role), 0, scalar(v)) for role, v in scalars.items()]
+                    pieces += [Piece(self.key(r, role), 0, np.array(v, dtype=F32).reshape(()))
+                               for role, v in scalars.items()]
             return pieces + self.bias_pieces(ctx)
 
-        # weights gathered, sliced or padded in memory on some rank (not only copied in the kernel)
-        self.compute = not all(self._copied(self.slice_of(r), shapes[r]) for r in self.ranks)
         self.finish(lambda r: {"padded_n": shapes[r][0], "padded_k": shapes[r][1] * 2}, weights + bscales, run)
 
     def _copied(self, sl: RankSlice, wshape: tuple[int, int]) -> bool:
         """Whether the rank's weight is its source rows as they are (copied in the kernel)."""
-        return wshape == (sl.n, sl.k // 2) and self.pc.layout.nvfp4_weight_rows(sl.n) is None \
+        return wshape == (sl.n, sl.k // 2) and not self.pc.layout.shuffles_rows \
             and tuple(sl.cols) == (0, self.k_full)
 
-    def _unify(self, s2: list[torch.Tensor]) -> torch.Tensor:
+    def _unify(self, s2: list[np.ndarray]) -> np.float32:
         """S2 = max over the shards (mocli policy, SEMANTICS §6); the shards below it are counted."""
-        big = torch.stack(s2).max()
+        big = np.stack(s2).max()
         rescaled = sum(bool(x != big) for x in s2)
         counts = self.pc.plan.unified_scales
         counts["nvfp4_rescaled_shards"] += rescaled
         if rescaled:
-            counts["nvfp4_worst_scale_2_ratio"] = max(counts["nvfp4_worst_scale_2_ratio"], float(big / torch.stack(s2).min()))
+            counts["nvfp4_worst_scale_2_ratio"] = max(counts["nvfp4_worst_scale_2_ratio"], float(big / np.stack(s2).min()))
         return big
 
     def _rank_weight(self, ctx: UnitContext, sl: RankSlice, wshape: tuple[int, int], weights: list[TensorEntry],
-                     loaded: dict[int, torch.Tensor]) -> list:
+                     loaded: dict[int, np.ndarray]) -> list:
         """One tp rank's packed weight in the target layout: source bytes the kernel copies when no
         transform touches them, else its rows and columns permuted and padded here."""
-        layout, n = self.pc.layout, sl.n
         c0, c1 = sl.cols
-        idx = layout.nvfp4_weight_rows(n)
         if self._copied(sl, wshape):
             return [SourceRange(w, 0, w.nbytes).rows(a, b) for w, (a, b) in zip(weights, sl.rows, strict=True)]
         parts = []
         for i, (a, b) in enumerate(sl.rows):
             if i not in loaded:
-                loaded[i] = ctx.load(weights[i])
+                loaded[i] = ctx.array(weights[i])
             parts.append(loaded[i][a:b, c0 // 2:c1 // 2])
-        rank_w = torch.cat(parts) if len(parts) > 1 or not parts[0].is_contiguous() else parts[0]
-        if idx is not None:
-            rank_w = permute_rows(rank_w, idx, ctx.out(rank_w))
-        return [pad_2d(rank_w, *wshape)]
+        rank_w = nvfp4.permute_rows(np.concatenate(parts), self.pc.layout.nvfp4_weight_rows(sl.n))
+        return [np.ascontiguousarray(nvfp4.pad_2d(rank_w, *wshape))]
 
 
 # Planner per dense kind (mocli.plan.PLANNERS joins it with the MoE one).

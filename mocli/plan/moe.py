@@ -8,23 +8,26 @@ vectors follow their experts; a1/a2 are the max over all experts on every rank.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
+from mocli import ops
 from mocli.census import Module, MoELayer
-from mocli.engine.pool import UnitContext
 from mocli.engine.units import BadData, OutTensor, Piece, Unit, concat_pieces
 from mocli.io.safetensors_file import TensorEntry
 from mocli.kinds import KINDS, ModuleKind, Role
-from mocli.ops.fp8 import has_nan_fp8, requantize_fp8, rescale_block_scales
-from mocli.ops.layout import permute_rows, swizzle_block_scales, swizzled_shape
+from mocli.ops import nvfp4, swizzled_shape
 from mocli.parallel import expert_range, intermediate_range
 from mocli.plan.context import PlanContext
-from mocli.plan.core import ConvertedModule
+from mocli.plan.core import F32, ConvertedModule, scalar
 from mocli.plan.dense import QUANT_SUFFIXES
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 
-F32 = torch.float32
+if TYPE_CHECKING:  # units import torch when they run: a plan is made without it
+    import torch
+
+    from mocli.engine.pool import UnitContext
 
 
 class _Moe:
@@ -75,23 +78,24 @@ class _Moe:
         e0, e1 = self.experts[r] if r is not None else (0, self.e_count)
         return [getattr(self.layer.experts[e], proj).tensors[suffix].name for e in sorted(self.layer.experts)[e0:e1]]
 
-    def per_expert(self, suffix: str) -> tuple[torch.Tensor, ...]:
-        """([E] gate, [E] up, [E] down) values of one scale suffix."""
-        return tuple(torch.stack([self.pc.scale(trio[j], suffix) for trio in self.mods]) for j in range(3))
+    def per_expert(self, suffix: str) -> tuple[np.ndarray, ...]:
+        """([E] gate, [E] up, [E] down) float32 values of one scale suffix."""
+        return tuple(np.stack([self.pc.scale(trio[j], suffix) for trio in self.mods]) for j in range(3))
 
-    def input_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def input_scales(self) -> tuple[np.float32, np.float32]:
         """(a13, a2): max input scale over all experts' w1/w3, and over their w2 (SEMANTICS §4, §7.3)."""
         g, u, d = self.per_expert(INPUT_SCALE)
-        return torch.maximum(g, u).max(), d.max()
+        return np.maximum(g, u).max(), d.max()
 
     def holders(self, e: int) -> list[int]:
         return [r for r in self.ranks if self.experts[r][0] <= e < self.experts[r][1]]
 
     def expert_unit(self, kind: str, e: int, role: Role, inputs: list[TensorEntry], emit: Callable,
-                    prepare: Callable = lambda ctx: None, compute: bool = False) -> None:
+                    prepare: Callable = lambda ctx: None, compute: bool = False, torch_free: bool = False) -> None:
         """One unit for expert ``e``'s part of ``role`` on every rank that holds it: ``prepare(ctx)``
         once, then per rank ``emit(ctx, prepared, r, (i0, i1))`` gives the rank's bytes of the expert
-        (parts laid end to end in its slot of the stacked tensor; ``(i0, i1)``: the rank's rows of I)."""
+        (parts laid end to end in its slot of the stacked tensor; ``(i0, i1)``: the rank's rows of I).
+        ``torch_free``: every part is a source range or a numpy array (``Unit.torch_free``)."""
         holders = self.holders(e)
         keys = {r: self.key(r, role) for r in holders}
         slots = {r: self.pc.plan.tensors[keys[r]].nbytes // self.local(r) * (e - self.experts[r][0]) for r in holders}
@@ -100,22 +104,23 @@ class _Moe:
             prepared = prepare(ctx)
             return [p for r in holders for p in concat_pieces(keys[r], emit(ctx, prepared, r, self.inter[r]), slots[r])]
 
-        self.pc.plan.units.append(Unit(f"{kind}:{self.p}.{e}", inputs, list(keys.values()), run, compute))
+        self.pc.plan.units.append(Unit(f"{kind}:{self.p}.{e}", inputs, list(keys.values()), run, compute, torch_free))
 
-    def plan_vectors(self, vectors: dict[Role, tuple[torch.Tensor, str, list[str]]]) -> None:
+    def plan_vectors(self, vectors: dict[Role, tuple[np.ndarray, str, list[str]]]) -> None:
         """Per-expert [E] vectors sliced to each rank's experts; 0-dim scalars whole everywhere."""
-        frozen: dict[tuple[int, Role], torch.Tensor] = {}
+        frozen: dict[tuple[int, Role], np.ndarray] = {}
         for r in self.ranks:
             e0, e1 = self.experts[r]
             for role, (v, how, sources) in vectors.items():
-                v = v.to(F32).reshape(v.shape)
-                part = v[e0:e1].contiguous() if v.dim() else v.contiguous()
+                v = np.asarray(v, dtype=F32)
+                part = v[e0:e1].copy() if v.ndim else v.copy()
                 self.add(r, role, "F32", tuple(part.shape), sources if self.pc.parallel.single else
                          [s for s in sources if self._expert_of(s) in range(e0, e1)], [how])
                 frozen[r, role] = part
         keys = {(r, role): self.key(r, role) for r, role in frozen}
+
         self.pc.plan.units.append(Unit(f"scales:{self.p}", [], list(keys.values()),
-                                       lambda ctx: [Piece(keys[k], 0, v) for k, v in frozen.items()]))
+                                       lambda ctx: [Piece(keys[k], 0, v) for k, v in frozen.items()], torch_free=True))
 
     def _expert_of(self, name: str) -> int:
         return int(name[len(self.layer.name) + 1:].split(".", 1)[0])
@@ -133,7 +138,12 @@ class _Moe:
 
 
 def _check(t: torch.Tensor, m: Module, suffix: str) -> None:
-    if has_nan_fp8(t):
+    if ops.fp8.has_nan_fp8(t):
+        raise BadData(m.tensors[suffix].name, "FP8 bytes encode NaN (0x7F or 0xFF)")
+
+
+def _check_bytes(raw: np.ndarray, m: Module, suffix: str) -> None:
+    if nvfp4.has_nan_fp8(raw):
         raise BadData(m.tensors[suffix].name, "FP8 bytes encode NaN (0x7F or 0xFF)")
 
 
@@ -142,7 +152,7 @@ class _Fp8Moe(_Moe):
     def plan(self) -> None:
         pc, layout, h = self.pc, self.pc.layout, self.h
         s1, s3, s2 = self.per_expert(WEIGHT_SCALE)
-        w13_scale = torch.maximum(s1, s3)
+        w13_scale = np.maximum(s1, s3)
         a1, a2 = self.input_scales()
         pc.plan.unified_scales["fp8_requantized_shards"] += int((s1 != w13_scale).sum() + (s3 != w13_scale).sum())
         g1, g2 = w13_scale * a1, s2 * a2
@@ -153,13 +163,13 @@ class _Fp8Moe(_Moe):
                      ["stack_experts"] + st + ["requantize_max_scale", "rows_w3_w1"] + layout.moe_row_transforms(True))
             self.add(r, Role.W2_WEIGHT, "F8_E4M3", (e, h, i), self.src("down", WEIGHT, r),
                      ["stack_experts"] + st + layout.moe_row_transforms(False))
-        a2_inv = torch.reciprocal(a2)
-        vectors: dict[Role, tuple[torch.Tensor, str, list[str]]] = {
+        a2_inv = np.reciprocal(a2)
+        vectors: dict[Role, tuple[np.ndarray, str, list[str]]] = {
             Role.W13_WEIGHT_SCALE: (w13_scale, "max(w1, w3) per expert", self.src("gate", WEIGHT_SCALE) + self.src("up", WEIGHT_SCALE)),
             Role.W2_WEIGHT_SCALE: (s2, "stack_experts", self.src("down", WEIGHT_SCALE)),
             Role.W13_INPUT_SCALE: (a1, "max over experts", self.src("gate", INPUT_SCALE) + self.src("up", INPUT_SCALE)),
             Role.W2_INPUT_SCALE: (a2, "max over experts", self.src("down", INPUT_SCALE)),
-            Role.W13_INPUT_SCALE_INV: (torch.reciprocal(a1), "1 / w13_input_scale", []),
+            Role.W13_INPUT_SCALE_INV: (np.reciprocal(a1), "1 / w13_input_scale", []),
             Role.W2_INPUT_SCALE_INV: (a2_inv, "1 / w2_input_scale", []),
             Role.G1_ALPHAS: (g1, "w13_weight_scale * w13_input_scale", []),
             Role.G2_ALPHAS: (g2, "w2_weight_scale * w2_input_scale", []),
@@ -180,8 +190,8 @@ class _Fp8Moe(_Moe):
 
         def emit(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list[torch.Tensor]:
             # [w3; w1]: FlashInfer computes act(second half) * first half (SEMANTICS §4).
-            w13 = _stacked_halves(ctx, [(u, s3), (g, s1)], rows, h, s)
-            return [permute_rows(w13, layout.w13_rows(w13.shape[0]), ctx.out(w13))]
+            w13 = _stacked_halves(ctx, [(u, scalar(s3)), (g, scalar(s1))], rows, h, scalar(s))
+            return [ops.layout.permute_rows(w13, layout.w13_rows(w13.shape[0]), ctx.out(w13))]
 
         self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], emit, compute=True)
 
@@ -196,7 +206,7 @@ class _Fp8Moe(_Moe):
         def emit(ctx: UnitContext, w2: torch.Tensor, r: int, rows: tuple[int, int]) -> list[torch.Tensor]:
             i0, i1 = rows
             w2_r = w2[:, i0:i1] if i1 - i0 != self.i else w2
-            w2_r = permute_rows(w2_r, layout.w2_rows(h), ctx.out(w2_r) if w2_r.is_contiguous() else None)
+            w2_r = ops.layout.permute_rows(w2_r, layout.w2_rows(h), ctx.out(w2_r) if w2_r.is_contiguous() else None)
             return [w2_r.contiguous()]
 
         self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, prepare, compute=True)  # NaN checks
@@ -207,17 +217,17 @@ class _Nvfp4Moe(_Moe):
     def plan(self) -> None:
         pc, layout, h = self.pc, self.pc.layout, self.h
         s2_1, s2_3, s2_2 = self.per_expert(WEIGHT_SCALE_2)
-        w13_s2 = torch.maximum(s2_1, s2_3)  # mocli policy: max, rescale the other half (SEMANTICS §7.1)
+        w13_s2 = np.maximum(s2_1, s2_3)  # mocli policy: max, rescale the other half (SEMANTICS §7.1)
         mismatched = s2_1 != s2_3
         pc.plan.unified_scales["nvfp4_rescaled_experts"] += int(mismatched.sum())
         if bool(mismatched.any()):
-            ratio = float((w13_s2 / torch.minimum(s2_1, s2_3)).max())
+            ratio = float((w13_s2 / np.minimum(s2_1, s2_3)).max())
             pc.plan.unified_scales["nvfp4_worst_scale_2_ratio"] = max(pc.plan.unified_scales["nvfp4_worst_scale_2_ratio"], ratio)
         a13, a2 = self.input_scales()
         e_count = self.e_count
-        a13_v, a2_v = a13.expand(e_count).clone(), a2.expand(e_count).clone()
+        a13_v, a2_v = np.full(e_count, a13, dtype=F32), np.full(e_count, a2, dtype=F32)
         g1, g2 = w13_s2 * a13, s2_2 * a2
-        a2_gscale = torch.reciprocal(a2_v)
+        a2_gscale = np.reciprocal(a2_v)
         for r in self.ranks:
             e, i = self.local(r), self.i_r(r)
             st = self.slice_transforms()
@@ -230,7 +240,7 @@ class _Nvfp4Moe(_Moe):
             self.add(r, Role.W2_WEIGHT, "U8", (e, h, i // 2), self.src("down", WEIGHT, r), ["stack_experts"] + st + plain)
             self.add(r, Role.W2_WEIGHT_SCALE, "F8_E4M3", (e, *swizzled_shape(h, i // 16)), self.src("down", WEIGHT_SCALE, r),
                      ["stack_experts"] + st + plain + ["swizzle_128x4"])
-        vectors: dict[Role, tuple[torch.Tensor, str, list[str]]] = {
+        vectors: dict[Role, tuple[np.ndarray, str, list[str]]] = {
             Role.W13_WEIGHT_SCALE_2: (w13_s2, "max(w1, w3) per expert", self.src("gate", WEIGHT_SCALE_2) + self.src("up", WEIGHT_SCALE_2)),
             Role.W2_WEIGHT_SCALE_2: (s2_2, "stack_experts", self.src("down", WEIGHT_SCALE_2)),
             Role.W13_INPUT_SCALE: (a13_v, "max over experts and halves, broadcast [E]",
@@ -238,7 +248,7 @@ class _Nvfp4Moe(_Moe):
             Role.W2_INPUT_SCALE: (a2_v, "max over experts, broadcast [E]", self.src("down", INPUT_SCALE)),
             Role.G1_ALPHAS: (g1, "w13_weight_scale_2 * w13_input_scale", []),
             Role.G2_ALPHAS: (g2, "w2_weight_scale_2 * w2_input_scale", []),
-            Role.A1_GSCALE: (torch.reciprocal(a13_v), "1 / w13_input_scale", []),
+            Role.A1_GSCALE: (np.reciprocal(a13_v), "1 / w13_input_scale", []),
             Role.A2_GSCALE: (a2_gscale, "1 / w2_input_scale", []),
         }
         vectors |= {role: (v, how, []) for role, (v, how) in layout.moe_extra_scales(self.kind, g1, g2, a2_gscale).items()}
@@ -255,6 +265,9 @@ class _Nvfp4Moe(_Moe):
         for r in self.ranks:
             self.module(r, {})
 
+    # Every NVFP4 unit is torch-free (``Unit.torch_free``): bytes copied in the kernel, or moved and
+    # rescaled in numpy (``mocli.ops.nvfp4``) on the CPU whatever --device says.
+
     def _w13_unit(self, e: int, g: Module, u: Module) -> None:
         layout = self.pc.layout
 
@@ -263,68 +276,62 @@ class _Nvfp4Moe(_Moe):
             idx = layout.w13_rows(2 * (i1 - i0))
             if idx is None:  # [w3; w1] rows are source bytes: copied in the kernel, never read here
                 return [ctx.src(u.tensors[WEIGHT]).rows(i0, i1), ctx.src(g.tensors[WEIGHT]).rows(i0, i1)]
-            return [ctx.gather_rows([(u.tensors[WEIGHT], i0, i1), (g.tensors[WEIGHT], i0, i1)], idx)]
+            return [ctx.gather_array([(u.tensors[WEIGHT], i0, i1), (g.tensors[WEIGHT], i0, i1)], idx)]
 
-        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], emit,
-                         compute=layout.w13_rows(2 * self.i) is not None)  # rows gathered in memory
+        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], emit, torch_free=True)
 
     def _w13_scale_unit(self, e: int, g: Module, u: Module, s2_1, s2_3, big) -> None:
         layout = self.pc.layout
 
-        def prepare(ctx: UnitContext) -> tuple[torch.Tensor, torch.Tensor]:
-            ub, gb = ctx.load(u.tensors[WEIGHT_SCALE]), ctx.load(g.tensors[WEIGHT_SCALE])
+        def prepare(ctx: UnitContext) -> tuple[np.ndarray, np.ndarray]:
+            ub, gb = ctx.array(u.tensors[WEIGHT_SCALE]), ctx.array(g.tensors[WEIGHT_SCALE])
             for t, m in ((ub, u), (gb, g)):
-                _check(t, m, WEIGHT_SCALE)
-            return (rescale_block_scales(ub, s2_3, big, out=ctx.out(ub)),
-                    rescale_block_scales(gb, s2_1, big, out=ctx.out(gb)))
+                _check_bytes(t, m, WEIGHT_SCALE)
+            return nvfp4.rescale_block_scales(ub, s2_3, big), nvfp4.rescale_block_scales(gb, s2_1, big)
 
-        def emit(ctx: UnitContext, scales, r: int, rows: tuple[int, int]) -> list[torch.Tensor]:
+        def emit(ctx: UnitContext, scales, r: int, rows: tuple[int, int]) -> list[np.ndarray]:
             (ub, gb), (i0, i1) = scales, rows
-            bs13 = permute_rows(torch.cat([ub[i0:i1], gb[i0:i1]]), layout.w13_rows(2 * (i1 - i0)))
-            return [swizzle_block_scales(bs13)]
+            bs13 = nvfp4.permute_rows(np.concatenate([ub[i0:i1], gb[i0:i1]]), layout.w13_rows(2 * (i1 - i0)))
+            return [nvfp4.swizzle_block_scales(bs13)]
 
         self.expert_unit("w13s", e, Role.W13_WEIGHT_SCALE, [g.tensors[WEIGHT_SCALE], u.tensors[WEIGHT_SCALE]],
-                         emit, prepare)
+                         emit, prepare, torch_free=True)
 
     def _w2_unit(self, e: int, d: Module) -> None:
         layout, h = self.pc.layout, self.h
-        idx = layout.w2_rows(h)
 
         def emit(ctx: UnitContext, loaded: dict, r: int, rows: tuple[int, int]) -> list:
             i0, i1 = rows
-            if idx is None and i1 - i0 == self.i:  # source bytes: copied in the kernel, never read here
+            if not layout.shuffles_rows and i1 - i0 == self.i:  # source bytes: copied in the kernel, never read
                 return [ctx.src(d.tensors[WEIGHT])]
             if "w2" not in loaded:
-                loaded["w2"] = ctx.load(d.tensors[WEIGHT])
+                loaded["w2"] = ctx.array(d.tensors[WEIGHT])
             part = loaded["w2"][:, i0 // 2:i1 // 2]
-            return [permute_rows(part, idx, ctx.out(part)) if idx is not None else part.contiguous()]
+            return [np.ascontiguousarray(nvfp4.permute_rows(part, layout.w2_rows(h)))]
 
-        # rows gathered (trtllm) or columns sliced (tensor parallel) in memory
-        sliced = any(self.i_r(r) != self.i for r in self.ranks)
-        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, lambda ctx: {},
-                         compute=idx is not None or sliced)
+        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, lambda ctx: {}, torch_free=True)
 
     def _w2_scale_unit(self, e: int, d: Module) -> None:
         layout, h = self.pc.layout, self.h
 
-        def prepare(ctx: UnitContext) -> torch.Tensor:
-            db = ctx.load(d.tensors[WEIGHT_SCALE])
-            _check(db, d, WEIGHT_SCALE)
-            return db.view(torch.float8_e4m3fn)
+        def prepare(ctx: UnitContext) -> np.ndarray:
+            db = ctx.array(d.tensors[WEIGHT_SCALE])
+            _check_bytes(db, d, WEIGHT_SCALE)
+            return db
 
-        def emit(ctx: UnitContext, db: torch.Tensor, r: int, rows: tuple[int, int]) -> list[torch.Tensor]:
+        def emit(ctx: UnitContext, db: np.ndarray, r: int, rows: tuple[int, int]) -> list[np.ndarray]:
             i0, i1 = rows
-            idx = layout.w2_rows(h)
-            bs2 = db[:, i0 // 16:i1 // 16]
-            return [swizzle_block_scales(permute_rows(bs2, idx) if idx is not None else bs2.contiguous())]
+            return [nvfp4.swizzle_block_scales(nvfp4.permute_rows(db[:, i0 // 16:i1 // 16], layout.w2_rows(h)))]
 
-        self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], emit, prepare)
+        self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], emit, prepare, torch_free=True)
 
 
 def _stacked_halves(ctx: UnitContext, halves: list[tuple[Module, torch.Tensor]], rows: tuple[int, int],
                     h: int, new_scale: torch.Tensor) -> torch.Tensor:
     """[up rows; gate rows] of one FP8 expert on the compute device, each half checked for NaN and
     requantized to ``new_scale`` straight into one output buffer (no concatenation copy)."""
+    import torch
+
     i0, i1 = rows
     i = i1 - i0
     cpu = ctx.device.type == "cpu"
@@ -335,9 +342,9 @@ def _stacked_halves(ctx: UnitContext, halves: list[tuple[Module, torch.Tensor]],
         _check(half, m, WEIGHT)
         part = out[k * i:(k + 1) * i]
         if cpu:
-            requantize_fp8(half, scale, new_scale, out=part)
+            ops.fp8.requantize_fp8(half, scale, new_scale, out=part)
         else:
-            part.copy_(requantize_fp8(half.to(ctx.device, non_blocking=True), scale, new_scale))
+            part.copy_(ops.fp8.requantize_fp8(half.to(ctx.device, non_blocking=True), scale, new_scale))
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from mocli.kinds import ModuleKind
-from mocli.ops.layout import roundup
+from mocli.ops import roundup
 from mocli.serve.common import F8, F32, U8, Kernel, ServeError, gemm_dtype, mm
 from mocli.verify.quant import FP8, fp8_per_group_dequant, fp8_per_token, fp8_static, nvfp4_quant, unpack_e2m1
 

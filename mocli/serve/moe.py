@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mocli.kinds import ModuleKind
-from mocli.ops.layout import roundup
+from mocli.ops import roundup
 from mocli.serve.common import F8, F32, U8, Kernel, ServeError, gemm_dtype, mm, row_order
 from mocli.targets.decode import unswizzle
 from mocli.verify.quant import FP8, FP8_MAX, nvfp4_quant, unpack_e2m1

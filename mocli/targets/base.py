@@ -10,6 +10,7 @@ from mocli.kinds import ModuleKind, Role
 from mocli.quant_config import Algo
 
 if TYPE_CHECKING:  # transforms import torch when they run, so validate and inspect never load it
+    import numpy as np
     import torch
 
 
@@ -61,6 +62,9 @@ class TargetLayout:
     supported: dict[str, frozenset[Algo]] = SUPPORTED
     # FlashInfer's NVFP4 kernels (mm_fp4, NVFP4 cutlass_fused_moe) read this layout (sm_100+)
     fp4_kernels: bool = False
+    # Whether ``nvfp4_weight_rows``, ``w13_rows`` and ``w2_rows`` permute rows (a planner asks this, and
+    # leaves building the indices to the units)
+    shuffles_rows: bool = False
 
     # --- dense NVFP4 (SEMANTICS §6) ---------------------------------------------------------------
 
@@ -68,8 +72,9 @@ class TargetLayout:
         """Stored shape of a packed [n, k/2] weight."""
         raise NotImplementedError
 
-    def nvfp4_weight_rows(self, n: int) -> torch.Tensor | None:
-        """Row permutation of the weight and its block scales (None: natural order)."""
+    def nvfp4_weight_rows(self, n: int) -> np.ndarray | None:
+        """Row permutation of the weight and its block scales as a gather index (``mocli.ops.rows``;
+        None: natural order)."""
         return None
 
     def nvfp4_weight_transforms(self, n: int, k: int) -> list[str]:
@@ -89,11 +94,11 @@ class TargetLayout:
 
     # --- MoE (SEMANTICS §4, §7) -----------------------------------------------------------------------
 
-    def w13_rows(self, rows: int) -> torch.Tensor | None:
+    def w13_rows(self, rows: int) -> np.ndarray | None:
         """Row permutation applied to each expert's [w3; w1] (weights and block scales)."""
         return None
 
-    def w2_rows(self, rows: int) -> torch.Tensor | None:
+    def w2_rows(self, rows: int) -> np.ndarray | None:
         return None
 
     def moe_row_transforms(self, gated: bool) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from mocli.kinds import ModuleKind, Role
@@ -10,11 +9,13 @@ from mocli.quant_config import Algo
 from mocli.targets.base import SHARED_CONSTRAINTS, Constraint, Target, TargetLayout
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 
 class TrtllmLayout(TargetLayout):
     target = Target.FLASHINFER_TRTLLM
+    shuffles_rows = True
     constraints = SHARED_CONSTRAINTS + (
         # SEMANTICS §6: shuffle_matrix_a(., 128) and the 128x4 scale interleave without padding.
         Constraint("linear", Algo.NVFP4, "N", 128, "trtllm NVFP4 GEMM shuffles rows in 128-row tiles (SEMANTICS §6)"),
@@ -29,8 +30,8 @@ class TrtllmLayout(TargetLayout):
     def nvfp4_weight_shape(self, n: int, k: int) -> tuple[int, int]:
         return n, k // 2
 
-    def nvfp4_weight_rows(self, n: int) -> torch.Tensor | None:
-        from mocli.ops.layout import shuffle_row_indices
+    def nvfp4_weight_rows(self, n: int) -> np.ndarray | None:
+        from mocli.ops.rows import shuffle_row_indices
 
         return shuffle_row_indices(n)
 
@@ -47,11 +48,13 @@ class TrtllmLayout(TargetLayout):
 
         return decode.unshuffle_rows(t)
 
-    def w13_rows(self, rows: int) -> torch.Tensor | None:
-        return _composed(rows)
+    def w13_rows(self, rows: int) -> np.ndarray | None:
+        from mocli.ops.rows import gated_shuffled_row_indices
 
-    def w2_rows(self, rows: int) -> torch.Tensor | None:
-        from mocli.ops.layout import shuffle_row_indices
+        return gated_shuffled_row_indices(rows)
+
+    def w2_rows(self, rows: int) -> np.ndarray | None:
+        from mocli.ops.rows import shuffle_row_indices
 
         return shuffle_row_indices(rows)
 
@@ -79,11 +82,3 @@ class TrtllmLayout(TargetLayout):
                     Role.OUTPUT2_SCALES_SCALAR: (g2, "g2_alphas")}
         return {Role.OUTPUT1_SCALE_SCALAR: out1, Role.OUTPUT1_SCALE_GATE_SCALAR: (g1, "g1_alphas"),
                 Role.OUTPUT2_SCALE_SCALAR: (g2, "g2_alphas")}
-
-
-@lru_cache(maxsize=64)
-def _composed(rows: int) -> torch.Tensor:
-    """reorder_rows_for_gated_act_gemm, then shuffle_matrix_a: one gather index."""
-    from mocli.ops.layout import gated_act_row_indices, shuffle_row_indices
-
-    return gated_act_row_indices(rows)[shuffle_row_indices(rows)]
