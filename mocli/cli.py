@@ -298,8 +298,11 @@ def convert_cmd(
             # and so does CUDA's start-up: the driver always (--device is checked without torch), the
             # device's context where the plan will use the GPU (FP8 weights; Plan.compute decides)
             warm_cuda(device.value, context=ckpt.has_fp8_weights)
+            trace.mark("headers read")
             from mocli.convert import convert
             from mocli.render import render_convert
+
+            trace.mark("convert's modules imported")
 
             summary = _on_every_process(lambda dist: convert(
                 ckpt, output, target, device=device.value, overwrite=overwrite, max_shard_bytes=shard_bytes,
