@@ -25,8 +25,9 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
             digests: SourceDigests | None = None, dist=None) -> dict[str, Any]:
     """Convert ``ckpt`` for ``target`` (at ``tp``/``ep`` ranks) into ``out``; returns the summary.
 
-    Nothing before the engine imports torch: the engine copies weights that need no transform while
-    torch loads (``mocli.preload``), and loads it for the first unit that computes."""
+    Nothing before the engine imports torch, and the engine imports it only when some unit is not
+    ``torch_free``: NVFP4 conversions (bytes moved, block scales rescaled through a table, in numpy)
+    never load it; FP8 ones load it for their arithmetic."""
     from mocli import engine
     from mocli.census import build_census
     from mocli.devices import check_device

@@ -3,9 +3,10 @@
 Scalar scale arithmetic is done by the callers in float32 on the CPU and passed in as Python-free
 0-dim float32 tensors, so that device math is only elementwise IEEE float32 and exact casts.
 
-The transforms (``ops.fp8``, ``ops.layout``) import torch; planners reach them as attributes of this
-package, which imports each on first use, so a plan is made before torch is loaded (the engine copies
-verbatim bytes while it loads). The shape arithmetic planners need is here, torch-free.
+The torch transforms (``ops.fp8``, ``ops.layout``) are reached as attributes of this package, which
+imports each on first use, so a plan is made before torch is loaded. NVFP4's byte moves and
+block-scale tables (``ops.nvfp4``) and the row orders (``ops.rows``) are numpy, and the engine never
+loads torch for a plan made only of them. The shape arithmetic planners need is here, torch-free.
 """
 
 from __future__ import annotations
