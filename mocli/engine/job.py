@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # loaded only where a unit needs it (``Unit.torch_free``)
 @dataclass
 class Job:
     """Everything the engine needs; ``finish`` writes the metadata files into the partial directory,
-    given each output file's SHA-256 (relative path -> digest)."""
+    given each output file's digest record (relative path -> record)."""
 
     command: str
     out: Path
@@ -339,11 +339,9 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
 
 
 def compute_device(job: Job) -> tuple[torch.device, torch.device]:
-    """(the job's device resolved, the device its units run on), importing torch. A plan with nothing
-    to compute runs on the CPU whatever was
-    asked: weights copied as they are (in the kernel), small scales re-laid, where a GPU would only add
-    pinned buffers and transfers (NVFP4 for cutlass on an H200: 0.97-1.16 of the I/O floor this way over
-    three runs, 1.19 through the GPU). Same bytes."""
+    """(the job's device resolved, the device its units run on), importing torch: for a plan where some
+    unit is not torch-free. One with nothing to compute (``Plan.compute``) runs on the CPU whatever
+    was asked, where a GPU would only add pinned buffers and transfers. Same bytes."""
     import torch
 
     gc.freeze()  # torch's modules, now loaded, live until the run ends (see ``run``)
