@@ -429,3 +429,70 @@ def test_nvfp4_convert_runs_without_torch(cli, tmp_path, target, par):
     assert cli("verify", tmp_path / "o").exit_code == 0
     fp8 = run("convert", REAL_LLAMA, "-o", tmp_path / "fp8", "--target", target)
     assert fp8.returncode != 0 and "torch" in fp8.stderr
+
+
+def test_numpy_units_wait_for_the_pool_behind_a_slow_disk(tmp_path, monkeypatch):
+    """A torch-free unit's own arrays count against the buffer pool's limit: behind a slow disk the
+    writer and hashing queues (several units deep) must not fill with arrays the pool knows nothing
+    of. With a limit of one byte each unit waits until the previous one is written and hashed, so
+    besides the unit being handed over at most one more (whose arrays are being let go) is alive;
+    without the accounting five or six were. Every loan is given back at the end."""
+    import threading
+    import time
+    import weakref
+
+    import numpy as np
+
+    import mocli.engine.job as job_mod
+    import mocli.engine.writer as writer_mod
+    import mocli.io.shard_writer as shard_writer
+    from mocli.checkpoint import open_checkpoint
+    from mocli.convert import convert as convert_fn
+    from mocli.engine.pool import BufferPool
+    from mocli.targets import Target
+
+    src = make_checkpoint(tmp_path / "src", algo="NVFP4", layers=8, hidden=256, intermediate=512)
+    pools: list[BufferPool] = []
+
+    class TinyPool(BufferPool):
+        def __init__(self, pin: bool = False, limit: int | None = None) -> None:
+            super().__init__(pin, limit=1)
+            pools.append(self)
+
+    real_write = shard_writer.ShardWriter.write
+
+    def slow_write(self, *a, **k):
+        time.sleep(0.02)
+        return real_write(self, *a, **k)
+
+    live = {"units": 0, "most": 0, "handed": 0}
+    lock = threading.Lock()
+    real_put = writer_mod.Writer.put
+
+    def put(self, unit, pieces, borrowed):
+        arrays = [p.data for p in pieces if isinstance(p.data, np.ndarray)]
+        if arrays:
+            left = [len(arrays)]
+
+            def gone() -> None:
+                with lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        live["units"] -= 1
+
+            with lock:
+                live["units"] += 1
+                live["handed"] += 1
+                live["most"] = max(live["most"], live["units"])
+            for a in arrays:
+                weakref.finalize(a, gone)
+            del arrays
+        return real_put(self, unit, pieces, borrowed)
+
+    monkeypatch.setattr(job_mod, "BufferPool", TinyPool)
+    monkeypatch.setattr(shard_writer.ShardWriter, "write", slow_write)
+    monkeypatch.setattr(writer_mod.Writer, "put", put)
+    convert_fn(open_checkpoint(src), tmp_path / "out", Target("flashinfer-trtllm"), device="cpu")
+    assert live["handed"] >= 16  # enough units to fill the queues
+    assert live["most"] <= 3, live
+    assert pools and all(p.out == 0 for p in pools)

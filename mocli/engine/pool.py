@@ -17,6 +17,17 @@ if TYPE_CHECKING:  # torch-free units (``Unit.torch_free``) run without torch
 MAP_MIN = 1 << 20
 
 
+class Loan:
+    """Bytes a torch-free unit's own numpy arrays hold until they are written and hashed: counted
+    against the pool's limit as a borrowed buffer is, then forgotten (numpy's allocator owns them;
+    nothing goes to the free lists)."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
 class BufferPool:
     """Reusable CPU byte buffers. First-touching fresh pages costs more than copying into warm
     ones (measured 1.3 vs 10 GB/s on the build machines), and units ask for the same sizes again
@@ -46,9 +57,22 @@ class BufferPool:
 
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
-    def give(self, bufs: list[torch.Tensor]) -> None:
+    def lend(self, nbytes: int) -> Loan:
+        """Count ``nbytes`` that a torch-free unit allocated itself as on loan, waiting as ``take`` does
+        until earlier units' bytes are back under the limit (never while nothing else is out). The
+        arrays exist before the wait, so at most one unit's worth is over the limit."""
+        with self.cond:
+            while self.limit and self.out > 0 and self.out + nbytes > self.limit:
+                self.cond.wait()
+            self.out += nbytes
+        return Loan(nbytes)
+
+    def give(self, bufs: list[torch.Tensor | Loan]) -> None:
         with self.cond:
             for b in bufs:
+                if isinstance(b, Loan):
+                    self.out -= b.nbytes
+                    continue
                 n = b.numel()
                 self.out -= n
                 if self.limit is None or self.kept + n <= self.limit:
@@ -160,8 +184,9 @@ class UnitContext:
 
     def gather_array(self, parts: list[tuple[TensorEntry, int, int]], idx: np.ndarray) -> np.ndarray:
         """``concatenate([rows a:b of each entry])[idx]`` as bytes [len(idx), row bytes], for entries of
-        one row size, without the concatenation: each part's rows go straight from its map (``array``)
-        to their places (5 GB/s on the build VM where concatenating first and gathering ran at 0.8)."""
+        one row size, without the concatenation: each part's selected rows are gathered from its map
+        (``array``) and scattered to their places (5 GB/s on the build VM where concatenating first and
+        gathering ran at 0.8; the gather makes one temporary of the part's rows)."""
         import numpy as np
 
         row = parts[0][0].nbytes // parts[0][0].shape[0]
@@ -177,13 +202,19 @@ class UnitContext:
     def src(entry: TensorEntry) -> SourceRange:
         return SourceRange(entry, 0, entry.nbytes)
 
-    def release(self, pieces: list[Piece]) -> list[torch.Tensor]:
+    def release(self, pieces: list[Piece]) -> list[torch.Tensor | Loan]:
         """Hand over the buffers the unit's pieces still point into (they go back to the pool once
         written); the rest - inputs already consumed, on CUDA everything read and copied to the device
         once the stream is synchronized - go back to the pool now. Half the bytes a quantize unit
-        borrowed, were its inputs, held until the writer was done."""
+        borrowed, were its inputs, held until the writer was done. A torch-free unit's numpy pieces
+        are lent (``BufferPool.lend``): the writer lanes' and hashing threads' queues would otherwise
+        let several units' arrays pile up behind a slow disk, beyond the pool's limit."""
+        import numpy as np
+
+        arrays = sum(p.data.nbytes for p in pieces if isinstance(p.data, np.ndarray))
+        loans = [self.pool.lend(arrays)] if arrays else []
         if not self.borrowed:
-            return []
+            return loans
         import torch
 
         held = {p.data.untyped_storage().data_ptr() for p in pieces
@@ -193,4 +224,4 @@ class UnitContext:
         self.borrowed = []
         if done:
             self.pool.give(done)
-        return keep
+        return keep + loans
