@@ -181,3 +181,37 @@ def test_a_units_consumed_inputs_go_back_to_the_pool_before_its_pieces_are_writt
     assert {b.data_ptr() for b in held} == {out.data_ptr(), passed_on.data_ptr()}
     assert pool.out == 800  # only what the writer still needs is on loan
     assert pool.take(1000).data_ptr() == consumed.data_ptr()  # and the consumed input is reused at once
+
+
+def test_a_units_numpy_pieces_are_lent_after_its_consumed_inputs_go_back_and_never_wait_on_its_own():
+    """``release`` lends a unit's numpy arrays against the limit once the unit's consumed buffers are
+    back, and does not count the buffers its pieces still hold as someone else's: a unit with both
+    (kept 60 bytes, 60 bytes of arrays, limit 100) goes on at once; another unit's arrays wait."""
+    import threading
+
+    import numpy as np
+
+    from mocli.engine import BufferPool, Piece, UnitContext
+    from mocli.engine.pool import Loan
+
+    pool = BufferPool(limit=100)
+    ctx = UnitContext(None, torch.device("cpu"), pool)
+    ctx.buffer((40,), torch.uint8)  # consumed: back before the arrays are lent
+    kept = ctx.buffer((60,), torch.uint8)
+    done: list = []
+    t = threading.Thread(target=lambda: done.append(ctx.release(
+        [Piece(("", "a"), 0, kept), Piece(("", "b"), 0, np.zeros(60, np.uint8))])))
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "a unit waited for its own buffers"
+    loans = [b for b in done[0] if isinstance(b, Loan)]
+    assert [b.nbytes for b in loans] == [60] and pool.out == 120
+    other: list = []
+    t = threading.Thread(target=lambda: other.append(
+        UnitContext(None, torch.device("cpu"), pool).release([Piece(("", "c"), 0, np.zeros(30, np.uint8))])))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and not other  # 120 out: the next unit's arrays wait
+    pool.give(done[0])
+    t.join(5)
+    assert not t.is_alive() and pool.out == 30

@@ -44,11 +44,16 @@ class BufferPool:
         self.kept = 0  # bytes in the free lists
         self.cond = threading.Condition()  # the writer threads give back what the main thread took
 
+    def _admit(self, nbytes: int, own: int) -> None:
+        """Count ``nbytes`` as out once they fit under the limit or nothing but the caller's ``own``
+        bytes is out; the caller holds ``cond``."""
+        while self.limit and self.out - own > 0 and self.out + nbytes > self.limit:
+            self.cond.wait()
+        self.out += nbytes
+
     def take(self, nbytes: int, own: int = 0) -> torch.Tensor:
         with self.cond:
-            while self.limit and self.out - own > 0 and self.out + nbytes > self.limit:
-                self.cond.wait()
-            self.out += nbytes
+            self._admit(nbytes, own)
             stack = self.free.get(nbytes)
             if stack:
                 self.kept -= nbytes
@@ -57,14 +62,11 @@ class BufferPool:
 
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
-    def lend(self, nbytes: int) -> Loan:
-        """Count ``nbytes`` that a torch-free unit allocated itself as on loan, waiting as ``take`` does
-        until earlier units' bytes are back under the limit (never while nothing else is out). The
-        arrays exist before the wait, so at most one unit's worth is over the limit."""
+    def lend(self, nbytes: int, own: int = 0) -> Loan:
+        """Count ``nbytes`` that a unit allocated itself (numpy arrays) as on loan, waiting as ``take``
+        does. The arrays exist before the wait, so at most one unit's worth is over the limit."""
         with self.cond:
-            while self.limit and self.out > 0 and self.out + nbytes > self.limit:
-                self.cond.wait()
-            self.out += nbytes
+            self._admit(nbytes, own)
         return Loan(nbytes)
 
     def give(self, bufs: list[torch.Tensor | Loan]) -> None:
@@ -211,17 +213,18 @@ class UnitContext:
         let several units' arrays pile up behind a slow disk, beyond the pool's limit."""
         import numpy as np
 
-        arrays = sum(p.data.nbytes for p in pieces if isinstance(p.data, np.ndarray))
-        loans = [self.pool.lend(arrays)] if arrays else []
-        if not self.borrowed:
-            return loans
-        import torch
+        keep: list[torch.Tensor | Loan] = []
+        if self.borrowed:
+            import torch
 
-        held = {p.data.untyped_storage().data_ptr() for p in pieces
-                if isinstance(p.data, torch.Tensor) and p.data.device.type == "cpu"}
-        keep = [b for b in self.borrowed if b.untyped_storage().data_ptr() in held]
-        done = [b for b in self.borrowed if b.untyped_storage().data_ptr() not in held]
-        self.borrowed = []
-        if done:
-            self.pool.give(done)
-        return keep + loans
+            held = {p.data.untyped_storage().data_ptr() for p in pieces
+                    if isinstance(p.data, torch.Tensor) and p.data.device.type == "cpu"}
+            keep = [b for b in self.borrowed if b.untyped_storage().data_ptr() in held]
+            done = [b for b in self.borrowed if b.untyped_storage().data_ptr() not in held]
+            self.borrowed = []
+            if done:
+                self.pool.give(done)
+        arrays = sum(p.data.nbytes for p in pieces if isinstance(p.data, np.ndarray))
+        if arrays:  # after the give-back above, and never waiting for the unit's own kept buffers
+            keep.append(self.pool.lend(arrays, own=sum(b.numel() for b in keep)))
+        return keep
