@@ -425,10 +425,11 @@ def verify_cmd(
     """Check every byte of a converted directory and run real GEMMs against the source; exit 1 on failure."""
 
     def body(out: Output) -> int:
-        from mocli.procenv import passive_omp, reuse_freed_memory
+        from mocli.procenv import passive_omp, reuse_freed_memory, single_thread_blas
         from mocli.verify.early import start_digests
 
         passive_omp()
+        single_thread_blas()
         reuse_freed_memory()
         early = start_digests(output, source, rank)  # hashing overlaps the torch import below
         warm_cuda(device.value)  # and so does CUDA's start-up

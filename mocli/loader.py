@@ -17,15 +17,16 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mocli.errors import CorruptFileError
 from mocli.formats.layout import rank_entries, rank_view, read_manifest
 from mocli.io.paths import open_regular
 from mocli.io.safetensors_file import TensorEntry, TensorReader, tensor_bytes_view, torch_dtypes
 from mocli.kinds import ModuleKind
+
+if TYPE_CHECKING:  # imported where tensors are made: opening an output and its numpy views need no torch
+    import torch
 
 
 @dataclass
@@ -144,6 +145,8 @@ class Nvfp4MoE:
 
     def cutlass_quant_scales(self) -> list[torch.Tensor]:
         """FlashInfer cutlass_fused_moe NVFP4 quant_scales (SEMANTICS §7.5)."""
+        import torch
+
         return [self.a1_gscale, self.w13_weight_scale.view(torch.int32), self.g1_alphas,
                 self.a2_gscale, self.w2_weight_scale.view(torch.int32), self.g2_alphas]
 
@@ -196,19 +199,30 @@ class ConvertedCheckpoint:
     def load_module(self, name: str, device: str | torch.device = "cpu",
                     tensors: dict[str, torch.Tensor] | None = None) -> ConvertedModule:
         """Build one module object from its manifest entry, tensors on ``device``."""
+        import torch
+
+        if tensors is None and torch.device(device).type == "cuda":
+            # one span per file through pinned staging, not one pageable copy per tensor
+            m = self.module_info(name)
+            tensors = load_tensors([self._entries[t] for t in m["tensors"].values() if t in self._entries], device)
+        return self._build(name, lambda t: tensors[t] if tensors is not None else self.tensor(t, device))
+
+    def module_arrays(self, name: str) -> ConvertedModule:
+        """``load_module`` with read-only numpy views of the files' pages in place of tensors (float8
+        as its bytes, uint8), and no torch: what NVFP4 verify reads."""
+        return self._build(name, lambda t: self._reader.array(self._entries[t]))
+
+    def _build(self, name: str, fetch) -> ConvertedModule:
         m = self.module_info(name)
         cls = CLASSES[ModuleKind(m["kind"])]
         names = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {"name": name}
-        if tensors is None and torch.device(device).type == "cuda":
-            # one span per file through pinned staging, not one pageable copy per tensor
-            tensors = load_tensors([self._entries[t] for t in m["tensors"].values() if t in self._entries], device)
         for role, tname in m["tensors"].items():
             if role in names:
                 if tname not in self._entries:
                     raise CorruptFileError(f"{self.path}: manifest names tensor '{tname}' that no shard holds",
                                            hint="the output is damaged; convert again")
-                kwargs[role] = tensors[tname] if tensors is not None else self.tensor(tname, device)
+                kwargs[role] = fetch(tname)
         kwargs |= {k: v for k, v in m["meta"].items() if k in names}
         missing = [f.name for f in fields(cls) if f.name not in kwargs and f.default is MISSING]
         if missing:
@@ -268,6 +282,8 @@ def load_tensors(entries: list[TensorEntry], device: str | torch.device = "cpu",
     alignment (CUDA: 16 bytes, what tensor-core kernels need) are copied. ``follow``: whether the
     files may be symbolic links (a source in a Hugging Face cache; mocli's own outputs never).
     """
+    import torch
+
     device = torch.device(device)
     by_file: dict[Path, list[TensorEntry]] = {}
     for e in entries:
@@ -321,6 +337,8 @@ def _pread_into(path: Path, offset: int, view: memoryview, follow: bool = False)
 
 
 def _read_to_device(path: Path, offset: int, nbytes: int, device: torch.device, follow: bool = False) -> torch.Tensor:
+    import torch
+
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     if nbytes == 0:
         return dst

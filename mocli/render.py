@@ -196,6 +196,10 @@ def render_verify(report: dict[str, Any], out: Output) -> None:
     out.stdout.print(f"verify {escape(report['output'])} ({report['target']}"
                      + (f", tp {par['tp']} ep {par['ep']}" if multi else "")
                      + f", {report['device']}, {report['tokens']} tokens, seed {report['seed']})", soft_wrap=True)
+    if report.get("device_requested"):
+        out.stdout.print(f"ran on {report['device']}, not {report['device_requested']}: NVFP4 checks decode bytes and "
+                         "emulate the GEMMs exactly in numpy (no NVFP4 kernel runs here), so torch is never loaded",
+                         soft_wrap=True)
     t = Table()
     cols = ["module"] + (["rank"] if multi else []) + ["kernel", "rel. error", "threshold", "result"]
     for col in cols:

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "mocli"
 LAYERS: list[list[str]] = [
     ["mocli", "mocli.errors", "mocli.progress", "mocli.trace", "mocli.findings", "mocli.tables", "mocli.io", "mocli.io.*",
      "mocli.ops", "mocli.ops.*", "mocli.parallel", "mocli.engine.dist", "mocli.targets.decode",
-     "mocli.verify.quant", "mocli.verify.expect", "mocli.verify.html", "mocli.verify.junit"],
+     "mocli.verify.quant", "mocli.verify.numeric", "mocli.verify.expect", "mocli.verify.html", "mocli.verify.junit"],
     ["mocli.formats", "mocli.devices", "mocli.procenv"],
     ["mocli.quant_config", "mocli.kinds"],
     ["mocli.checkpoint", "mocli.census", "mocli.exclusions", "mocli.scales", "mocli.deep_scan", "mocli.targets",
@@ -115,18 +115,20 @@ def test_every_kind_table_covers_every_kind():
     verify check, threshold."""
     from mocli.loader import CLASSES
     from mocli.plan import PLANNERS
-    from mocli.verify.common import THRESHOLDS
     from mocli.verify.dense import DENSE
     from mocli.verify.moe import MOE
+    from mocli.verify.nvfp4 import KINDS as NVFP4
+    from mocli.verify.results import THRESHOLDS
 
     every = set(ModuleKind)
+    checks = {**DENSE, **MOE, **dict.fromkeys(NVFP4)}
     tables = {"kinds.KINDS": KINDS, "plan.PLANNERS": PLANNERS, "loader.CLASSES": CLASSES,
-              "verify THRESHOLDS": THRESHOLDS, "verify DENSE | MOE": {**DENSE, **MOE}}
+              "verify THRESHOLDS": THRESHOLDS, "verify DENSE | MOE | nvfp4.KINDS": checks}
     for name, table in tables.items():
         assert set(table) == every, f"{name} lacks {sorted(every - set(table))}"
-    assert set(DENSE) == {k for k, s in KINDS.items() if not s.moe}
-    assert set(MOE) == {k for k, s in KINDS.items() if s.moe}
-    assert all(THRESHOLDS[k].gemm2 is not None for k in MOE)
+    assert len(checks) == len(DENSE) + len(MOE) + len(NVFP4)  # one check per kind
+    assert set(DENSE) | {k for k in NVFP4 if not KINDS[k].moe} == {k for k, s in KINDS.items() if not s.moe}
+    assert all(THRESHOLDS[k].gemm2 is not None for k, s in KINDS.items() if s.moe)
 
 
 NVFP4_WITHOUT_TORCH = """

@@ -415,20 +415,37 @@ main()
 
 @pytest.mark.parametrize("target", ["flashinfer-cutlass", "flashinfer-trtllm"])
 @pytest.mark.parametrize("par", [(), ("--tp", "2", "--ep", "2")])
-def test_nvfp4_convert_runs_without_torch(cli, tmp_path, target, par):
-    """``mocli convert`` of the real NVFP4 MoE export in a fresh process where torch cannot be imported
-    (an NVFP4 conversion never loads it: ``mocli.ops.nvfp4``), under --device auto: it finishes, says it
-    ran on the CPU, and the output verifies against the source (verify's own tables, in torch). An FP8
-    export in the same process fails, which shows torch really was unimportable there."""
+def test_nvfp4_convert_and_verify_run_without_torch(cli, tmp_path, target, par):
+    """``mocli convert`` and ``mocli verify`` of the real NVFP4 MoE export in fresh processes where torch
+    cannot be imported (an NVFP4 conversion never loads it: ``mocli.ops.nvfp4``; nor does its check:
+    ``mocli.verify.nvfp4``), under --device auto: both finish and say they ran on the CPU, and the
+    output verifies. Failures still show without torch: a flipped bit in one expert fails verify. An
+    FP8 export fails to convert in the same process, and an FP8 output (converted with torch) fails to
+    verify, which shows torch really was unimportable there."""
     root = Path(__file__).resolve().parents[1]
     run = lambda *a: subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *map(str, a)],  # noqa: E731
                                     capture_output=True, text=True, cwd=root)
     r = run("convert", REAL_QWEN, "-o", tmp_path / "o", "--target", target, *par, "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["device"] == "cpu"
-    assert cli("verify", tmp_path / "o").exit_code == 0
+    v = run("verify", tmp_path / "o", "--json")
+    assert v.returncode == 0, v.stderr + v.stdout[-2000:]
+    report = json.loads(v.stdout)
+    assert report["ok"] and report["device"] == "cpu" and report["modules"]
+    assert all(m["emulated"] and m["kernel"].startswith("emulated NVFP4") for m in report["modules"])
+    shard = sorted((tmp_path / "o").rglob("model-*.safetensors"))[-1]
+    with open(shard, "r+b") as f:  # one bit of the last shard's last tensor (the data section's end)
+        f.seek(-1, 2)
+        last = f.read(1)[0]
+        f.seek(-1, 2)
+        f.write(bytes([last ^ 0x10]))
+    bad = run("verify", tmp_path / "o", "--json")
+    assert bad.returncode == 1 and not json.loads(bad.stdout)["ok"], bad.stderr
     fp8 = run("convert", REAL_LLAMA, "-o", tmp_path / "fp8", "--target", target)
     assert fp8.returncode != 0 and "torch" in fp8.stderr
+    assert cli("-q", "convert", REAL_LLAMA, "-o", tmp_path / "fp8", "--target", target).exit_code == 0
+    fp8v = run("verify", tmp_path / "fp8")
+    assert fp8v.returncode != 0 and "torch" in fp8v.stderr
 
 
 def test_numpy_units_wait_for_the_pool_behind_a_slow_disk(tmp_path, monkeypatch):

@@ -226,8 +226,8 @@ def _flip_expert_byte(name: str, expert: int):
 
 
 def _force_stacked(monkeypatch, chunk_bytes: int | None = None) -> list:
-    """Verify's stacked expert-bytes check (CUDA's path) on the CPU too; returns the list of experts the
-    expert-by-expert check was then called for."""
+    """Verify's stacked expert-bytes check of FP8 experts (CUDA's path) on the CPU too; returns the list
+    of experts the expert-by-expert check was then called for."""
     from mocli.verify import moe
 
     calls = []
@@ -239,9 +239,8 @@ def _force_stacked(monkeypatch, chunk_bytes: int | None = None) -> list:
     return calls
 
 
-@pytest.mark.parametrize("key,target,tensor,chunk", [("qwen", CUTLASS, "w13_weight_scale", None),
-                                                     ("qwen", TRTLLM, "w2_weight", 1),
-                                                     ("qwen", TRTLLM, "w2_weight_scale", None),
+@pytest.mark.parametrize("key,target,tensor,chunk", [("mixtral", CUTLASS, "w13_weight", 1),
+                                                     ("mixtral", TRTLLM, "w2_weight", None),
                                                      ("mixtral", CUTLASS, "w2_weight", None),
                                                      ("mixtral", TRTLLM, "w13_weight", 1)])
 def test_stacked_expert_bytes_check_agrees_with_expert_by_expert(cli, converted, tmp_path, monkeypatch, key, target,
@@ -267,13 +266,14 @@ def test_stacked_expert_bytes_check_per_rank(cli, tmp_path, monkeypatch, par, ex
     only, named by its global index."""
     calls = _force_stacked(monkeypatch)
     out = tmp_path / "o"
-    assert cli("-q", "convert", REAL_QWEN, "-o", out, "--target", TRTLLM, *par).exit_code == 0
+    src = make_checkpoint(tmp_path / "src", arch="mixtral", algo="FP8")
+    assert cli("-q", "convert", src, "-o", out, "--target", TRTLLM, *par).exit_code == 0
     r = cli("--json", "verify", out)
     assert r.exit_code == 0 and not calls, [m["message"] for m in r.json["modules"] if not m["passed"]]
-    _mutate(out / "rank-1", _flip_expert_byte(f"{Q0}.w13_weight", 1))
+    _mutate(out / "rank-1", _flip_expert_byte(f"{M0}.w13_weight", 1))
     r = cli("--json", "verify", out)
     failed = [m for m in r.json["modules"] if not m["passed"]]
-    assert r.exit_code == 1 and [(m["module"], m["rank"]) for m in failed] == [(Q0, 1)], failed
+    assert r.exit_code == 1 and [(m["module"], m["rank"]) for m in failed] == [(M0, 1)], failed
     n = failed[0]["shape"]["expert_offset"] + 1 if expert is None else expert
     assert expert is not None or n > 1  # expert parallel: rank 1's local expert 1 is not global expert 1
     assert f"w13_weight (expert {n}) differs" in failed[0]["message"], failed
@@ -284,12 +284,12 @@ def test_a_layout_fault_in_the_bytes_wins_over_the_gemms(cli, converted, monkeyp
     bytes find is reported as when the bytes ran first: the module is a layout failure, its numbers are
     not reported, and the fault the GEMMs hit on their own decoding comes second to it."""
     from mocli.targets.decode import LayoutError
-    from mocli.verify import moe
+    from mocli.verify import nvfp4
 
     def planted(t, rows, cols, what):
         raise LayoutError(f"planted: {what}")
 
-    monkeypatch.setattr(moe, "unswizzle", planted)  # the bytes' decoding and the GEMMs' both
+    monkeypatch.setattr(nvfp4, "unswizzle", planted)  # the bytes' decoding and the GEMMs' both
     code, mods = _verify(cli, converted["qwen", TRTLLM])
     m = mods[Q0]
     assert code == 1 and m["kernel"] == "layout check" and m["error"] is None, m
@@ -302,9 +302,9 @@ def test_differences_found_before_a_layout_fault_are_kept(cli, converted, tmp_pa
     """A layout fault at expert 1 stops that layer's byte checks; what they found before it (a flipped
     byte in expert 0) is still reported, after the fault."""
     from mocli.targets.decode import LayoutError
-    from mocli.verify import moe
+    from mocli.verify import nvfp4
 
-    real = moe.unswizzle
+    real = nvfp4.unswizzle
 
     def planted(t, rows, cols, what):
         if what.endswith("w13_weight_scale[1]"):
@@ -313,7 +313,7 @@ def test_differences_found_before_a_layout_fault_are_kept(cli, converted, tmp_pa
 
     out = _copy(converted, "qwen", TRTLLM, tmp_path)
     _mutate(out, _flip_expert_byte(f"{Q0}.w13_weight", 0))
-    monkeypatch.setattr(moe, "unswizzle", planted)
+    monkeypatch.setattr(nvfp4, "unswizzle", planted)
     code, mods = _verify(cli, out)
     m = mods[Q0]
     assert code == 1 and m["kernel"] == "layout check", m
@@ -322,6 +322,26 @@ def test_differences_found_before_a_layout_fault_are_kept(cli, converted, tmp_pa
 
 
 # --- CLI behaviour ----------------------------------------------------------------------------------
+
+def test_nvfp4_checks_run_on_the_cpu_and_say_so(cli, converted, monkeypatch):
+    """NVFP4 checks run in numpy: where a GPU was asked for (or auto found one) the report says the
+    checks ran on the CPU instead, and why; --device cuda on a machine without one is still refused."""
+    from mocli.verify import runner
+
+    out = converted["qwen", TRTLLM]
+    if not torch.cuda.is_available():
+        r = cli("verify", out, "--device", "cuda")
+        assert r.exit_code == 2 and "no CUDA device" in r.stderr, r.stderr
+    monkeypatch.setattr(runner, "requested_device", lambda device: "cuda:0")
+    monkeypatch.setattr(runner, "check_device", lambda device: None)
+    r = cli("--json", "verify", out)
+    assert r.exit_code == 0 and r.json["device"] == "cpu" and r.json["device_requested"] == "cuda:0"
+    r = cli("verify", out)
+    assert r.exit_code == 0 and "ran on cpu, not cuda:0: NVFP4 checks" in " ".join(r.stdout.split())
+    monkeypatch.setattr(runner, "requested_device", lambda device: "cpu")
+    r = cli("--json", "verify", out)
+    assert r.exit_code == 0 and "device_requested" not in r.json
+
 
 def test_junit_xml_and_human_output(cli, converted, tmp_path):
     xml_path = tmp_path / "verify.xml"

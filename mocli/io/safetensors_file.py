@@ -47,6 +47,18 @@ def torch_dtypes() -> dict[str, torch.dtype]:
         "I32": torch.int32, "F32": torch.float32, "I64": torch.int64, "F64": torch.float64,
     }  # fmt: skip
 
+@cache
+def np_dtypes() -> dict[str, np.dtype]:
+    """safetensors dtype string -> the numpy dtype its bytes are read as (float8 and bfloat16 as raw words)."""
+    import numpy as np
+
+    return {k: np.dtype(v) for k, v in {
+        "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
+        "F8_E8M0": np.uint8, "I16": np.int16, "U16": np.uint16, "F16": np.float16, "BF16": np.uint16,
+        "I32": np.int32, "U32": np.uint32, "F32": np.float32, "I64": np.int64, "U64": np.uint64,
+        "F64": np.float64}.items()}  # fmt: skip
+
+
 # A header larger than this is not a real checkpoint (safetensors itself caps it at 100 MB).
 MAX_HEADER_BYTES = 100_000_000
 
@@ -261,8 +273,6 @@ class TensorReader:
     def view(self, entry: TensorEntry) -> torch.Tensor:
         """The entry's tensor as a copy-on-write view of the file's page cache (no read, no fresh
         memory): for code that only looks at bytes, like verify. Valid until close()."""
-        import mmap
-
         import torch
 
         dtypes = torch_dtypes()
@@ -271,6 +281,35 @@ class TensorReader:
                                    "that torch cannot represent", hint="mocli cannot process this tensor")
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=dtypes[entry.dtype])
+        raw = torch.from_numpy(self._mapped_bytes(entry))
+        dt = dtypes[entry.dtype]
+        return raw.view(dt).reshape(entry.shape) if entry.start % dt.itemsize == 0 else \
+            raw.clone().view(dt).reshape(entry.shape)
+
+    def array(self, entry: TensorEntry) -> np.ndarray:
+        """``view`` as a numpy array (no torch): float8 and bfloat16, which numpy lacks, as their raw
+        integer words (uint8, uint16). Read-only."""
+        import numpy as np
+
+        dt = np_dtypes().get(entry.dtype)
+        if dt is None:
+            raise CorruptFileError(f"{entry.file}: tensor '{entry.name}' has dtype {entry.dtype} "
+                                   "that mocli cannot represent", hint="mocli cannot process this tensor")
+        if entry.nbytes == 0:
+            return np.empty(entry.shape, dtype=dt)
+        raw = self._mapped_bytes(entry)
+        if entry.start % dt.itemsize:
+            raw = raw.copy()
+        out = raw.view(dt).reshape(entry.shape)
+        out.flags.writeable = False
+        return out
+
+    def _mapped_bytes(self, entry: TensorEntry) -> np.ndarray:
+        """The entry's bytes (uint8) over one shared copy-on-write map per file."""
+        import mmap
+
+        import numpy as np
+
         with self._lock:
             mm = self._maps.pop(entry.file, None)
             if mm is None:
@@ -280,9 +319,7 @@ class TensorReader:
             self._maps[entry.file] = mm
         if entry.start + entry.nbytes > len(mm):
             raise _truncated(entry)
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
-        return raw.view(dtypes[entry.dtype]).reshape(entry.shape) if entry.start % dtypes[entry.dtype].itemsize == 0 \
-            else raw.clone().view(dtypes[entry.dtype]).reshape(entry.shape)
+        return np.frombuffer(mm, dtype=np.uint8, count=entry.nbytes, offset=entry.start)
 
     def mapped(self, entry: TensorEntry, a: int, b: int) -> torch.Tensor | None:
         """``mapped_array`` as a torch uint8 tensor over the same map."""

@@ -54,8 +54,9 @@ SUPPORTED: dict[str, frozenset[Algo]] = {
 
 class TargetLayout:
     """One target's layout contract. Forward transforms take and return tensors (optionally into
-    ``out`` buffers); ``*_decode`` methods are their inverses, used by verify. Constraints are plain
-    data, so checking them needs no torch."""
+    ``out`` buffers); ``*_decode`` methods are their inverses, used by verify, on numpy arrays or torch
+    tensors alike (``mocli.targets.decode``). Constraints are plain data, so checking them needs no
+    torch."""
 
     target: Target
     constraints: tuple[Constraint, ...] = SHARED_CONSTRAINTS
@@ -112,9 +113,9 @@ class TargetLayout:
         """``moe_rows_decode`` of one expert's [M, cols] as a view, no byte moved: [parts, ..., cols],
         parts 2 where gated (the halves, [w3] and [w1]) else 1; a part's leading dims read in order are
         its rows (see ``decode.shuffled_halves``). None where the rows do not split so."""
-        if stored.dim() != 2 or gated and stored.shape[0] % 2:
+        if stored.ndim != 2 or gated and stored.shape[0] % 2:
             return None
-        return stored.unflatten(0, (2, stored.shape[0] // 2)) if gated else stored.unsqueeze(0)
+        return stored.reshape(2, stored.shape[0] // 2, stored.shape[1]) if gated else stored[None]
 
     def moe_extra_scales(self, kind: ModuleKind, g1: torch.Tensor, g2: torch.Tensor,
                          a2_inv: torch.Tensor) -> dict[Role, tuple[torch.Tensor, str]]:

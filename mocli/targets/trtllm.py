@@ -70,7 +70,7 @@ class TrtllmLayout(TargetLayout):
     def moe_rows_halves(self, stored: torch.Tensor, gated: bool) -> torch.Tensor | None:
         from mocli.targets import decode
 
-        return decode.shuffled_halves(stored, gated) if stored.dim() == 2 and stored.shape[0] % 32 == 0 else None
+        return decode.shuffled_halves(stored, gated) if stored.ndim == 2 and stored.shape[0] % 32 == 0 else None
 
     def moe_extra_scales(self, kind: ModuleKind, g1: torch.Tensor, g2: torch.Tensor,
                          a2_inv: torch.Tensor) -> dict[Role, tuple[torch.Tensor, str]]:

@@ -20,8 +20,12 @@ def __getattr__(name: str) -> Any:
         from mocli.verify.runner import verify
 
         return verify
-    if name in ("THRESHOLDS", "Kernels", "VerifyOptions"):
-        from mocli.verify import common
+    if name in ("THRESHOLDS", "VerifyOptions"):
+        from mocli.verify import results
 
-        return getattr(common, name)
+        return getattr(results, name)
+    if name == "Kernels":
+        from mocli.devices import Kernels
+
+        return Kernels
     raise AttributeError(f"module 'mocli.verify' has no attribute {name!r}")

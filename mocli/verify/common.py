@@ -1,74 +1,41 @@
-"""What every verify check shares: options, the runtime (device, kernels, target layout), results,
-the source on demand, problem lists, and the GEMM helpers (real kernels, or exact emulation).
+"""What the torch checks share: the runtime (device, kernels, target layout), the source on demand,
+and the GEMM helpers (real kernels, or exact emulation). The torch-free pieces (options, thresholds,
+results, problem lists) are ``mocli.verify.results``, re-exported here.
 
-The checks themselves mirror ``mocli.plan``: ``dense`` and ``moe`` (converted modules, per kind),
-``quantized`` (``mocli quantize`` output); ``runner`` drives them.
+The checks themselves mirror ``mocli.plan``: ``dense`` and ``moe`` (FP8 converted modules, per kind),
+``nvfp4`` (NVFP4 ones, in numpy), ``quantized`` (``mocli quantize`` output); ``runner`` drives them.
 """
 
 from __future__ import annotations
 
-import math
-import time
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from mocli.census import Census, Module
 from mocli.devices import Kernels
-from mocli.kinds import ModuleKind
-from mocli.tables import WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+from mocli.tables import WEIGHT, WEIGHT_SCALE
 from mocli.targets import TargetLayout
-from mocli.verify.expect import bit_equal
-from mocli.verify.quant import FP8, dequant_fp8, dequant_nvfp4, unpack_e2m1
-
-
-@dataclass
-class VerifyOptions:
-    source: str | None = None
-    device: str = "auto"
-    kernels: Kernels = Kernels.AUTO
-    layers: str | None = None
-    tokens: int = 64
-    seed: int = 0
-    rank: int | None = None
-    check_source_hash: bool = True
-    early_digests: Any = None  # a mocli.io.digests.BackgroundDigests started before torch (verify.early)
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """Relative-error thresholds of one module kind (README "Thresholds" derives them): ``kept`` where
-    the source's bits are kept, ``unified`` for shards or experts whose scales were unified; MoE:
-    ``gemm2`` for GEMM2 fed with the kernel's own intermediate. Each is a few times what the format
-    allows and far below the smallest real fault (a 2x scale error is 0.5-1.0, a w1/w3 swap 0.3)."""
-
-    kept: float
-    unified: float
-    gemm2: float | None = None
-
-
-THRESHOLDS: dict[ModuleKind, Thresholds] = {
-    # requantizing non-max shards to the shared scale rounds each of their weights once more: half an
-    # e4m3 step, 2^-4..2^-3 relative, rms <= 3.6% on those rows (real Llama export: 1.4-2.0%)
-    ModuleKind.FP8_LINEAR: Thresholds(0.05, 0.05),
-    # bit-identical weights: only BF16 output rounding (2^-9) and summation order remain
-    ModuleKind.FP8_CHANNEL_LINEAR: Thresholds(0.01, 0.01),
-    ModuleKind.FP8_BLOCK_LINEAR: Thresholds(0.01, 0.01),
-    # shards whose weight_scale_2 was unified: one e4m3 rounding of each block scale, <= 2^-4 relative
-    # per block (rms ~2.5%; measured 0.022-0.025), so a worst case of 2^-4 plus output rounding
-    ModuleKind.NVFP4_LINEAR: Thresholds(0.01, 0.08),
-    # MoE GEMM1 (x @ [w3; w1]) as the dense kinds; GEMM2 on the kernel's own intermediate: bit-identical
-    # w2, output rounding only
-    ModuleKind.FP8_MOE: Thresholds(0.05, 0.05, gemm2=0.01),
-    ModuleKind.NVFP4_MOE: Thresholds(0.01, 0.08, gemm2=0.01),
-}
-# A fused FlashInfer MoE kernel gives only the layer output: the intermediate is re-quantized from
-# slightly different values, so neighbouring codes flip (e2m1 codes are up to 33% apart).
-FUSED_MOE_THRESHOLD = 0.10
+from mocli.verify.quant import dequant_fp8
+from mocli.verify.results import (  # noqa: F401 - the torch checks import these from here
+    CPU_SAMPLE_EXPERTS,
+    CUDA_SAMPLE_EXPERTS,
+    FUSED_MOE_THRESHOLD,
+    THRESHOLDS,
+    CrossResult,
+    Halves,
+    ModuleResult,
+    Problems,
+    VerifyOptions,
+    finish,
+    pick_experts,
+    rel_error,
+    seed_of,
+    single_rank_report,
+)
 
 
 @dataclass
@@ -108,49 +75,6 @@ def runtime(opts: VerifyOptions, layout: TargetLayout | None) -> Runtime:
         raise InputError("--kernels flashinfer needs flashinfer-python and a CUDA device",
                          hint="pip install 'mocli[flashinfer]' on a GPU machine, or use --kernels torch")
     return rt
-
-
-@dataclass
-class ModuleResult:
-    module: str
-    rank: int
-    kind: str
-    scheme: str
-    kernel: str
-    emulated: bool
-    shape: dict[str, int]
-    error: float
-    threshold: float
-    passed: bool
-    seconds: float
-    message: str = ""
-    checks: dict[str, str] = field(default_factory=dict)  # bytes / consistency / numeric -> "ok" or why not
-    stages: dict[str, float] = field(default_factory=dict)
-    tensors: list[str] = field(default_factory=list)  # every tensor this check covered
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "tensors"}
-        d["error"] = None if math.isnan(self.error) else self.error  # JSON has no NaN
-        d["tensors_checked"] = len(self.tensors)
-        return d
-
-
-
-@dataclass
-class CrossResult:
-    """A cross-rank property of one module (SEMANTICS §10)."""
-
-    module: str
-    check: str
-    error: float
-    threshold: float
-    passed: bool
-    message: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["error"] = None if math.isnan(self.error) else self.error
-        return d
 
 
 class Source:
@@ -209,9 +133,6 @@ class Source:
         scale = self.near(m.tensors[WEIGHT_SCALE].name)
         if rows is not None:
             w = w.view(torch.uint8)[rows].view(w.dtype)
-        if m.scheme is not None and m.scheme.value == "NVFP4":
-            bs = scale.view(torch.uint8)[rows].view(scale.dtype) if rows is not None else scale
-            return dequant_nvfp4(w.to(self.device), bs.to(self.device), self.scalar(m, WEIGHT_SCALE_2))
         if rows is not None and scale.dim() > 0:
             n = m.out_in[0]
             if scale.numel() == n:  # per channel
@@ -223,104 +144,13 @@ class Source:
 
 
 def gen(seed: int, name: str) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    if not bool(torch.isfinite(out).all()):
-        return math.nan
-    denom = float(ref.norm())
-    return float((out - ref).norm()) / denom if denom > 0 else float((out - ref).norm())
-
-
-class Halves(NamedTuple):
-    """Decoded rows as a view (``TargetLayout.moe_rows_halves``): ``parts[k]``'s leading dims, read in
-    order, are the rows of the k-th half (one part where nothing is gated)."""
-
-    parts: torch.Tensor
-
-    def rows(self) -> int:
-        p = self.parts
-        return p.shape[0] * (p[0].numel() // p.shape[-1] if p.shape[-1] else 0)
-
-
-def _same_rows(view: torch.Tensor, rows: torch.Tensor) -> bool:
-    """``rows`` ([n, cols]) has as many rows and columns as ``view``'s leading dims and last dim hold."""
-    return rows.dim() == 2 and rows.shape[1] == view.shape[-1] and rows.numel() == view.numel()
-
-
-class Problems(list):
-    def expect_equal(self, what: str, got: torch.Tensor | Halves, want: torch.Tensor) -> None:
-        if isinstance(got, Halves):
-            self.expect_parts(what, got, [want])
-        elif not bit_equal(got, want):
-            self.append(f"{what} differs from the source")
-
-    def expect_parts(self, what: str, got: torch.Tensor | Halves, parts: list[torch.Tensor]) -> None:
-        """``got`` equals ``parts`` stacked on dim 0, compared block by block (no concatenation; a
-        ``Halves`` part by part, the source's rows shaped as its view: nothing copied)."""
-        if isinstance(got, Halves):
-            if got.rows() != sum(p.shape[0] for p in parts):
-                self.append(f"{what} has {got.rows()} rows, the source gives {sum(p.shape[0] for p in parts)}")
-            elif len(parts) != got.parts.shape[0] or not all(
-                    _same_rows(g, p) and bit_equal(g, p.reshape(g.shape)) for g, p in zip(got.parts, parts, strict=True)):
-                self.append(f"{what} differs from the source")
-            return
-        if got.shape[0] != sum(p.shape[0] for p in parts):
-            self.append(f"{what} has {got.shape[0]} rows, the source gives {sum(p.shape[0] for p in parts)}")
-            return
-        row = 0
-        for p in parts:
-            if not bit_equal(got[row:row + p.shape[0]], p):
-                self.append(f"{what} differs from the source")
-                return
-            row += p.shape[0]
-
-    def scalar(self, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
-        g, w = got.detach().float().cpu().reshape(-1), want.detach().float().cpu().reshape(-1)
-        if g.shape != w.shape or not torch.equal(g.view(torch.int32), w.view(torch.int32)):
-            self.append(f"{what} is {_few(g)}, SEMANTICS gives {_few(w)}")
-
-
-def _few(t: torch.Tensor) -> str:
-    vals = [f"{v:.6g}" for v in t[:3].tolist()]
-    return "[" + ", ".join(vals) + (", ...]" if t.numel() > 3 else "]") if t.numel() != 1 else vals[0]
-
-
-
-def finish(res: ModuleResult, problems: list[str], t0: float) -> ModuleResult:
-    numeric_ok = not math.isnan(res.error) and res.error <= res.threshold
-    res.checks = {"bytes+consistency": "ok" if not problems else "; ".join(problems[:3])
-                  + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""),
-                  "numeric": "ok" if numeric_ok else ("not run" if res.kernel == "layout check" else
-                                                      "output is not finite" if math.isnan(res.error) else
-                                                      f"relative error {res.error:.3g} > {res.threshold:g}")}
-    res.passed = numeric_ok and not problems
-    if not res.passed:
-        res.message = "; ".join(v for v in res.checks.values() if v != "ok")
-    res.seconds = round(time.perf_counter() - t0, 4)
-    return res
-
-
-# Numeric GEMMs per MoE layer. Every expert's bytes and scales are checked exactly regardless, so an
-# expert's numbers follow from its bytes; the GEMMs exercise the kernel's reading of them (half order,
-# scales, intermediate quantization), which a layer-wide fault breaks for every expert alike. Where
-# one call covers every expert (FP8's grouped GEMM on CUDA) all run; where experts go one by one
-# (emulated NVFP4: about 15 ms each on an H200, a second of a 6-layer, 64-expert verify) the first and
-# seeded others.
-CPU_SAMPLE_EXPERTS = 2
-CUDA_SAMPLE_EXPERTS = 8
+    return torch.Generator().manual_seed(seed_of(seed, name))
 
 
 def sample_experts(n: int, rt: Runtime, opts, name: str, every: bool = False) -> list[int]:
-    """Experts that get GEMMs: all when ``every`` (one call covers them), else the first and seeded
-    others, the same on every rank (seeded by the layer's name)."""
+    """Experts that get GEMMs: all when ``every`` (one call covers them), else ``pick_experts``."""
     k = CUDA_SAMPLE_EXPERTS if rt.cuda else CPU_SAMPLE_EXPERTS
-    if every or n <= k:
-        return list(range(n))
-    rest = torch.randperm(n - 1, generator=gen(opts.seed, name + "/experts"))[: k - 1] + 1
-    return sorted({0, *rest.tolist()})
+    return list(range(n)) if every else pick_experts(n, k, opts.seed, name)
 
 
 # --- GEMMs -------------------------------------------------------------------------------------------
@@ -353,40 +183,3 @@ def scaled_mm(xq: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor, scale_b:
     if scale_b.numel() > 1:
         scale_b = _pad16(scale_b.reshape(1, -1), 1, n16, 1.0)
     return torch._scaled_mm(xq, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16).float()[:, :n]
-
-
-
-def scaled_e2m1(packed: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
-    """e2m1 values times their fp8 block scale (float32 [N, K]): exactly representable in BF16."""
-    vals = unpack_e2m1(packed)
-    n, k = vals.shape
-    return (vals.view(n, k // 16, 16) * block_scales.view(FP8).float().view(n, k // 16, 1)).view(n, k)
-
-
-
-def gemm(a: torch.Tensor, b: torch.Tensor, rt: Runtime) -> torch.Tensor:
-    """a @ b.T of exactly representable values: BF16 tensor cores on CUDA, float32 on the CPU
-    (where BF16 matmuls are slow and no more exact)."""
-    if rt.cuda:
-        return (a.bfloat16() @ b.bfloat16().T).float()
-    return a.float() @ b.float().T
-
-
-
-def single_rank_report(out, src, target: str, rt: Runtime, opts, results: list[ModuleResult], files_checked: int,
-                       file_problems: list, kept: int, problems: list, tensors: int, unchecked: list, note: str,
-                       t0: float) -> dict[str, Any]:
-    """The report of an output with one rank and no cross-rank checks (quantize and repair outputs), in
-    the shape of convert's, so renderers, JUnit and HTML read all three alike."""
-    failed = [r for r in results if not r.passed]
-    return {
-        "output": str(out), "source": src.source.describe(), "target": target,
-        "parallel": {"tp": 1, "ep": 1, "ranks": 1}, "ranks": [0], "device": str(rt.device), "tokens": opts.tokens,
-        "seed": opts.seed, "files": {"checked": files_checked, "problems": file_problems},
-        "modules": [r.to_dict() for r in results], "cross_rank": [],
-        "passthrough": {"checked": kept, "problems": problems},
-        "coverage": {"tensors": tensors, "unchecked": unchecked, "note": note},
-        "passed": len(results) - len(failed),
-        "failed": len(failed) + len(file_problems) + len(problems) + len(unchecked),
-        "ok": not (failed or file_problems or problems or unchecked), "seconds": round(time.perf_counter() - t0, 3),
-    }

@@ -1,5 +1,6 @@
-"""Dense linears of one converted module, per rank: bytes, scales, kernel numerics, cross-rank
-(the checks ``mocli.plan.dense`` answers to). One check class per kind, in ``DENSE``."""
+"""Dense FP8 linears of one converted module, per rank: bytes, scales, kernel numerics, cross-rank
+(the checks ``mocli.plan.dense`` answers to). One check class per kind, in ``DENSE``; NVFP4 linears
+are checked in numpy (``mocli.verify.nvfp4``)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from mocli.census import Module
 from mocli.errors import CorruptFileError
 from mocli.kinds import ModuleKind
 from mocli.loader import ConvertedCheckpoint
-from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE
 from mocli.targets.decode import LayoutError
-from mocli.verify import flashinfer_args
 from mocli.verify.common import (
     THRESHOLDS,
     CrossResult,
@@ -23,15 +23,13 @@ from mocli.verify.common import (
     Runtime,
     Source,
     finish,
-    gemm,
     gen,
     rel_error,
     rows_of,
-    scaled_e2m1,
     scaled_mm,
 )
 from mocli.verify.expect import apply_table, rule_slices
-from mocli.verify.quant import fp8_per_group_dequant, fp8_per_token, fp8_static, nvfp4_quant
+from mocli.verify.quant import fp8_per_group_dequant, fp8_per_token, fp8_static
 
 NUMERIC_ROWS = 512  # output rows per dense module that get GEMMs (every row's bytes are compared)
 
@@ -130,46 +128,9 @@ class _Fp8Block(_DenseKind):
                 "emulated (dequantized FP8 128x128 blocks, float32 GEMM)", True)
 
 
-class _Nvfp4Linear(_DenseKind):
-    def __init__(self, shards, src, rt) -> None:
-        super().__init__(shards, src, rt)
-        self.s2 = [src.scalar(m, WEIGHT_SCALE_2) for m in shards]
-        self.big_s2 = torch.stack(self.s2).max()
-        self.big_a = torch.stack([src.scalar(m, INPUT_SCALE) for m in shards]).max()
-        rescaled = any(float(x) != float(self.big_s2) for x in self.s2)
-        self.threshold = (THRESHOLDS[ModuleKind.NVFP4_LINEAR].unified if rescaled
-                          else THRESHOLDS[ModuleKind.NVFP4_LINEAR].kept)
-        self.x_scale = float(self.big_a) * 2688 / 4
-
-    def quant(self, x):
-        return nvfp4_quant(x, 1 / self.big_a) * self.big_a.to(x.device)
-
-    def check(self, mod, slices, problems) -> None:
-        layout, n, k = self.rt.layout, mod.n, mod.k
-        problems.scalar("weight_scale_2", mod.weight_scale_2, self.big_s2)
-        problems.scalar("input_scale", mod.input_scale, self.big_a)
-        problems.scalar("alpha", mod.alpha, self.big_a * self.big_s2)
-        problems.scalar("input_scale_inv", mod.input_scale_inv, torch.reciprocal(self.big_a))
-        self.w = layout.nvfp4_weight_decode(mod.weight, n, k, f"{mod.name}.weight")
-        self.bs = layout.nvfp4_scale_decode(mod.weight_scale, n, k // 16, f"{mod.name}.weight_scale")
-        problems.expect_parts("weight", self.w, [self.src.cpu(m.tensors[WEIGHT].name)[r0:r1, c0 // 2:c1 // 2]
-                                                 for m, (r0, r1, c0, c1) in zip(self.shards, slices, strict=True)])
-        problems.expect_parts("weight_scale (block scales)", self.bs, [
-            apply_table("rescale", self.src.cpu(m.tensors[WEIGHT_SCALE].name)[r0:r1, c0 // 16:c1 // 16], si, self.big_s2)
-            for m, si, (r0, r1, c0, c1) in zip(self.shards, self.s2, slices, strict=True)])
-
-    def kernel(self, mod, xr, rows):
-        if self.rt.fp4_kernels():
-            return flashinfer_args.run_mm_fp4(mod, xr)[:, rows.to(xr.device)], "flashinfer.mm_fp4", False
-        dev = xr.device
-        xa = nvfp4_quant(xr, mod.input_scale_inv)  # e2m1 * sf: exact in float32 and bf16
-        wb = scaled_e2m1(self.w[rows].to(dev), self.bs[rows].to(dev))
-        return gemm(xa, wb, self.rt) * mod.alpha.float(), "emulated NVFP4 (decoded layout, exact products)", True
-
-
 DENSE: dict[ModuleKind, type[_DenseKind]] = {
     ModuleKind.FP8_LINEAR: _Fp8Linear, ModuleKind.FP8_CHANNEL_LINEAR: _Fp8Channel,
-    ModuleKind.FP8_BLOCK_LINEAR: _Fp8Block, ModuleKind.NVFP4_LINEAR: _Nvfp4Linear,
+    ModuleKind.FP8_BLOCK_LINEAR: _Fp8Block,
 }
 
 

@@ -9,59 +9,85 @@ the target's inverse transforms) and scales with these exactly.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
-import torch
 
 from mocli.targets.decode import as_words
+from mocli.verify.numeric import E4M3, e4m3_encode
 
-FP8 = torch.float8_e4m3fn
+# Arrays here are numpy arrays (NVFP4, verified without torch) or torch tensors (FP8) alike.
+
+
+def to_numpy(t: Any) -> np.ndarray:
+    """A numpy array of ``t`` (a torch tensor is copied to the CPU; a float8 one as its bytes)."""
+    if isinstance(t, np.ndarray):
+        return t
+    if not hasattr(t, "detach"):
+        return np.asarray(t)
+    t = t.detach().cpu()
+    return t.view(_torch().uint8).numpy() if t.element_size() == 1 and t.is_floating_point() else t.numpy()
+
+
+def _torch():
+    import torch
+
+    return torch
 
 
 # --- byte tables (SEMANTICS §3, §6), evaluated on all 256 codes --------------------------------------
 
 @lru_cache(maxsize=4096)
-def _byte_table(kind: str, a: float, b: float) -> torch.Tensor:
-    """The output byte for each of the 256 input codes, uint8 [256]."""
-    codes = torch.arange(256, dtype=torch.uint8).view(FP8).float()
-    sa, sb = torch.tensor(a, dtype=torch.float32), torch.tensor(b, dtype=torch.float32)
+def _byte_table(kind: str, a: float, b: float) -> np.ndarray:
+    """The output byte for each of the 256 input codes, uint8 [256], in float32 arithmetic."""
+    sa, sb = np.float32(a), np.float32(b)
     if kind == "requant":  # fp8(clamp(float(q) * s * (1/S), ±448)), 1/S rounded once
-        vals = codes * sa * torch.reciprocal(sb)
+        vals = E4M3 * sa * (np.float32(1) / sb)
     else:  # fp8(float(bs) * s2 / S2)
-        vals = codes * sa / sb
-    return vals.clamp(-448, 448).to(FP8).view(torch.uint8)
+        vals = E4M3 * sa / sb
+    return e4m3_encode(np.clip(vals, -448, 448))
 
 
 @lru_cache(maxsize=256)
-def _device_table(kind: str, a: float, b: float, device: str) -> torch.Tensor:
-    return _byte_table(kind, a, b).to(device)
+def _device_table(kind: str, a: float, b: float, device: str):
+    return _torch().from_numpy(_byte_table(kind, a, b)).to(device)
 
 
 @lru_cache(maxsize=4096)
 def _pair_table(kind: str, a: float, b: float) -> np.ndarray:
     """Two input bytes at a time (a uint16 index) for the CPU: half the lookups."""
-    byte = _byte_table(kind, a, b).numpy().astype(np.uint16)
+    byte = _byte_table(kind, a, b).astype(np.uint16)
     lo = np.tile(byte, 256)
     hi = np.repeat(byte, 256)
     return lo | (hi << 8)
 
 
-def apply_table(kind: str, q: torch.Tensor, s: torch.Tensor, big: torch.Tensor) -> torch.Tensor:
-    """Bytes of ``q`` requantized (kind "requant") or rescaled ("rescale") from s to big; uint8 on
-    ``q``'s device (a gather through the 256-entry table on a GPU)."""
-    raw = q.contiguous().view(torch.uint8)
+def apply_table(kind: str, q, s, big):
+    """Bytes of ``q`` requantized (kind "requant") or rescaled ("rescale") from s to big: uint8, a numpy
+    array for a numpy ``q``, else a tensor on ``q``'s device (a gather through the 256-entry table on a
+    GPU)."""
+    if isinstance(q, np.ndarray):
+        raw = np.ascontiguousarray(q).view(np.uint8)
+        if float(s) == float(big):
+            return raw
+        return _lookup(kind, float(s), float(big), raw)
+    raw = q.contiguous().view(_torch().uint8)
     if float(s) == float(big):
         return raw
     if raw.device.type != "cpu":
         return _device_table(kind, float(s), float(big), str(raw.device))[raw.long()]
-    table = _pair_table(kind, float(s), float(big))
-    flat = raw.reshape(-1).numpy()
+    return _torch().from_numpy(_lookup(kind, float(s), float(big), raw.numpy()))
+
+
+def _lookup(kind: str, a: float, b: float, raw: np.ndarray) -> np.ndarray:
+    table = _pair_table(kind, a, b)
+    flat = raw.reshape(-1)
     out = np.empty_like(flat)
     even = flat.size & ~1
     np.take(table, flat[:even].view(np.uint16), out=out[:even].view(np.uint16))
     if even != flat.size:
         out[-1] = table[flat[-1]] & 0xFF
-    return torch.from_numpy(out).reshape(raw.shape)
+    return out.reshape(raw.shape)
 
 
 # --- SEMANTICS §10 restated: which source rows/columns a tp rank holds ---------------------------------
@@ -105,8 +131,20 @@ def heads_of(config: dict) -> tuple[int, int] | None:
     return None
 
 
-def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same shape and bytes; compared on the GPU when either tensor is there."""
+def bit_equal(a, b) -> bool:
+    """Same shape and bytes (numpy arrays, or tensors compared on the GPU when either is there)."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        if a.shape != b.shape or a.itemsize != b.itemsize:
+            return False
+        if a.size == 0:
+            return True
+        wa, wb = as_words(a), as_words(b)
+        if wa.dtype == wb.dtype and wa.shape == wb.shape:
+            return bool(np.array_equal(wa, wb))
+        return bool(np.array_equal(np.ascontiguousarray(wa).view(np.uint8).reshape(-1),
+                                   np.ascontiguousarray(wb).view(np.uint8).reshape(-1)))
+    torch = _torch()
+    a, b = (torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t for t in (a, b))
     if a.shape != b.shape or a.element_size() != b.element_size():
         return False
     dev = a.device if a.device.type != "cpu" else b.device

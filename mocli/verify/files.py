@@ -11,7 +11,7 @@ from typing import Any
 from mocli.checkpoint import Checkpoint
 from mocli.errors import InputError
 from mocli.io.digests import BackgroundDigests, as_record
-from mocli.verify.common import VerifyOptions
+from mocli.verify.results import VerifyOptions
 
 
 class Hashes:

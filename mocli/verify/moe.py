@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from mocli.errors import CorruptFileError
 from mocli.kinds import ModuleKind, Role
 from mocli.loader import ConvertedCheckpoint
-from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
-from mocli.targets.decode import LayoutError, unswizzle
+from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE
+from mocli.targets.decode import LayoutError
 from mocli.verify import flashinfer_args
 from mocli.verify.common import (
     FUSED_MOE_THRESHOLD,
@@ -36,15 +36,13 @@ from mocli.verify.common import (
     Runtime,
     Source,
     finish,
-    gemm,
     gen,
     rel_error,
     sample_experts,
-    scaled_e2m1,
     scaled_mm,
 )
 from mocli.verify.expect import apply_table, bit_equal
-from mocli.verify.quant import FP8, fp8_static, nvfp4_quant
+from mocli.verify.quant import FP8, fp8_static
 
 
 class _Experts:
@@ -195,70 +193,13 @@ class _Fp8Experts(_Experts):
         return flashinfer_args.run_cutlass_fused_moe_fp8(mod, x, ids, w)
 
 
-class _Nvfp4Experts(_Experts):
-    kind, scale, act_max = ModuleKind.NVFP4_MOE, WEIGHT_SCALE_2, 448.0 * 6
-
-    def quant_input(self, x, a):
-        return nvfp4_quant(x, 1 / a) * a
-
-    def expected_scales(self, w13, s2, a13, a2, e):
-        g1, g2 = w13 * a13, s2 * a2
-        a13_v, a2_v = a13.expand(e), a2.expand(e)
-        return {Role.W13_WEIGHT_SCALE_2: w13, Role.W2_WEIGHT_SCALE_2: s2, Role.W13_INPUT_SCALE: a13_v,
-                Role.W2_INPUT_SCALE: a2_v, Role.G1_ALPHAS: g1, Role.G2_ALPHAS: g2,
-                Role.A1_GSCALE: torch.reciprocal(a13_v), Role.A2_GSCALE: torch.reciprocal(a2_v),
-                Role.OUTPUT1_SCALE_SCALAR: g1 * torch.reciprocal(a2_v), Role.OUTPUT1_SCALE_GATE_SCALAR: g1,
-                Role.OUTPUT2_SCALE_SCALAR: g2}
-
-    def decoded(self, mod, which, i_slice, halves=False):
-        rows, i, h = self.rows_decode(halves), i_slice[1] - i_slice[0], mod.hidden
-        at = f"[{which}]" if isinstance(which, int) else ""
-        return {
-            "w13_weight": lambda: rows(mod.w13_weight[which], True),
-            "w13_weight_scale": lambda: rows(unswizzle(
-                mod.w13_weight_scale[which], 2 * i, h // 16, f"{mod.name}.w13_weight_scale{at}"), True),
-            "w2_weight": lambda: rows(mod.w2_weight[which], False),
-            "w2_weight_scale": lambda: rows(unswizzle(
-                mod.w2_weight_scale[which], h, i // 16, f"{mod.name}.w2_weight_scale{at}"), False)}
-
-    def expected(self, ex, i_slice, dev):
-        (i0, i1) = i_slice
-        s1, s3 = self.src.scalar(ex.gate, WEIGHT_SCALE_2), self.src.scalar(ex.up, WEIGHT_SCALE_2)
-        big = torch.maximum(s1, s3)
-        return {"w13_weight": [self.rows(ex.up, WEIGHT, i0, i1, dev), self.rows(ex.gate, WEIGHT, i0, i1, dev)],
-                "w13_weight_scale": [apply_table("rescale", self.rows(ex.up, WEIGHT_SCALE, i0, i1, dev), s3, big),
-                                     apply_table("rescale", self.rows(ex.gate, WEIGHT_SCALE, i0, i1, dev), s1, big)],
-                "w2_weight": [self.cols(ex.down, WEIGHT, i0 // 2, i1 // 2, dev)],
-                "w2_weight_scale": [self.cols(ex.down, WEIGHT_SCALE, i0 // 16, i1 // 16, dev)]}
-
-    def expert_gemms(self, mod, n, local, i, x, shared):
-        layout, rt, h = self.rt.layout, self.rt, mod.hidden
-        w13 = layout.moe_rows_decode(mod.w13_weight[local], gated=True)
-        bs13 = layout.moe_rows_decode(unswizzle(mod.w13_weight_scale[local], 2 * i, h // 16, "w13"), gated=True)
-        w2l = layout.moe_rows_decode(mod.w2_weight[local], gated=False)
-        bs2 = layout.moe_rows_decode(unswizzle(mod.w2_weight_scale[local], h, i // 16, "w2"), gated=False)
-        b13 = scaled_e2m1(w13.to(rt.device), bs13.to(rt.device))
-        b2 = scaled_e2m1(w2l.to(rt.device), bs2.to(rt.device))
-        o1 = gemm(nvfp4_quant(x, mod.a1_gscale[local]), b13, rt) * mod.g1_alphas[local].float()
-        act = F.silu(o1[:, i:]) * o1[:, :i]  # FlashInfer: act(second half) * first half
-        ha = nvfp4_quant(act, mod.a2_gscale[local])
-        o2 = gemm(ha, b2, rt) * mod.g2_alphas[local].float()
-        ex = self.layer.experts[mod.expert_offset + local]
-        rescaled = float(self.src.scalar(ex.gate, WEIGHT_SCALE_2)) != float(self.src.scalar(ex.up, WEIGHT_SCALE_2))
-        return (o1, o2, ha / mod.a2_gscale[local].float(), "emulated NVFP4 MoE (decoded layout, exact products)",
-                True, self.limits.unified if rescaled else self.limits.kept)
-
-    def fused(self, mod, x, ids, w):
-        return flashinfer_args.run_cutlass_fused_moe_nvfp4(mod, x, ids, w)
-
-
 # Devices where a layer's expert bytes are compared stacked (``_Experts.all_bytes``), and how many
 # output bytes at a time (the source's and the decoded copies come to about three times that). On the
 # CPU the copies would cost memory and passes the expert-by-expert path never makes.
 STACKED_BYTES_ON = ("cuda",)
 STACKED_BYTES = 512 << 20
 
-MOE: dict[ModuleKind, type[_Experts]] = {ModuleKind.FP8_MOE: _Fp8Experts, ModuleKind.NVFP4_MOE: _Nvfp4Experts}
+MOE: dict[ModuleKind, type[_Experts]] = {ModuleKind.FP8_MOE: _Fp8Experts}
 
 
 def check_moe(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheckpoint], src: Source, rt: Runtime,
@@ -301,9 +242,8 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheckpo
                 found = _BYTES.submit(_all_expert_bytes, case, mod, experts, i_slice) \
                     if rt.device.type == "cpu" and (os.cpu_count() or 1) > 1 else _done(_all_expert_bytes(
                         case, mod, experts, i_slice))
-                fp4 = kind is ModuleKind.NVFP4_MOE
                 try:
-                    if rt.fi is not None and rt.kernels is Kernels.FLASHINFER or (fp4 and rt.fp4_kernels()):
+                    if rt.fi is not None and rt.kernels is Kernels.FLASHINFER:
                         numbers = (*_fused(case, mod, experts, x, ref_in, a2.to(rt.device), opts), None)
                     else:
                         numbers = _stages(case, mod, off, i_slice, x, ref_in, source, opts)

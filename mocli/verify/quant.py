@@ -81,13 +81,6 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return pairs.view(torch.float32).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def dequant_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, scale_2: torch.Tensor | float) -> torch.Tensor:
-    vals = unpack_e2m1(packed)
-    n, k = vals.shape[-2:]
-    bs = block_scale.float().reshape(*block_scale.shape[:-1], k // 16, 1)
-    return (vals.reshape(*vals.shape[:-1], k // 16, 16) * (bs * float(scale_2))).reshape(vals.shape)
-
-
 def dequant_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Per-tensor (0-dim), per-channel ([N] or [N, 1]) or 128x128 block ([N/128, 1, K/128, 1])."""
     w = q.float()

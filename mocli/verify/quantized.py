@@ -110,7 +110,7 @@ def verify_quantized(out: Path, opts, progress) -> dict[str, Any]:
     unchecked = [] if opts.layers else sorted(n for n in ckpt.tensors if n not in checked and n not in kept)
     progress.phase(f"hashing {hashes.count} files")
     file_problems = hashes.result()
-    return single_rank_report(out, src, "fp8 (quant_method, dynamic activations)", rt, opts, results, len(wanted or {}),
+    return single_rank_report(out, src, "fp8 (quant_method, dynamic activations)", str(rt.device), opts, results, len(wanted or {}),
                               file_problems, len(kept), pass_problems, len(ckpt.tensors), unchecked, "", t_all)
 
 

@@ -87,7 +87,7 @@ def verify_repaired(out: Path, opts, progress) -> dict[str, Any]:
                  for f in validate(ckpt, None).findings.errors]
     progress.phase(f"hashing {hashes.count} files")
     file_problems = hashes.result()
-    return single_rank_report(out, src, "modelopt (repaired, SEMANTICS §11)", rt, opts, results, len(wanted or {}),
+    return single_rank_report(out, src, "modelopt (repaired, SEMANTICS §11)", str(rt.device), opts, results, len(wanted or {}),
                               file_problems, len(same), problems, len(ckpt.tensors), [],
                               f"{len(repairs)} repair(s) recorded", t_all)
 

@@ -1,15 +1,17 @@
 """``mocli verify``: prove a converted directory right, byte by byte and with real GEMMs.
 
 In order: every output file against the digest in the manifest; the source against the digest
-recorded at conversion; then per module and rank the checks of ``mocli.verify.modules`` (bytes of
-every weight and scale, consistency of every derived scale, kernel numerics); the cross-rank
-properties of SEMANTICS §10; pass-through tensors byte for byte against the source; and finally
-that no tensor in the output went unchecked.
+recorded at conversion; then per module and rank the checks of its kind (bytes of every weight and
+scale, consistency of every derived scale, kernel numerics): ``nvfp4`` in numpy, ``dense`` and
+``moe`` (FP8) in torch, which is imported only when a module needs it; the cross-rank properties of
+SEMANTICS §10; pass-through tensors byte for byte against the source; and finally that no tensor
+in the output went unchecked.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -17,18 +19,18 @@ from typing import Any
 from mocli import trace
 from mocli.census import build_census
 from mocli.checkpoint import Checkpoint
+from mocli.devices import Kernels, check_device, requested_device
 from mocli.errors import InputError
 from mocli.formats.layout import read_manifest
 from mocli.kinds import KINDS, ModuleKind
 from mocli.loader import open_converted
 from mocli.progress import ModuleProgress as Progress
 from mocli.targets import layout_of
-from mocli.verify.common import CrossResult, ModuleResult, Source, VerifyOptions, runtime
+from mocli.verify import nvfp4
 from mocli.verify.complete import completeness
-from mocli.verify.dense import check_dense
 from mocli.verify.expect import heads_of
 from mocli.verify.files import Hashes, compare_bytes, inventory, open_source
-from mocli.verify.moe import check_moe
+from mocli.verify.results import CrossResult, ModuleResult, VerifyOptions
 
 
 def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = None) -> dict[str, Any]:
@@ -61,7 +63,6 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
                     record_name="")
     census = build_census(src.tensors)
     complete = completeness(manifest, census, ranks)
-    rt = runtime(opts, layout_of(manifest["target"]))
     intact = [r for r in ranks if r not in inv.broken_ranks]
     cks = {r: open_converted(out, rank=r if manifest.get("ranks") else None) for r in intact}
     # every module any checked rank holds, in the manifest's order (one missing on a rank is completeness's)
@@ -70,10 +71,13 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
     if not names and opts.layers is not None:
         raise InputError(f"--layers {opts.layers!r} matches no converted module",
                          hint="names look like model.layers.0.self_attn.qkv_proj; use * wildcards")
+    layout = layout_of(manifest["target"])
+    kinds = {ModuleKind(ck.module_info(n)["kind"]) for ck in cks.values() for n in names if n in ck._module_info}
+    rt = _torch_runtime(kinds, layout, opts)
     progress.start(len(names) * len(intact))
-    trace.mark(f"checking {len(names)} modules on {len(intact)} rank(s)")
+    trace.mark(f"checking {len(names)} modules on {len(intact)} rank(s)" + ("" if rt else ", without torch"))
     try:
-        results, cross = _check_modules(names, cks, src, census, rt, opts, parallel["tp"], progress)
+        results, cross = _check_modules(names, cks, src, census, layout, rt, opts, parallel["tp"], progress)
         progress.phase("pass-through tensors")
         top_missing = any("/" not in p["file"] for p in inv.problems if "missing" in p["problem"])
         n_pass, pass_problems = (0, []) if top_missing else _passthrough(out, manifest, src)
@@ -90,7 +94,8 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
     ok = not (failed or failed_cross or file_problems or pass_problems or coverage["unchecked"] or complete)
     return {
         "output": str(out), "source": src.source.describe(), "target": manifest["target"],
-        "parallel": parallel, "ranks": ranks, "device": str(rt.device), "tokens": opts.tokens, "seed": opts.seed,
+        "parallel": parallel, "ranks": ranks, "device": str(rt.device) if rt else "cpu",
+        **({} if rt else _cpu_note(opts.device)), "tokens": opts.tokens, "seed": opts.seed,
         "files": {"checked": len(inv.wanted or {}), "problems": file_problems},
         "modules": [r.to_dict() for r in results], "cross_rank": [c.to_dict() for c in cross],
         "passthrough": {"checked": n_pass, "problems": pass_problems}, "coverage": coverage,
@@ -101,29 +106,79 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
     }
 
 
-def _check_modules(names: list[str], cks: dict, src: Checkpoint, census, rt, opts: VerifyOptions, tp: int,
+def _torch_runtime(kinds: set[ModuleKind], layout, opts: VerifyOptions):
+    """The torch runtime (``mocli.verify.common.runtime``) where a module needs torch: FP8 modules, or
+    NVFP4 ones where FlashInfer's NVFP4 kernels may run (sm_100+, asked for or installed). None where
+    every check runs in numpy: then torch is never imported, and ``--device`` is checked without it."""
+    if kinds <= set(nvfp4.KINDS) and not _fp4_kernels_possible(layout, opts):
+        check_device(opts.device)
+        return None
+    from mocli.verify.common import runtime
+
+    return runtime(opts, layout)
+
+
+def _fp4_kernels_possible(layout, opts: VerifyOptions) -> bool:
+    """Whether FlashInfer's NVFP4 kernels could run (decided without torch; ``Runtime.fp4_kernels`` then
+    decides for certain)."""
+    import importlib.util
+
+    if opts.kernels is Kernels.FLASHINFER:
+        return True  # the runtime checks that they can, and says why not
+    return (opts.kernels is Kernels.AUTO and layout.fp4_kernels and opts.device != "cpu"
+            and importlib.util.find_spec("flashinfer") is not None and requested_device(opts.device) != "cpu")
+
+
+def _cpu_note(device: str) -> dict[str, str]:
+    """Where a GPU was asked for (or ``auto`` found one) but the checks ran in numpy on the CPU."""
+    wanted = requested_device(device)
+    return {"device_requested": wanted} if wanted != "cpu" else {}
+
+
+def _check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout, rt, opts: VerifyOptions, tp: int,
                    progress: Progress) -> tuple[list[ModuleResult], list[CrossResult]]:
     """Every named module on every rank of ``cks`` that holds it, by its kind's check; one module's pages
-    at a time (a module missing on a rank is completeness's finding, not a crash here)."""
+    at a time (a module missing on a rank is completeness's finding, not a crash here). NVFP4 in numpy
+    (torch only for FlashInfer's kernels), FP8 in torch (``rt``)."""
     heads = heads_of(src.config)
     results: list[ModuleResult] = []
     cross: list[CrossResult] = []
+    fp4 = nvfp4.Fp4Kernels(rt) if rt is not None and rt.fp4_kernels() else None
     with src.reader() as reader:
-        source = Source(src, census, reader, rt.device)
-        for name in names:
+        np_source = nvfp4.NpSource(src, census, reader)
+        source = None
+
+        def check(name: str) -> tuple[list[ModuleResult], CrossResult | None]:
+            nonlocal source
             infos = {r: ck.module_info(name) for r, ck in cks.items() if name in ck._module_info}
-            if KINDS[ModuleKind(next(iter(infos.values()))["kind"])].moe:
-                res, cr = check_moe(name, infos, cks, source, rt, opts)
-            else:
-                res, cr = check_dense(name, infos, cks, source, rt, opts, tp, heads)
-            results += res
-            if cr is not None:
-                cross.append(cr)
-            for _ in res:
-                progress.advance()
-            reader.drop_pages()  # RSS: one module's mapped bytes at a time, not the model's
-            for ck in cks.values():
-                ck.drop_pages()
+            kind = ModuleKind(next(iter(infos.values()))["kind"])
+            if kind is ModuleKind.NVFP4_MOE:
+                return nvfp4.check_moe(name, infos, cks, np_source, layout, opts, fp4)
+            if kind is ModuleKind.NVFP4_LINEAR:
+                return nvfp4.check_dense(name, infos, cks, np_source, layout, opts, tp, heads, fp4)
+            from mocli.verify.common import Source
+            from mocli.verify.dense import check_dense
+            from mocli.verify.moe import check_moe
+
+            source = source or Source(src, census, reader, rt.device)
+            if KINDS[kind].moe:
+                return check_moe(name, infos, cks, source, rt, opts)
+            return check_dense(name, infos, cks, source, rt, opts, tp, heads)
+
+        # numpy checks side by side where there are cores (nvfp4.WORKERS); torch's one at a time
+        workers = nvfp4.WORKERS if rt is None else 1
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mocli-verify") as pool:
+            pending = [pool.submit(check, name) if workers > 1 else None for name in names]
+            for name, fut in zip(names, pending, strict=True):
+                res, cr = fut.result() if fut is not None else check(name)
+                results += res
+                if cr is not None:
+                    cross.append(cr)
+                for _ in res:
+                    progress.advance()
+                reader.drop_pages()  # RSS: a few modules' mapped bytes at a time, not the model's
+                for ck in cks.values():
+                    ck.drop_pages()
     return results, cross
 
 

@@ -1,0 +1,480 @@
+"""NVFP4 modules of a converted output, checked with numpy alone: every byte of every weight and block
+scale, every derived scale, emulated GEMMs against the source, and the cross-rank properties of
+SEMANTICS §10 (the checks ``mocli.plan.dense`` and ``mocli.plan.moe`` answer to for NVFP4).
+
+An NVFP4 conversion only moves bytes and never loads torch; its check need not either. The e2m1
+products and e4m3 block scales are exact in float32, so numpy's float32 GEMMs are the same emulation
+torch ran, and importing torch alone took longer than the whole conversion (3.4 s against 2.6-3.2 s
+on the H200 machine). Torch comes in only for FlashInfer's NVFP4 kernels (sm_100+), through
+``Fp4Kernels``; the dense FP8 checks are ``dense`` and ``moe``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from mocli.census import Module
+from mocli.errors import CorruptFileError
+from mocli.kinds import ModuleKind, Role
+from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+from mocli.targets import TargetLayout
+from mocli.targets.decode import LayoutError, unswizzle
+from mocli.verify.expect import apply_table, rule_slices
+from mocli.verify.numeric import E4M3, dequant_nvfp4, nvfp4_quant, scaled_e2m1, silu
+from mocli.verify.results import (
+    CPU_SAMPLE_EXPERTS,
+    FUSED_MOE_THRESHOLD,
+    THRESHOLDS,
+    CrossResult,
+    Halves,
+    ModuleResult,
+    Problems,
+    finish,
+    pick_experts,
+    rel_error,
+    rng,
+)
+
+KINDS = (ModuleKind.NVFP4_LINEAR, ModuleKind.NVFP4_MOE)
+NUMERIC_ROWS = 512  # output rows per dense module that get GEMMs (every row's bytes are compared)
+EMULATED = "emulated NVFP4 (decoded layout, exact products)"
+EMULATED_MOE = "emulated NVFP4 MoE (decoded layout, exact products)"
+ONE = np.float32(1)
+
+
+def floats(a: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values of a safetensors tensor read as numpy (``TensorReader.array``: BF16 and F8 as
+    their raw words)."""
+    if dtype == "BF16":
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "F8_E4M3":
+        return E4M3[a]
+    return a.astype(np.float32)
+
+
+class NpSource:
+    """Source tensors on demand, as read-only numpy views of the page cache."""
+
+    def __init__(self, ckpt, census, reader) -> None:
+        self.ckpt, self.census, self.reader = ckpt, census, reader
+        self.layers = {layer.name: layer for layer in census.moe}
+
+    def arr(self, name: str) -> np.ndarray:
+        return self.reader.array(self.ckpt.tensors[name])
+
+    def floats(self, name: str) -> np.ndarray:
+        return floats(self.arr(name), self.ckpt.tensors[name].dtype)
+
+    def module(self, name: str) -> Module:
+        return self.census.modules[name]
+
+    def scalar(self, m: Module, suffix: str) -> np.float32:
+        return np.float32(self.floats(m.tensors[suffix].name).reshape(-1)[0])
+
+    def dequant(self, m: Module, rows: np.ndarray | None = None) -> np.ndarray:
+        """float32 [N, K] of one source linear (or its ``rows``), from its own scales."""
+        w, bs = self.arr(m.tensors[WEIGHT].name), self.arr(m.tensors[WEIGHT_SCALE].name)
+        if rows is not None:
+            w, bs = w[rows], bs[rows]
+        return dequant_nvfp4(w, bs, self.scalar(m, WEIGHT_SCALE_2))
+
+
+class Fp4Kernels:
+    """FlashInfer's NVFP4 kernels (sm_100+), where they run: the one part of an NVFP4 check that needs
+    torch. ``rt`` is a ``mocli.verify.common.Runtime`` whose ``fp4_kernels()`` holds."""
+
+    def __init__(self, rt) -> None:
+        self.rt = rt
+
+    def mm(self, ck, name: str, xr: np.ndarray) -> np.ndarray:  # pragma: no cover - sm_100+
+        import torch
+
+        from mocli.verify import flashinfer_args
+
+        mod = ck.load_module(name, self.rt.device)
+        return flashinfer_args.run_mm_fp4(mod, torch.from_numpy(xr).to(self.rt.device)).cpu().numpy()
+
+    def fused_moe(self, ck, name: str, x: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:  # pragma: no cover
+        import torch
+
+        from mocli.verify import flashinfer_args
+
+        mod = ck.load_module(name, self.rt.device)
+        t = [torch.from_numpy(a).to(self.rt.device) for a in (x, ids, w)]
+        return flashinfer_args.run_cutlass_fused_moe_nvfp4(mod, *t).cpu().numpy()
+
+
+# --- dense (SEMANTICS §6) -------------------------------------------------------------------------------
+
+def check_dense(name: str, infos: dict[int, dict], cks: dict, src: NpSource, layout: TargetLayout, opts, tp: int,
+                heads, fp4: Fp4Kernels | None = None) -> tuple[list[ModuleResult], CrossResult | None]:
+    """One NVFP4 linear on every given rank, then (all ranks given) the column-concat / row-sum
+    property. Bytes are compared for every row; GEMMs run on up to NUMERIC_ROWS sampled rows."""
+    first = next(iter(infos.values()))
+    kind = ModuleKind(first["kind"])
+    shards = [src.module(n) for n in first["sources"]]
+    s2 = [src.scalar(m, WEIGHT_SCALE_2) for m in shards]
+    big_s2 = max(s2)
+    big_a = max(src.scalar(m, INPUT_SCALE) for m in shards)
+    limits = THRESHOLDS[kind]
+    threshold = limits.unified if any(v != big_s2 for v in s2) else limits.kept
+
+    def quant(x: np.ndarray) -> np.ndarray:  # the activations as the kernel quantizes them, dequantized
+        return nvfp4_quant(x, ONE / big_a) * big_a
+
+    k_full = shards[0].out_in[1]
+    x = rng(opts.seed, name).standard_normal((opts.tokens, k_full), dtype=np.float32) * np.float32(
+        float(big_a) * 2688 / 4)
+    offsets = list(np.cumsum([0] + [m.out_in[0] for m in shards[:-1]]))
+    sample = _sample_rows(shards, offsets, opts, name)  # sorted full-layer rows
+    w_sample = np.concatenate([src.dequant(m, local) for m, off in zip(shards, offsets, strict=True)
+                               if len(local := sample[(sample >= off) & (sample < off + m.out_in[0])] - off)])
+    bias_full = np.concatenate([src.floats(m.tensors["bias"].name) for m in shards]) \
+        if "bias" in shards[0].tensors else None
+    results, outs = [], {}
+    xq_full = None
+    for rank, info in infos.items():
+        t0 = time.perf_counter()
+        meta = info["meta"]
+        slices = meta.get("slices") or [[0, m.out_in[0], 0, m.out_in[1]] for m in shards]
+        split = meta.get("split", "replicated")
+        res = ModuleResult(name, rank, str(kind), info["scheme"], "", False,
+                           {k: v for k, v in meta.items() if isinstance(v, int)}, math.nan, threshold, False, 0.0,
+                           tensors=list(info["tensors"].values()))
+        problems = Problems()
+        expected = rule_slices(info, shards, tp, heads)
+        if expected is not None and expected != slices:
+            problems.append(f"the manifest's slices {slices} are not SEMANTICS §10's {expected}")
+        try:
+            mod = cks[rank].module_arrays(name)
+            n, k = mod.n, mod.k
+            problems.scalar("weight_scale_2", mod.weight_scale_2, big_s2)
+            problems.scalar("input_scale", mod.input_scale, big_a)
+            problems.scalar("alpha", mod.alpha, big_a * big_s2)
+            problems.scalar("input_scale_inv", mod.input_scale_inv, ONE / big_a)
+            w = layout.nvfp4_weight_decode(mod.weight, n, k, f"{name}.weight")
+            bs = layout.nvfp4_scale_decode(mod.weight_scale, n, k // 16, f"{name}.weight_scale")
+            problems.expect_parts("weight", w, [src.arr(m.tensors[WEIGHT].name)[r0:r1, c0 // 2:c1 // 2]
+                                                for m, (r0, r1, c0, c1) in zip(shards, slices, strict=True)])
+            problems.expect_parts("weight_scale (block scales)", bs, [
+                apply_table("rescale", src.arr(m.tensors[WEIGHT_SCALE].name)[r0:r1, c0 // 16:c1 // 16], si, big_s2)
+                for m, si, (r0, r1, c0, c1) in zip(shards, s2, slices, strict=True)])
+            c0, c1 = slices[0][2], slices[0][3]
+            held = np.concatenate([np.arange(a, b) + off for (a, b, _, _), off in zip(slices, offsets, strict=True)])
+            local_rows = np.nonzero(np.isin(held, sample))[0]  # the rank's rows (local) that were sampled
+            global_rows = held[local_rows]
+            cols = np.searchsorted(sample, global_rows)  # their place among the sampled rows
+            xr = x[:, c0:c1]
+            if fp4 is not None:
+                out, res.kernel = fp4.mm(cks[rank], name, xr)[:, local_rows], "flashinfer.mm_fp4"
+            else:
+                xa = nvfp4_quant(xr, mod.input_scale_inv)  # e2m1 * sf: exact in float32
+                out = (xa @ scaled_e2m1(w[local_rows], bs[local_rows]).T) * mod.alpha
+                res.kernel, res.emulated = EMULATED, True
+            xq_r = quant(xr)
+            if split == "row":
+                ref = xq_r @ w_sample[:, c0:c1].T
+            else:
+                if xq_full is None:  # the same for every rank; the rank's own when it holds every column
+                    xq_full = xq_r if (c0, c1) == (0, k_full) else quant(x)
+                ref = (xq_full @ w_sample.T)[:, cols]
+            if getattr(mod, "bias", None) is not None:
+                problems.expect_parts("bias", mod.bias, [src.arr(m.tensors["bias"].name)[a:e]
+                                                         for m, (a, e, _, _) in zip(shards, slices, strict=True)])
+                # the engine adds a row-parallel bias once, after the all-reduce: rank 0 carries it here
+                if split != "row" or meta.get("tp_rank", 0) == 0:
+                    out = out + floats(mod.bias, cks[rank].entry(info["tensors"]["bias"]).dtype)[local_rows]
+                    ref = ref + bias_full[global_rows]
+            res.error = rel_error(out, ref)
+            outs[rank] = (split, cols, xq_r, out, meta.get("tp_rank", 0))
+        except (LayoutError, CorruptFileError) as e:
+            res.kernel = "layout check"
+            problems.insert(0, str(e))
+        results.append(finish(res, problems, t0))
+    cross = None
+    if len(outs) > 1 and len(outs) == len(infos):
+        cross = _dense_cross(name, outs, x, quant, threshold, w_sample,
+                             None if bias_full is None else bias_full[sample])
+    return results, cross
+
+
+def _sample_rows(shards: list[Module], offsets: list[int], opts, name: str) -> np.ndarray:
+    """Full-layer output rows that get GEMMs: each shard's first and last row plus seeded others."""
+    n = sum(m.out_in[0] for m in shards)
+    if n <= NUMERIC_ROWS:
+        return np.arange(n)
+    edges = {int(e) for off, m in zip(offsets, shards, strict=True) for e in (off, off + m.out_in[0] - 1)}
+    pick = rng(opts.seed, name + "/rows").permutation(n)[: NUMERIC_ROWS - len(edges)]
+    return np.array(sorted(edges | set(pick.tolist())))
+
+
+def _dense_cross(name, outs, x, quant, threshold: float, w_sample, bias_sample) -> CrossResult:
+    """Combine the ranks' kernel outputs as the engine does and compare with the whole layer (on the
+    sampled rows). Ranks that share a tp rank (expert-parallel replicas) must agree and count once."""
+    split = next(iter(outs.values()))[0]
+    by_tp: dict[int, tuple] = {}
+    for rank in sorted(outs):
+        _, cols, xq, out, t = outs[rank]
+        if t in by_tp and not np.array_equal(by_tp[t][2], out):
+            return CrossResult(name, "replica ranks agree", math.nan, 0.0, False,
+                               f"ranks holding tp rank {t} give different outputs")
+        by_tp.setdefault(t, (cols, xq, out))
+    if split == "row":
+        check = "row-parallel rank outputs sum to the full layer"
+        got = sum(out for _, _, out in by_tp.values())
+        # ranks hold consecutive column blocks in tp-rank order; their quantized inputs side by side
+        ref = np.concatenate([by_tp[t][1] for t in sorted(by_tp)], axis=1) @ w_sample.T
+    else:
+        check = ("column-parallel rank outputs concatenate to the full layer" if split == "column"
+                 else "replicated ranks each equal the full layer")
+        got = np.full((x.shape[0], w_sample.shape[0]), np.nan, dtype=np.float32)
+        for cols, _, out in by_tp.values():
+            held = ~np.isnan(got[:, cols])
+            if held.any() and not np.array_equal(got[:, cols][held], out[held]):
+                return CrossResult(name, check, math.nan, threshold, False, "replicated rows differ between ranks")
+            got[:, cols] = out
+        ref = quant(x) @ w_sample.T
+    if bias_sample is not None:  # the ranks' outputs carry the bias (row-parallel: rank 0 only)
+        ref = ref + bias_sample
+    err = math.nan if np.isnan(got).any() else rel_error(got, ref)
+    passed = not math.isnan(err) and err <= threshold
+    return CrossResult(name, check, err, threshold, passed, "" if passed else
+                       ("some rows are held by no rank" if math.isnan(err) else f"relative error {err:.3g} > "
+                        f"{threshold:g}"))
+
+
+# --- MoE (SEMANTICS §7) ----------------------------------------------------------------------------------
+
+class _Layer:
+    """One NVFP4 MoE layer's source side: scales, activations, dequantized experts on demand."""
+
+    def __init__(self, name: str, src: NpSource, layout: TargetLayout, opts) -> None:
+        self.name, self.src, self.layout, self.opts = name, src, layout, opts
+        self.layer = src.layers[name]
+        self.limits = THRESHOLDS[ModuleKind.NVFP4_MOE]
+        every = [self.layer.experts[e] for e in sorted(self.layer.experts)]
+        self.a13 = max(max(src.scalar(e.gate, INPUT_SCALE), src.scalar(e.up, INPUT_SCALE)) for e in every)
+        self.a2 = max(src.scalar(e.down, INPUT_SCALE) for e in every)
+        self.x = rng(opts.seed, name).standard_normal((opts.tokens, self.layer.hidden), dtype=np.float32) \
+            * np.float32(float(self.a13) * 448.0 * 6 / 4)
+        self.ref_in = self.quant(self.x, self.a13)
+        self._weights: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    @staticmethod
+    def quant(x: np.ndarray, a) -> np.ndarray:
+        """Activations as the kernel quantizes them with the per-tensor input scale ``a``, dequantized."""
+        return nvfp4_quant(x, ONE / a) * a
+
+    def weights(self, gid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Dequantized w1, w3, w2 of a global expert, once per layer."""
+        if gid not in self._weights:
+            ex = self.layer.experts[gid]
+            self._weights[gid] = (self.src.dequant(ex.gate), self.src.dequant(ex.up), self.src.dequant(ex.down))
+        return self._weights[gid]
+
+    def consistency(self, mod, experts, problems: Problems) -> None:
+        """Every scale vector of the layer against SEMANTICS §7 over the source's scales."""
+        s1, s3, s2 = (np.array([self.src.scalar(getattr(ex, p), WEIGHT_SCALE_2) for ex in experts], dtype=np.float32)
+                      for p in ("gate", "up", "down"))
+        w13 = np.maximum(s1, s3)
+        e = len(experts)
+        g1, g2 = w13 * self.a13, s2 * self.a2
+        a13_v, a2_v = np.full(e, self.a13, dtype=np.float32), np.full(e, self.a2, dtype=np.float32)
+        want = {Role.W13_WEIGHT_SCALE_2: w13, Role.W2_WEIGHT_SCALE_2: s2, Role.W13_INPUT_SCALE: a13_v,
+                Role.W2_INPUT_SCALE: a2_v, Role.G1_ALPHAS: g1, Role.G2_ALPHAS: g2,
+                Role.A1_GSCALE: ONE / a13_v, Role.A2_GSCALE: ONE / a2_v,
+                Role.OUTPUT1_SCALE_SCALAR: g1 * (ONE / a2_v), Role.OUTPUT1_SCALE_GATE_SCALAR: g1,
+                Role.OUTPUT2_SCALE_SCALAR: g2}
+        for role, value in want.items():
+            got = getattr(mod, str(role), None)
+            if got is not None:
+                problems.scalar(str(role), got, value)
+
+    def decoded(self, mod, local: int, i: int) -> dict[str, Any]:
+        """The stored bytes of local expert ``local`` after the target's inverse transforms, by role in
+        the order they are checked; row orders undone as views where they can be (``Halves``)."""
+        h, layout = mod.hidden, self.layout
+
+        def rows(stored: np.ndarray, gated: bool):
+            v = layout.moe_rows_halves(stored, gated)
+            return layout.moe_rows_decode(stored, gated) if v is None else Halves(v)
+
+        return {
+            "w13_weight": lambda: rows(mod.w13_weight[local], True),
+            "w13_weight_scale": lambda: rows(unswizzle(
+                mod.w13_weight_scale[local], 2 * i, h // 16, f"{mod.name}.w13_weight_scale[{local}]"), True),
+            "w2_weight": lambda: rows(mod.w2_weight[local], False),
+            "w2_weight_scale": lambda: rows(unswizzle(
+                mod.w2_weight_scale[local], h, i // 16, f"{mod.name}.w2_weight_scale[{local}]"), False)}
+
+    def expected(self, ex, i_slice: tuple[int, int]) -> dict[str, list[np.ndarray]]:
+        """What ``decoded`` must hold for source expert ``ex``, by role: parts laid end to end on dim 0."""
+        (i0, i1), src = i_slice, self.src
+        s1, s3 = src.scalar(ex.gate, WEIGHT_SCALE_2), src.scalar(ex.up, WEIGHT_SCALE_2)
+        big = max(s1, s3)
+
+        def part(m, role):
+            return src.arr(m.tensors[role].name)
+
+        return {"w13_weight": [part(ex.up, WEIGHT)[i0:i1], part(ex.gate, WEIGHT)[i0:i1]],
+                "w13_weight_scale": [apply_table("rescale", part(ex.up, WEIGHT_SCALE)[i0:i1], s3, big),
+                                     apply_table("rescale", part(ex.gate, WEIGHT_SCALE)[i0:i1], s1, big)],
+                "w2_weight": [part(ex.down, WEIGHT)[:, i0 // 2:i1 // 2]],
+                "w2_weight_scale": [part(ex.down, WEIGHT_SCALE)[:, i0 // 16:i1 // 16]]}
+
+    def all_bytes(self, mod, experts, i_slice: tuple[int, int]) -> tuple[Problems, Exception | None]:
+        """Every expert's bytes of one rank: the differences in expert order, and the layout fault that
+        stopped the check, if one did (the differences found before it are kept)."""
+        found = Problems()
+        i = i_slice[1] - i_slice[0]
+        try:
+            for local, ex in enumerate(experts):
+                got = self.decoded(mod, local, i)
+                for role, parts in self.expected(ex, i_slice).items():
+                    what = f"{role} (expert {ex.index})"
+                    if len(parts) == 1:
+                        found.expect_equal(what, got[role](), parts[0])
+                    else:
+                        found.expect_parts(what, got[role](), parts)
+        except (LayoutError, CorruptFileError) as e:
+            return found, e
+        return found, None
+
+    def expert_gemms(self, mod, local: int, i: int):
+        """One expert through the emulated kernel: GEMM1 out, GEMM2 out, the kernel's intermediate
+        dequantized, and GEMM1's threshold."""
+        layout, h = self.layout, mod.hidden
+        w13 = layout.moe_rows_decode(mod.w13_weight[local], gated=True)
+        bs13 = layout.moe_rows_decode(unswizzle(mod.w13_weight_scale[local], 2 * i, h // 16, "w13"), gated=True)
+        w2 = layout.moe_rows_decode(mod.w2_weight[local], gated=False)
+        bs2 = layout.moe_rows_decode(unswizzle(mod.w2_weight_scale[local], h, i // 16, "w2"), gated=False)
+        o1 = (nvfp4_quant(self.x, mod.a1_gscale[local]) @ scaled_e2m1(w13, bs13).T) * mod.g1_alphas[local]
+        act = silu(o1[:, i:]) * o1[:, :i]  # FlashInfer: act(second half) * first half
+        ha = nvfp4_quant(act, mod.a2_gscale[local])
+        o2 = (ha @ scaled_e2m1(w2, bs2).T) * mod.g2_alphas[local]
+        ex = self.layer.experts[mod.expert_offset + local]
+        rescaled = self.src.scalar(ex.gate, WEIGHT_SCALE_2) != self.src.scalar(ex.up, WEIGHT_SCALE_2)
+        return o1, o2, ha / mod.a2_gscale[local], self.limits.unified if rescaled else self.limits.kept
+
+    def stages(self, mod, off: int, i_slice: tuple[int, int]):
+        """GEMM1 against the source; GEMM2 on the kernel's own intermediate. Returns kernel, emulated,
+        stage errors, (error, threshold) of the worst stage relative to its threshold, per-expert outputs."""
+        i0, i1 = i_slice
+        sample = pick_experts(mod.experts, CPU_SAMPLE_EXPERTS, self.opts.seed, mod.name)
+        stages: dict[str, float] = {"gemm1": 0.0, "gemm2": 0.0, "experts_numeric": len(sample)}
+        worst = (-1.0, math.nan, 1.0)
+        outs: dict[int, tuple] = {}
+        for local in sample:
+            gid = off + local
+            w1, w3, w2 = self.weights(gid)
+            ref1 = np.concatenate([self.ref_in @ w3[i0:i1].T, self.ref_in @ w1[i0:i1].T], axis=1)  # [up | gate]
+            o1, o2, h_true, t1 = self.expert_gemms(mod, local, i1 - i0)
+            ref2 = h_true @ w2[:, i0:i1].T
+            e1, e2 = rel_error(o1, ref1), rel_error(o2, ref2)
+            for stage, err, thr in (("gemm1", e1, t1), ("gemm2", e2, self.limits.gemm2)):
+                stages[stage] = math.nan if math.isnan(err) or math.isnan(stages[stage]) else max(stages[stage], err)
+                ratio = math.inf if math.isnan(err) else err / thr
+                if ratio > worst[0]:
+                    worst = (ratio, err, thr)
+            outs[gid] = (o1, o2, h_true)
+        return EMULATED_MOE, True, stages, (worst[1], worst[2]), outs
+
+    def fused(self, fp4: Fp4Kernels, ck, mod, experts):  # pragma: no cover - FlashInfer's fused kernel, sm_100+
+        """FlashInfer's fused kernel gives only the layer output: one end-to-end check with routing."""
+        g = rng(self.opts.seed, mod.name + "/routing")
+        t, top_k = self.x.shape[0], min(2, mod.experts)
+        ids = np.stack([g.permutation(mod.experts)[:top_k] for _ in range(t)])
+        logits = g.standard_normal((t, top_k)).astype(np.float32)
+        w = np.exp(logits - logits.max(axis=1, keepdims=True))
+        w /= w.sum(axis=1, keepdims=True)
+        out = fp4.fused_moe(ck, mod.name, self.x, ids, w)
+        ref = np.zeros((t, mod.hidden), dtype=np.float32)
+        for e in range(mod.experts):
+            tok, slot = np.nonzero(ids == e)
+            if not len(tok):
+                continue
+            w1, w3, w2 = self.weights(mod.expert_offset + e)
+            xt = self.ref_in[tok]
+            hmid = silu(xt @ w1.T) * (xt @ w3.T)
+            np.add.at(ref, tok, (self.quant(hmid, self.a2) @ w2.T) * w[tok, slot, None])
+        err = rel_error(out, ref)
+        return "flashinfer.cutlass_fused_moe", False, {"fused": err}, (err, FUSED_MOE_THRESHOLD), None
+
+
+# Modules checked at once where there are cores for them (numpy drops the GIL in its loops, copies and
+# GEMMs): one on the 2-core build machine, whose second core hashes and checks bytes; up to four on
+# larger machines. Each MoE check's expert bytes go to a thread of their own beside its GEMMs.
+WORKERS = max(1, min(4, (os.cpu_count() or 1) // 4))
+_BYTES = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mocli-verify-bytes")
+
+
+def check_moe(name: str, infos: dict[int, dict], cks: dict, src: NpSource, layout: TargetLayout, opts,
+              fp4: Fp4Kernels | None = None) -> tuple[list[ModuleResult], CrossResult | None]:
+    """One NVFP4 MoE layer on every given rank: bytes of every expert, consistency, stage-wise numerics
+    on a sample of experts; then (tensor parallel, all ranks) the concatenation / sum over ranks."""
+    kind = ModuleKind.NVFP4_MOE
+    case = _Layer(name, src, layout, opts)
+    results, per_rank = [], {}
+    for rank, info in infos.items():
+        t0 = time.perf_counter()
+        meta = info["meta"]
+        res = ModuleResult(name, rank, str(kind), info["scheme"], "", False,
+                           {k: v for k, v in meta.items() if isinstance(v, int)}, math.nan, 0.0, False, 0.0,
+                           tensors=list(info["tensors"].values()))
+        problems = Problems()
+        try:
+            mod = cks[rank].module_arrays(name)
+            off = meta.get("expert_offset", 0)
+            i_slice = tuple(meta.get("intermediate_slice", [0, meta["intermediate"]]))
+            experts = [case.layer.experts[off + e] for e in range(mod.experts)]
+            case.consistency(mod, experts, problems)
+            found: Future = _BYTES.submit(case.all_bytes, mod, experts, i_slice)
+            try:
+                numbers = case.fused(fp4, cks[rank], mod, experts) if fp4 is not None else \
+                    case.stages(mod, off, i_slice)
+            finally:
+                differ, fault = found.result()
+                problems += differ
+                if fault is not None:  # a byte check's own layout fault first, as when it ran first
+                    raise fault
+            res.kernel, res.emulated, res.stages, (res.error, res.threshold), outs = numbers
+            if outs is not None:
+                per_rank[rank] = (i_slice, outs)
+        except (LayoutError, CorruptFileError) as e:
+            res.kernel = "layout check"
+            problems.insert(0, str(e))
+        results.append(finish(res, problems, t0))
+    cross = None
+    if len({i_slice for i_slice, _ in per_rank.values()}) > 1 and len(per_rank) == len(infos):
+        cross = _moe_cross(name, case, per_rank)
+    return results, cross
+
+
+def _moe_cross(name: str, case: _Layer, per_rank: dict) -> CrossResult:
+    """Tensor-parallel MoE: rank GEMM1 outputs concatenate to the full expert's, GEMM2 outputs sum to
+    the full down projection of the concatenated intermediate (SEMANTICS §10)."""
+    worst, inter = 0.0, case.layer.intermediate
+    common = set.intersection(*(set(outs) for _, outs in per_rank.values()))
+    for gid in sorted(common):
+        w1, w3, w2 = case.weights(gid)
+        full1 = case.ref_in @ np.concatenate([w3, w1]).T
+        got1 = np.empty_like(full1)
+        h_parts, total2 = [], 0
+        for rank in sorted(per_rank):
+            (i0, i1), outs = per_rank[rank]
+            o1, o2, h_true = outs[gid]
+            i = i1 - i0
+            got1[:, i0:i1], got1[:, inter + i0:inter + i1] = o1[:, :i], o1[:, i:]
+            h_parts.append(h_true)
+            total2 = total2 + o2
+        ref2 = np.concatenate(h_parts, axis=1) @ w2.T
+        worst = max(worst, rel_error(got1, full1) / case.limits.unified, rel_error(total2, ref2) / case.limits.gemm2)
+    passed = worst <= 1.0
+    return CrossResult(name, "tensor-parallel experts: GEMM1 concatenates, GEMM2 sums over ranks", worst, 1.0, passed,
+                       "" if passed else f"error {worst:.3g}x the threshold")

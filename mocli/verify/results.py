@@ -1,0 +1,230 @@
+"""What every verify check shares without torch: options, thresholds, results, problem lists and the
+seeds of the activations each check draws. NVFP4 outputs are verified with numpy alone
+(``mocli.verify.nvfp4``); the torch checks (``dense``, ``moe``, ``quantized``, ``repaired``) use the
+same pieces. Arrays are numpy arrays or torch tensors alike here."""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from mocli.devices import Kernels
+from mocli.kinds import ModuleKind
+from mocli.verify.expect import bit_equal, to_numpy
+
+
+@dataclass
+class VerifyOptions:
+    source: str | None = None
+    device: str = "auto"
+    kernels: Kernels = Kernels.AUTO
+    layers: str | None = None
+    tokens: int = 64
+    seed: int = 0
+    rank: int | None = None
+    check_source_hash: bool = True
+    early_digests: Any = None  # a mocli.io.digests.BackgroundDigests started before torch (verify.early)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Relative-error thresholds of one module kind (README "Thresholds" derives them): ``kept`` where
+    the source's bits are kept, ``unified`` for shards or experts whose scales were unified; MoE:
+    ``gemm2`` for GEMM2 fed with the kernel's own intermediate. Each is a few times what the format
+    allows and far below the smallest real fault (a 2x scale error is 0.5-1.0, a w1/w3 swap 0.3)."""
+
+    kept: float
+    unified: float
+    gemm2: float | None = None
+
+
+THRESHOLDS: dict[ModuleKind, Thresholds] = {
+    # requantizing non-max shards to the shared scale rounds each of their weights once more: half an
+    # e4m3 step, 2^-4..2^-3 relative, rms <= 3.6% on those rows (real Llama export: 1.4-2.0%)
+    ModuleKind.FP8_LINEAR: Thresholds(0.05, 0.05),
+    # bit-identical weights: only BF16 output rounding (2^-9) and summation order remain
+    ModuleKind.FP8_CHANNEL_LINEAR: Thresholds(0.01, 0.01),
+    ModuleKind.FP8_BLOCK_LINEAR: Thresholds(0.01, 0.01),
+    # shards whose weight_scale_2 was unified: one e4m3 rounding of each block scale, <= 2^-4 relative
+    # per block (rms ~2.5%; measured 0.022-0.025), so a worst case of 2^-4 plus output rounding
+    ModuleKind.NVFP4_LINEAR: Thresholds(0.01, 0.08),
+    # MoE GEMM1 (x @ [w3; w1]) as the dense kinds; GEMM2 on the kernel's own intermediate: bit-identical
+    # w2, output rounding only
+    ModuleKind.FP8_MOE: Thresholds(0.05, 0.05, gemm2=0.01),
+    ModuleKind.NVFP4_MOE: Thresholds(0.01, 0.08, gemm2=0.01),
+}
+# A fused FlashInfer MoE kernel gives only the layer output: the intermediate is re-quantized from
+# slightly different values, so neighbouring codes flip (e2m1 codes are up to 33% apart).
+FUSED_MOE_THRESHOLD = 0.10
+
+# Numeric GEMMs per MoE layer. Every expert's bytes and scales are checked exactly regardless, so an
+# expert's numbers follow from its bytes; the GEMMs exercise the kernel's reading of them (half order,
+# scales, intermediate quantization), which a layer-wide fault breaks for every expert alike. Where
+# one call covers every expert (FP8's grouped GEMM on CUDA) all run; where experts go one by one
+# (emulated NVFP4) the first and seeded others.
+CPU_SAMPLE_EXPERTS = 2
+CUDA_SAMPLE_EXPERTS = 8
+
+
+def seed_of(seed: int, name: str) -> int:
+    """The seed of one check's random draws: the run's ``--seed`` and the module's name."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng(seed_of(seed, name))
+
+
+def pick_experts(n: int, k: int, seed: int, name: str) -> list[int]:
+    """Of ``n`` experts, the first and ``k - 1`` seeded others (all when ``n <= k``), the same on every
+    rank (seeded by the layer's name)."""
+    if n <= k:
+        return list(range(n))
+    rest = rng(seed, name + "/experts").permutation(n - 1)[: k - 1] + 1
+    return sorted({0, *rest.tolist()})
+
+
+@dataclass
+class ModuleResult:
+    module: str
+    rank: int
+    kind: str
+    scheme: str
+    kernel: str
+    emulated: bool
+    shape: dict[str, int]
+    error: float
+    threshold: float
+    passed: bool
+    seconds: float
+    message: str = ""
+    checks: dict[str, str] = field(default_factory=dict)  # bytes / consistency / numeric -> "ok" or why not
+    stages: dict[str, float] = field(default_factory=dict)
+    tensors: list[str] = field(default_factory=list)  # every tensor this check covered
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "tensors"}
+        d["error"] = None if math.isnan(self.error) else self.error  # JSON has no NaN
+        d["tensors_checked"] = len(self.tensors)
+        return d
+
+
+@dataclass
+class CrossResult:
+    """A cross-rank property of one module (SEMANTICS §10)."""
+
+    module: str
+    check: str
+    error: float
+    threshold: float
+    passed: bool
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["error"] = None if math.isnan(self.error) else self.error
+        return d
+
+
+def rel_error(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64 (NaN where ``out`` is not finite)."""
+    out, ref = to_numpy(out).astype(np.float64), to_numpy(ref).astype(np.float64)
+    if not np.isfinite(out).all():
+        return math.nan
+    diff = float(np.linalg.norm(out - ref))
+    denom = float(np.linalg.norm(ref))
+    return diff / denom if denom > 0 else diff
+
+
+class Halves(NamedTuple):
+    """Decoded rows as a view (``TargetLayout.moe_rows_halves``): ``parts[k]``'s leading dims, read in
+    order, are the rows of the k-th half (one part where nothing is gated)."""
+
+    parts: Any
+
+    def rows(self) -> int:
+        p = self.parts
+        return p.shape[0] * (math.prod(p.shape[1:-1]) if p.shape[-1] else 0)
+
+
+def _same_rows(view, rows) -> bool:
+    """``rows`` ([n, cols]) has as many rows and columns as ``view``'s leading dims and last dim hold."""
+    return rows.ndim == 2 and rows.shape[1] == view.shape[-1] and math.prod(rows.shape) == math.prod(view.shape)
+
+
+class Problems(list):
+    def expect_equal(self, what: str, got, want) -> None:
+        if isinstance(got, Halves):
+            self.expect_parts(what, got, [want])
+        elif not bit_equal(got, want):
+            self.append(f"{what} differs from the source")
+
+    def expect_parts(self, what: str, got, parts: list) -> None:
+        """``got`` equals ``parts`` stacked on dim 0, compared block by block (no concatenation; a
+        ``Halves`` part by part, the source's rows shaped as its view: nothing copied)."""
+        if isinstance(got, Halves):
+            if got.rows() != sum(p.shape[0] for p in parts):
+                self.append(f"{what} has {got.rows()} rows, the source gives {sum(p.shape[0] for p in parts)}")
+            elif len(parts) != got.parts.shape[0] or not all(
+                    _same_rows(g, p) and bit_equal(g, p.reshape(g.shape)) for g, p in zip(got.parts, parts, strict=True)):
+                self.append(f"{what} differs from the source")
+            return
+        if got.shape[0] != sum(p.shape[0] for p in parts):
+            self.append(f"{what} has {got.shape[0]} rows, the source gives {sum(p.shape[0] for p in parts)}")
+            return
+        row = 0
+        for p in parts:
+            if not bit_equal(got[row:row + p.shape[0]], p):
+                self.append(f"{what} differs from the source")
+                return
+            row += p.shape[0]
+
+    def scalar(self, what: str, got, want) -> None:
+        """float32 values bit for bit (a scale is a promise to the kernel, not an approximation)."""
+        g = to_numpy(got).astype(np.float32).reshape(-1)
+        w = to_numpy(want).astype(np.float32).reshape(-1)
+        if g.shape != w.shape or not np.array_equal(g.view(np.int32), w.view(np.int32)):
+            self.append(f"{what} is {_few(g)}, SEMANTICS gives {_few(w)}")
+
+
+def _few(t: np.ndarray) -> str:
+    vals = [f"{v:.6g}" for v in t[:3].tolist()]
+    return "[" + ", ".join(vals) + (", ...]" if t.size > 3 else "]") if t.size != 1 else vals[0]
+
+
+def finish(res: ModuleResult, problems: list[str], t0: float) -> ModuleResult:
+    numeric_ok = not math.isnan(res.error) and res.error <= res.threshold
+    res.checks = {"bytes+consistency": "ok" if not problems else "; ".join(problems[:3])
+                  + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""),
+                  "numeric": "ok" if numeric_ok else ("not run" if res.kernel == "layout check" else
+                                                      "output is not finite" if math.isnan(res.error) else
+                                                      f"relative error {res.error:.3g} > {res.threshold:g}")}
+    res.passed = numeric_ok and not problems
+    if not res.passed:
+        res.message = "; ".join(v for v in res.checks.values() if v != "ok")
+    res.seconds = round(time.perf_counter() - t0, 4)
+    return res
+
+
+def single_rank_report(out, src, target: str, device: str, opts, results: list[ModuleResult], files_checked: int,
+                       file_problems: list, kept: int, problems: list, tensors: int, unchecked: list, note: str,
+                       t0: float) -> dict[str, Any]:
+    """The report of an output with one rank and no cross-rank checks (quantize and repair outputs), in
+    the shape of convert's, so renderers, JUnit and HTML read all three alike."""
+    failed = [r for r in results if not r.passed]
+    return {
+        "output": str(out), "source": src.source.describe(), "target": target,
+        "parallel": {"tp": 1, "ep": 1, "ranks": 1}, "ranks": [0], "device": device, "tokens": opts.tokens,
+        "seed": opts.seed, "files": {"checked": files_checked, "problems": file_problems},
+        "modules": [r.to_dict() for r in results], "cross_rank": [],
+        "passthrough": {"checked": kept, "problems": problems},
+        "coverage": {"tensors": tensors, "unchecked": unchecked, "note": note},
+        "passed": len(results) - len(failed),
+        "failed": len(failed) + len(file_problems) + len(problems) + len(unchecked),
+        "ok": not (failed or file_problems or problems or unchecked), "seconds": round(time.perf_counter() - t0, 3),
+    }
