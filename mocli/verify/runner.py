@@ -137,9 +137,10 @@ def _cpu_note(device: str) -> dict[str, str]:
 
 def _check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout, rt, opts: VerifyOptions, tp: int,
                    progress: Progress) -> tuple[list[ModuleResult], list[CrossResult]]:
-    """Every named module on every rank of ``cks`` that holds it, by its kind's check; one module's pages
-    at a time (a module missing on a rank is completeness's finding, not a crash here). NVFP4 in numpy
-    (torch only for FlashInfer's kernels), FP8 in torch (``rt``)."""
+    """Every named module on every rank of ``cks`` that holds it, by its kind's check, in order (a module
+    missing on a rank is completeness's finding, not a crash here). NVFP4 in numpy (torch only for
+    FlashInfer's kernels), up to ``nvfp4.WORKERS`` modules at once; FP8 in torch (``rt``), one at a
+    time. Each module gives back the mapped pages it touched when it is done."""
     heads = heads_of(src.config)
     results: list[ModuleResult] = []
     cross: list[CrossResult] = []
@@ -149,6 +150,14 @@ def _check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout,
         source = None
 
         def check(name: str) -> tuple[list[ModuleResult], CrossResult | None]:
+            try:
+                return check_one(name)
+            finally:  # RSS: the mapped bytes of the modules in flight, not the model's
+                reader.drop_pages()
+                for ck in cks.values():
+                    ck.drop_pages()
+
+        def check_one(name: str) -> tuple[list[ModuleResult], CrossResult | None]:
             nonlocal source
             infos = {r: ck.module_info(name) for r, ck in cks.items() if name in ck._module_info}
             kind = ModuleKind(next(iter(infos.values()))["kind"])
@@ -176,9 +185,6 @@ def _check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout,
                     cross.append(cr)
                 for _ in res:
                     progress.advance()
-                reader.drop_pages()  # RSS: a few modules' mapped bytes at a time, not the model's
-                for ck in cks.values():
-                    ck.drop_pages()
     return results, cross
 
 
