@@ -25,9 +25,9 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
             digests: SourceDigests | None = None, dist=None) -> dict[str, Any]:
     """Convert ``ckpt`` for ``target`` (at ``tp``/``ep`` ranks) into ``out``; returns the summary.
 
-    Nothing before the engine imports torch, and the engine imports it only when some unit is not
-    ``torch_free``: NVFP4 conversions (bytes moved, block scales rescaled through a table, in numpy)
-    never load it; FP8 ones load it for their arithmetic."""
+    Nothing imports torch: every unit of a conversion is ``torch_free`` (bytes copied or moved, FP8
+    shards requantized and NVFP4 block scales rescaled through 256-entry tables, in numpy on the CPU),
+    so it runs on the CPU whatever ``device`` says, and the summary says so where a GPU was asked for."""
     from mocli import engine
     from mocli.census import build_census
     from mocli.devices import check_device

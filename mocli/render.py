@@ -117,9 +117,9 @@ def render_convert(summary: dict[str, Any], out: Output) -> None:
         f"{summary['shards']} shard(s)) for {summary['target']} on {summary['device']} in "
         f"{summary['seconds']:.2f} s -> {escape(summary['output'])}")
     if summary.get("device_requested"):
-        out.stdout.print(f"ran on {summary['device']}, not {summary['device_requested']}: NVFP4 only moves bytes "
-                         "(copied, shuffled, block scales rescaled through a table), nothing a GPU would speed up; "
-                         "the bytes are the same")
+        out.stdout.print(f"ran on {summary['device']}, not {summary['device_requested']}: a conversion only moves "
+                         "bytes (copied, shuffled, FP8 requantized and NVFP4 block scales rescaled through 256-entry "
+                         "tables), nothing a GPU would speed up; the bytes are the same")
     if summary["resumed_units"]:
         out.stdout.print(f"resumed: {summary['resumed_units']} of {summary['units']} units were already done")
     repairs = []

@@ -235,12 +235,12 @@ def _rescaler(entry: TensorEntry, s2: float, big: float) -> Callable:
         import numpy as np
 
         from mocli.engine.units import BadData
-        from mocli.ops import nvfp4
+        from mocli.ops import fp8
 
         raw = ctx.array(entry)
-        if nvfp4.has_nan_fp8(raw):
+        if fp8.has_nan_fp8(raw):
             raise BadData(entry.name, "FP8 block scales encode NaN")
-        return np.ascontiguousarray(nvfp4.rescale_block_scales(raw, np.float32(s2), np.float32(big)))
+        return np.ascontiguousarray(fp8.rescale_block_scales(raw, np.float32(s2), np.float32(big)))
     return make
 
 

@@ -299,41 +299,26 @@ class _Ran(Exception):
     pass
 
 
-@pytest.mark.parametrize("arch,algo,target,tp,device", [
-    ("qwen3_moe", "NVFP4", "flashinfer-cutlass", 1, "cpu"), ("llama", "NVFP4", "flashinfer-cutlass", 1, "cpu"),
-    ("qwen3_moe", "NVFP4", "flashinfer-trtllm", 1, "cpu"), ("llama", "NVFP4", "flashinfer-trtllm", 1, "cpu"),
-    ("qwen3_moe", "NVFP4", "flashinfer-cutlass", 2, "cpu"),  # w2's columns sliced per rank in memory
-    ("padded", "NVFP4", "flashinfer-cutlass", 1, "cpu"),  # N = 48 padded to 128 in memory
-    ("mixtral", "FP8", "flashinfer-cutlass", 1, "cuda"), ("llama", "FP8", "flashinfer-cutlass", 1, "cuda"),
-    ("llama", "FP8_PB_WO", "flashinfer-trtllm", 1, "cuda")])
-def test_only_plans_that_compute_ask_for_the_gpu(tmp_path, monkeypatch, arch, algo, target, tp, device):
-    """Under --device cuda, work over every weight byte runs on the GPU where it is arithmetic: FP8
-    (NaN checks, requantization). NVFP4 only moves bytes (copied in the kernel, or shuffled, sliced,
-    padded and its block scales rescaled in numpy): every target and layout stays on the CPU, and its
-    units are all torch-free. The engine is stopped where it starts."""
-    import mocli.devices
-    import mocli.engine.job as job_mod
-
-    seen = []
-
-    def spy(job):
-        seen.append(job_mod.compute_device(job)[1].type)
-        raise _Ran
-
-    monkeypatch.setattr(mocli.devices, "resolve_device", lambda d: torch.device("cuda"))
-    monkeypatch.setattr(mocli.devices, "check_device", lambda d: None)
-    monkeypatch.setattr(job_mod, "_run", spy)
+@pytest.mark.parametrize("arch,algo,target,tp", [
+    ("qwen3_moe", "NVFP4", "flashinfer-cutlass", 1), ("llama", "NVFP4", "flashinfer-cutlass", 1),
+    ("qwen3_moe", "NVFP4", "flashinfer-trtllm", 1), ("llama", "NVFP4", "flashinfer-trtllm", 1),
+    ("qwen3_moe", "NVFP4", "flashinfer-cutlass", 2),  # w2's columns sliced per rank in memory
+    ("padded", "NVFP4", "flashinfer-cutlass", 1),  # N = 48 padded to 128 in memory
+    ("mixtral", "FP8", "flashinfer-cutlass", 1), ("mixtral", "FP8", "flashinfer-trtllm", 2),
+    ("llama", "FP8", "flashinfer-cutlass", 2), ("llama", "FP8_PB_WO", "flashinfer-trtllm", 1),
+    ("llama", "FP8_PER_CHANNEL_PER_TOKEN", "flashinfer-cutlass", 2)])
+def test_every_conversion_plan_is_torch_free(tmp_path, arch, algo, target, tp):
+    """A conversion only moves bytes: NVFP4 (copied in the kernel, or shuffled, sliced, padded and its
+    block scales rescaled) and FP8 (NaN checks, shards and w1/w3 halves requantized through a table,
+    rows shuffled) alike, every target and layout: all its units are torch-free, so the engine never
+    loads torch (``test_convert_and_verify_run_without_torch`` runs it so)."""
     from mocli.checkpoint import open_checkpoint
-    from mocli.convert import convert as run_convert
-    from mocli.targets import Target
 
     shape = dict(arch="llama", heads=1, kv_heads=1, head_dim=48) if arch == "padded" else dict(arch=arch)
     ckpt = open_checkpoint(str(make_checkpoint(tmp_path / "src", algo=algo, **shape)))
-    with pytest.raises(_Ran):
-        run_convert(ckpt, tmp_path / "o", Target(target), device="cuda", tp=tp)
-    assert seen == [device]
     plan = build_plan_for(ckpt, target, tp)
-    assert all(u.torch_free for u in plan.units) == (algo == "NVFP4")
+    assert plan.units and all(u.torch_free for u in plan.units)
+    assert plan.compute == (algo != "NVFP4")  # FP8 reads every weight byte (its NaN checks)
 
 
 def build_plan_for(ckpt, target: str, tp: int):
@@ -348,14 +333,15 @@ def build_plan_for(ckpt, target: str, tp: int):
 
 
 @pytest.mark.parametrize("target", ["flashinfer-cutlass", "flashinfer-trtllm"])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "llama"])
-def test_nvfp4_conversion_under_device_cuda_runs_on_the_cpu(cli, tmp_path, monkeypatch, arch, target):
-    """The whole NVFP4 run with --device cuda taken as granted: on a machine without CUDA anything that
+@pytest.mark.parametrize("arch,algo", [("qwen3_moe", "NVFP4"), ("llama", "NVFP4"), ("mixtral", "FP8"), ("llama", "FP8")])
+def test_conversion_under_device_cuda_runs_on_the_cpu(cli, tmp_path, monkeypatch, arch, algo, target):
+    """The whole run with --device cuda taken as granted: on a machine without CUDA anything that
     touched it (pinned buffers, a copy to the device) would fail. It says where it ran, and the bytes
     are those of --device cpu."""
     import mocli.devices
 
-    src = make_checkpoint(tmp_path / "src", arch=arch, algo="NVFP4", unify_scale_2=False)
+    extra = dict(unify_scale_2=False) if algo == "NVFP4" else {}
+    src = make_checkpoint(tmp_path / "src", arch=arch, algo=algo, **extra)
     plain = convert(cli, src, tmp_path / "cpu", target, "--device", "cpu")
     assert plain["device"] == "cpu" and "device_requested" not in plain
     monkeypatch.setattr(mocli.devices, "resolve_device", lambda d: torch.device("cuda"))
@@ -366,7 +352,7 @@ def test_nvfp4_conversion_under_device_cuda_runs_on_the_cpu(cli, tmp_path, monke
     assert digest_tree(tmp_path / "cuda") == digest_tree(tmp_path / "cpu")
     human = cli("convert", src, "-o", tmp_path / "again", "--target", target, "--device", "cuda")
     assert human.exit_code == 0
-    assert "ran on cpu, not cuda: NVFP4 only moves bytes" in " ".join(human.stdout.split())
+    assert "ran on cpu, not cuda: a conversion only moves bytes" in " ".join(human.stdout.split())
 
 
 def test_output_inside_input_is_refused(cli, real_copy):
@@ -415,13 +401,13 @@ main()
 
 @pytest.mark.parametrize("target", ["flashinfer-cutlass", "flashinfer-trtllm"])
 @pytest.mark.parametrize("par", [(), ("--tp", "2", "--ep", "2")])
-def test_nvfp4_convert_and_verify_run_without_torch(cli, tmp_path, target, par):
-    """``mocli convert`` and ``mocli verify`` of the real NVFP4 MoE export in fresh processes where torch
-    cannot be imported (an NVFP4 conversion never loads it: ``mocli.ops.nvfp4``; nor does its check:
-    ``mocli.verify.nvfp4``), under --device auto: both finish and say they ran on the CPU, and the
-    output verifies. Failures still show without torch: a flipped bit in one expert fails verify. An
-    FP8 export fails to convert in the same process, and an FP8 output (converted with torch) fails to
-    verify, which shows torch really was unimportable there."""
+def test_convert_and_verify_run_without_torch(cli, tmp_path, target, par):
+    """``mocli convert`` and ``mocli verify`` in fresh processes where torch cannot be imported, under
+    --device auto. Converting never loads it (``mocli.ops``): the real NVFP4 MoE export and the real
+    FP8 export both convert and say they ran on the CPU. Verifying NVFP4 never loads it either
+    (``mocli.verify.nvfp4``): the output verifies, and a flipped bit in it fails. The FP8 output
+    verifies with torch (in this process) and fails without it - FP8 GEMMs are torch's - which shows
+    torch really was unimportable there."""
     root = Path(__file__).resolve().parents[1]
     run = lambda *a: subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *map(str, a)],  # noqa: E731
                                     capture_output=True, text=True, cwd=root)
@@ -441,9 +427,9 @@ def test_nvfp4_convert_and_verify_run_without_torch(cli, tmp_path, target, par):
         f.write(bytes([last ^ 0x10]))
     bad = run("verify", tmp_path / "o", "--json")
     assert bad.returncode == 1 and not json.loads(bad.stdout)["ok"], bad.stderr
-    fp8 = run("convert", REAL_LLAMA, "-o", tmp_path / "fp8", "--target", target)
-    assert fp8.returncode != 0 and "torch" in fp8.stderr
-    assert cli("-q", "convert", REAL_LLAMA, "-o", tmp_path / "fp8", "--target", target).exit_code == 0
+    fp8 = run("convert", REAL_LLAMA, "-o", tmp_path / "fp8", "--target", target, *par[:2], "--json")  # dense: no --ep
+    assert fp8.returncode == 0 and json.loads(fp8.stdout)["device"] == "cpu", fp8.stderr
+    assert cli("verify", tmp_path / "fp8").exit_code == 0
     fp8v = run("verify", tmp_path / "fp8")
     assert fp8v.returncode != 0 and "torch" in fp8v.stderr
 

@@ -8,9 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mocli.ops import nvfp4
-from mocli.ops.fp8 import has_nan_fp8, requantize_fp8
-from mocli.ops.layout import permute_rows
+from mocli.ops import fp8, nvfp4
 from mocli.ops.rows import gated_act_row_indices, gated_shuffled_row_indices
 from mocli.ops.rows import shuffle_row_indices as _shuffle_np
 from mocli.targets import decode
@@ -101,11 +99,24 @@ def test_row_orders_are_undone_by_their_independent_inverses(blocks, cols):
     e = torch.randint(0, 256, (3, 32 * blocks, cols), dtype=torch.uint8)
     idx = torch.from_numpy(gated_shuffled_row_indices(32 * blocks).copy())
     assert torch.equal(decode.ungate_rows(decode.unshuffle_rows(e[:, idx])), e)
-    out = torch.empty_like(x)
-    assert torch.equal(permute_rows(x, _shuffle_np(32 * blocks), out), ref.shuffle_rows(x))
-    # the numpy gather (NVFP4 units) moves the same rows
+    assert np.array_equal(nvfp4.permute_rows(x.numpy(), _shuffle_np(32 * blocks)), ref.shuffle_rows(x).numpy())
+    # the numpy gathers move the same rows, from one array or from parts without concatenating them
     assert np.array_equal(nvfp4.permute_rows(x.numpy(), gated_shuffled_row_indices(32 * blocks)),
                           decode_free_gather(x, idx))
+    half = 16 * blocks
+    parts = [x.numpy()[:half], x.numpy()[half:]]
+    assert np.array_equal(nvfp4.gather_rows(parts, gated_shuffled_row_indices(32 * blocks)),
+                          decode_free_gather(x, idx))
+
+
+def requantize_fp8(q: torch.Tensor, s: torch.Tensor, big: torch.Tensor) -> torch.Tensor:
+    """The numpy requantization (``ops.fp8``) on a tensor's bytes, back as a float8 tensor."""
+    raw = q.view(torch.uint8).numpy()
+    return torch.from_numpy(np.array(fp8.requantize_fp8(raw, s.numpy(), big.numpy()))).view(torch.float8_e4m3fn)
+
+
+def has_nan_fp8(t: torch.Tensor) -> bool:
+    return fp8.has_nan_fp8(t.view(torch.uint8).numpy())
 
 
 def decode_free_gather(x: torch.Tensor, idx: torch.Tensor) -> np.ndarray:
@@ -122,7 +133,7 @@ def test_tables_equal_the_float_formulas_for_every_code():
         big = s * (1 + torch.rand((), generator=g) * 20)
         assert torch.equal(requantize_fp8(codes, s, big).view(torch.uint8), ref.fp8_requant(codes, s, big).view(torch.uint8))
         want = (codes.float() * s / big).clamp(-448, 448).to(torch.float8_e4m3fn)
-        got = nvfp4.rescale_block_scales(codes.view(torch.uint8).numpy(), s.numpy(), big.numpy())
+        got = fp8.rescale_block_scales(codes.view(torch.uint8).numpy(), s.numpy(), big.numpy())
         assert np.array_equal(got, want.view(torch.uint8).numpy())
     odd = codes[:5]  # an odd byte count takes the tail path
     assert torch.equal(requantize_fp8(odd, s, big).view(torch.uint8), ref.fp8_requant(odd, s, big).view(torch.uint8))
@@ -159,9 +170,9 @@ def test_numpy_fp8_rounding_is_torchs_cast():
                    torch.tensor([0.0, -0.0, 448, 449, 464, 465, 1e9, -1e9, float("inf"), -float("inf"), 1e-12]),
                    torch.randn(10**6, generator=g) * 10 ** torch.randint(-8, 3, (10**6,), generator=g)])
     want = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-    assert np.array_equal(nvfp4.encode_fp8(x.numpy()), want)
-    assert nvfp4.encode_fp8(np.array([np.nan], dtype=np.float32))[0] == 0x7F
-    assert np.array_equal(np.nan_to_num(nvfp4.decode_fp8(codes.numpy()), nan=-1),
+    assert np.array_equal(fp8.encode_fp8(x.numpy()), want)
+    assert fp8.encode_fp8(np.array([np.nan], dtype=np.float32))[0] == 0x7F
+    assert np.array_equal(np.nan_to_num(fp8.decode_fp8(codes.numpy()), nan=-1),
                           np.nan_to_num(codes.view(torch.float8_e4m3fn).float().numpy(), nan=-1))
 
 
@@ -175,20 +186,20 @@ def test_numpy_rescale_table_is_the_torch_formula_on_every_code(s, big):
     want = (codes.view(torch.float8_e4m3fn).float() * s32 / b32).clamp(-448, 448).to(torch.float8_e4m3fn)
     want = want.view(torch.uint8).numpy().copy()
     want[[0x7F, 0xFF]] = 0x7F
-    got = nvfp4.rescale_block_scales(codes.numpy(), s32.numpy(), b32.numpy())
+    got = fp8.rescale_block_scales(codes.numpy(), s32.numpy(), b32.numpy())
     assert np.array_equal(got, want) or s32 == b32 and np.array_equal(got, codes.numpy())
-    odd = nvfp4.rescale_block_scales(codes.numpy()[:5].reshape(5, 1), s32.numpy(), b32.numpy())  # the odd tail
+    odd = fp8.rescale_block_scales(codes.numpy()[:5].reshape(5, 1), s32.numpy(), b32.numpy())  # the odd tail
     assert odd.shape == (5, 1) and np.array_equal(odd.reshape(-1), got[:5])
 
 
 def test_numpy_nan_check():
     x = np.zeros(1000, dtype=np.uint8)
-    assert not nvfp4.has_nan_fp8(x) and not nvfp4.has_nan_fp8(x[:0])
+    assert not fp8.has_nan_fp8(x) and not fp8.has_nan_fp8(x[:0])
     for code in (0x7F, 0xFF):
         x[777] = code
-        assert nvfp4.has_nan_fp8(x)
+        assert fp8.has_nan_fp8(x)
     x[777] = 0xFE
-    assert not nvfp4.has_nan_fp8(x)
+    assert not fp8.has_nan_fp8(x)
 
 
 # --- requantization properties (SEMANTICS §3) ------------------------------------------------------
@@ -220,9 +231,9 @@ def test_max_scale_shard_is_byte_identical(raw, s):
 
 def test_rescale_block_scales_hand_value():
     bs = np.array([[0x40, 0x48]], dtype=np.uint8)  # 2.0, 4.0 in e4m3
-    out = nvfp4.rescale_block_scales(bs, np.float32(1.0), np.float32(2.0))
+    out = fp8.rescale_block_scales(bs, np.float32(1.0), np.float32(2.0))
     assert out.tolist() == [[0x38, 0x40]]  # 1.0, 2.0
-    same = nvfp4.rescale_block_scales(bs, np.float32(2.0), np.float32(2.0))
+    same = fp8.rescale_block_scales(bs, np.float32(2.0), np.float32(2.0))
     assert same is bs
 
 

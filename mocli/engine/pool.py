@@ -186,19 +186,11 @@ class UnitContext:
 
     def gather_array(self, parts: list[tuple[TensorEntry, int, int]], idx: np.ndarray) -> np.ndarray:
         """``concatenate([rows a:b of each entry])[idx]`` as bytes [len(idx), row bytes], for entries of
-        one row size, without the concatenation: each part's selected rows are gathered from its map
-        (``array``) and scattered to their places (5 GB/s on the build VM where concatenating first and
-        gathering ran at 0.8; the gather makes one temporary of the part's rows)."""
-        import numpy as np
+        one row size, gathered from their maps (``array``) without the concatenation
+        (``ops.nvfp4.gather_rows``)."""
+        from mocli.ops.nvfp4 import gather_rows
 
-        row = parts[0][0].nbytes // parts[0][0].shape[0]
-        out = np.empty((len(idx), row), dtype=np.uint8)
-        base = 0
-        for e, a, b in parts:
-            dst = np.flatnonzero((idx >= base) & (idx < base + b - a))
-            out[dst] = self.array(e, a, b)[idx[dst] - base]
-            base += b - a
-        return out
+        return gather_rows([self.array(e, a, b) for e, a, b in parts], idx)
 
     @staticmethod
     def src(entry: TensorEntry) -> SourceRange:

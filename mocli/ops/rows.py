@@ -1,6 +1,6 @@
 """The targets' row orders as numpy gather indices (SEMANTICS §4, §6): trtllm's shuffle_matrix_a and
-the gated-activation reorder. Indices are read-only and cached; the torch transforms take them as
-they are (``ops.layout.permute_rows``), the numpy ones too (``ops.nvfp4.permute_rows``)."""
+the gated-activation reorder. Indices are read-only and cached; ``ops.nvfp4.permute_rows`` and
+``gather_rows`` take them as they are."""
 
 from __future__ import annotations
 

@@ -10,20 +10,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mocli import ops
 from mocli.census import Module
 from mocli.engine.units import BadData, OutTensor, Piece, SourceRange, Unit, concat_pieces
 from mocli.io.safetensors_file import TensorEntry
 from mocli.kinds import KINDS, ModuleKind, Role
-from mocli.ops import nvfp4, swizzled_shape
+from mocli.ops import fp8, nvfp4, swizzled_shape
 from mocli.parallel import RankSlice, Split, rank_slices, split_of
 from mocli.plan.context import PlanContext
-from mocli.plan.core import F32, ConvertedModule, scalar
+from mocli.plan.core import F32, ConvertedModule
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 
-if TYPE_CHECKING:  # units import torch when they run: a plan is made without it
-    import torch
-
+if TYPE_CHECKING:
     from mocli.engine.pool import UnitContext
 
 QUANT_SUFFIXES = (WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2, INPUT_SCALE, "bias")
@@ -33,8 +30,7 @@ class _Dense:
     """One dense module (a fused group or a lone linear), every rank: per-rank output tensors,
     manifest modules and the one unit. Subclasses plan their kinds; ``plan()`` adds them."""
 
-    compute = False  # whether the unit computes over the weight bytes (``Unit.compute``)
-    torch_free = False  # whether the unit's run needs no torch (``Unit.torch_free``)
+    compute = False  # whether the unit reads every weight byte (``Unit.compute``)
 
     def __init__(self, pc: PlanContext, kind: ModuleKind, prefix: str, shards: list[Module]) -> None:
         for m in shards:
@@ -82,7 +78,7 @@ class _Dense:
                                                         self.pc.parallel.group(r)))
         self._plan_bias()
         self.pc.plan.units.append(Unit(f"dense:{self.prefix}", inputs + self._bias_entries(), self.outputs, run,
-                                       self.compute, self.torch_free))
+                                       self.compute, torch_free=True))
 
     # A bias is sliced with the rows of a column-parallel layer, whole elsewhere (the engine adds a
     # row-parallel bias once, after the all-reduce).
@@ -118,24 +114,33 @@ class _Dense:
         return pieces
 
 
-def check_fp8(t: torch.Tensor, entry: TensorEntry) -> None:
-    if ops.fp8.has_nan_fp8(t):
+def check_fp8(raw: np.ndarray, entry: TensorEntry) -> None:
+    if fp8.has_nan_fp8(raw):
         raise BadData(entry.name, "FP8 bytes encode NaN (0x7F or 0xFF)")
 
 
-def _weight_pieces(dense: _Dense, whole: list[torch.Tensor]) -> list[Piece]:
-    """Every rank's slice of the (fused) FP8 weight: its rows of each shard, its columns, concatenated."""
+def _weight_pieces(dense: _Dense, ctx: UnitContext, whole: list[np.ndarray | None],
+                   weights: list[TensorEntry]) -> list[Piece]:
+    """Every rank's slice of the (fused) FP8 weight: its rows of each shard, its columns, concatenated.
+    A shard kept as it is (``None`` in ``whole``) is copied in the kernel where a rank takes whole rows."""
     pieces = []
     for r in dense.ranks:
         sl = dense.slice_of(r)
         c0, c1 = sl.cols
-        parts = [q[a:b, c0:c1] if (c0, c1) != (0, q.shape[1]) else q[a:b] for q, (a, b) in zip(whole, sl.rows, strict=True)]
+        parts: list = []
+        for q, w, (a, b) in zip(whole, weights, sl.rows, strict=True):
+            if (c0, c1) == (0, dense.k_full):
+                parts.append(SourceRange(w, 0, w.nbytes).rows(a, b) if q is None else q[a:b])
+            else:
+                parts.append(np.ascontiguousarray((ctx.array(w) if q is None else q)[a:b, c0:c1]))
         pieces += concat_pieces(dense.key(r, Role.WEIGHT), parts)
     return pieces
 
 
 class _Fp8TensorDense(_Dense):
-    """FP8 per-tensor: shards requantized to the max weight scale, max input scale (SEMANTICS §3)."""
+    """FP8 per-tensor: shards requantized to the max weight scale, max input scale (SEMANTICS §3). In
+    numpy: every byte checked for NaN codes, the shards below the max scale requantized through a
+    256-entry table, the max-scale shard copied in the kernel (``mocli.ops.fp8``)."""
 
     compute = True
 
@@ -155,23 +160,24 @@ class _Fp8TensorDense(_Dense):
             self.add(r, Role.INPUT_SCALE, "F32", (), self.sources(INPUT_SCALE), ["max"] if self.fused else [])
 
         def run(ctx: UnitContext) -> list[Piece]:
-            whole = []
-            for w, si in zip(weights, s, strict=True):
-                q = ctx.load(w)
-                check_fp8(q, w)
-                whole.append(ops.fp8.requantize_fp8(q, scalar(si), scalar(big_s), out=ctx.out(q)))
-            pieces = _weight_pieces(self, whole)
+            whole: list[np.ndarray | None] = []
+            for w, si, rq in zip(weights, s, requant, strict=True):
+                raw = ctx.array(w)
+                check_fp8(raw, w)
+                whole.append(fp8.requantize_fp8(raw, si, big_s) if rq else None)
+            pieces = _weight_pieces(self, ctx, whole, weights)
             for r in self.ranks:
-                pieces += [Piece(self.key(r, Role.WEIGHT_SCALE), 0, scalar(big_s)),
-                           Piece(self.key(r, Role.INPUT_SCALE), 0, scalar(big_a))]
+                pieces += [Piece(self.key(r, Role.WEIGHT_SCALE), 0, np.array(big_s, dtype=F32).reshape(())),
+                           Piece(self.key(r, Role.INPUT_SCALE), 0, np.array(big_a, dtype=F32).reshape(()))]
             return pieces + self.bias_pieces(ctx)
 
         self.finish(lambda r: {}, weights, run)
 
 
 class _Fp8ScaledDense(_Dense):
-    """FP8 per-channel ([N] scales) and 128x128 blocks ([N/128, K/128]): bytes kept, scales sliced
-    with their rows (SEMANTICS §8, §10)."""
+    """FP8 per-channel ([N] scales) and 128x128 blocks ([N/128, K/128]): bytes kept (checked for NaN
+    codes, copied in the kernel where a rank takes whole rows), scales sliced with their rows
+    (SEMANTICS §8, §10)."""
 
     compute = True  # every weight byte is checked for NaN codes
 
@@ -188,41 +194,33 @@ class _Fp8ScaledDense(_Dense):
             self.add(r, Role.WEIGHT_SCALE, "F32", sshape, [e.name for e in scale_entries],
                      self.fused + self.slice_transforms() + (["reshape_blocks"] if block else []))
         # FP8_PB_WO [N/128, 1, K/128, 1] -> [N/128, K/128] (SEMANTICS §8); per-channel [N] or [N, 1] -> [N]
-        sc = [pc.scales[e.name].reshape(-1, self.k_full // 128) if block else pc.scales[e.name].reshape(-1)
-              for e in scale_entries]
+        sc = [np.asarray(pc.scales[e.name], dtype=F32).reshape(-1, self.k_full // 128) if block
+              else np.asarray(pc.scales[e.name], dtype=F32).reshape(-1) for e in scale_entries]
 
         def run(ctx: UnitContext) -> list[Piece]:
-            import torch
-
-            whole = []
             for w in weights:
-                q = ctx.load(w)
-                check_fp8(q, w)
-                whole.append(q)
-            pieces = _weight_pieces(self, whole)
-            scales = [torch.from_numpy(x.copy()) for x in sc]
+                check_fp8(ctx.array(w), w)
+            pieces = _weight_pieces(self, ctx, [None] * len(weights), weights)
             for r in self.ranks:
-                pieces += concat_pieces(self.key(r, Role.WEIGHT_SCALE), self._rank_scales(scales, r, block))
+                pieces += concat_pieces(self.key(r, Role.WEIGHT_SCALE), self._rank_scales(sc, r, block))
             return pieces + self.bias_pieces(ctx)
 
         self.finish(lambda r: {}, weights, run)
 
-    def _rank_scales(self, sc: list[torch.Tensor], r: int, block: bool) -> list[torch.Tensor]:
+    def _rank_scales(self, sc: list[np.ndarray], r: int, block: bool) -> list[np.ndarray]:
         sl = self.slice_of(r)
         if block:
             c0, c1 = sl.cols[0] // 128, sl.cols[1] // 128
-            return [x[a // 128:b // 128, c0:c1].contiguous() for x, (a, b) in zip(sc, sl.rows, strict=True)]
+            return [np.ascontiguousarray(x[a // 128:b // 128, c0:c1]) for x, (a, b) in zip(sc, sl.rows, strict=True)]
         if self.split is Split.ROW:
-            return [x.contiguous() for x in sc]  # per-channel scales follow output rows: whole on row-parallel ranks
-        return [x[a:b].contiguous() for x, (a, b) in zip(sc, sl.rows, strict=True)]
+            return [x.copy() for x in sc]  # per-channel scales follow output rows: whole on row-parallel ranks
+        return [x[a:b].copy() for x, (a, b) in zip(sc, sl.rows, strict=True)]
 
 
 class _Nvfp4Dense(_Dense):
     """NVFP4: block scales rescaled to the max weight_scale_2, then the target's weight layout and
     128x4 swizzle per rank; alpha and 1/input_scale precomputed (SEMANTICS §6). Bytes moved (and
     scales rescaled) in numpy on the CPU, without torch (``mocli.ops.nvfp4``)."""
-
-    torch_free = True
 
     def plan(self) -> None:
         pc, shards, layout = self.pc, self.shards, self.pc.layout
@@ -255,9 +253,8 @@ class _Nvfp4Dense(_Dense):
             bs = []
             for b, si in zip(bscales, s2, strict=True):
                 raw = ctx.array(b)
-                if nvfp4.has_nan_fp8(raw):
-                    raise BadData(b.name, "FP8 bytes encode NaN (0x7F or 0xFF)")
-                bs.append(nvfp4.rescale_block_scales(raw, si, big_s2))
+                check_fp8(raw, b)
+                bs.append(fp8.rescale_block_scales(raw, si, big_s2))
             for t, sl in self.slices.items():
                 ranks = [r for r in self.ranks if self.pc.parallel.tp_rank(r) == t]
                 wparts = self._rank_weight(ctx, sl, shapes[ranks[0]], weights, loaded)

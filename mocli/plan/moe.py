@@ -12,21 +12,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mocli import ops
 from mocli.census import Module, MoELayer
 from mocli.engine.units import BadData, OutTensor, Piece, Unit, concat_pieces
 from mocli.io.safetensors_file import TensorEntry
 from mocli.kinds import KINDS, ModuleKind, Role
-from mocli.ops import nvfp4, swizzled_shape
+from mocli.ops import fp8, nvfp4, swizzled_shape
 from mocli.parallel import expert_range, intermediate_range
 from mocli.plan.context import PlanContext
-from mocli.plan.core import F32, ConvertedModule, scalar
+from mocli.plan.core import F32, ConvertedModule
 from mocli.plan.dense import QUANT_SUFFIXES
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 
-if TYPE_CHECKING:  # units import torch when they run: a plan is made without it
-    import torch
-
+if TYPE_CHECKING:
     from mocli.engine.pool import UnitContext
 
 
@@ -91,11 +88,11 @@ class _Moe:
         return [r for r in self.ranks if self.experts[r][0] <= e < self.experts[r][1]]
 
     def expert_unit(self, kind: str, e: int, role: Role, inputs: list[TensorEntry], emit: Callable,
-                    prepare: Callable = lambda ctx: None, compute: bool = False, torch_free: bool = False) -> None:
+                    prepare: Callable = lambda ctx: None, compute: bool = False) -> None:
         """One unit for expert ``e``'s part of ``role`` on every rank that holds it: ``prepare(ctx)``
         once, then per rank ``emit(ctx, prepared, r, (i0, i1))`` gives the rank's bytes of the expert
-        (parts laid end to end in its slot of the stacked tensor; ``(i0, i1)``: the rank's rows of I).
-        ``torch_free``: every part is a source range or a numpy array (``Unit.torch_free``)."""
+        (parts laid end to end in its slot of the stacked tensor; ``(i0, i1)``: the rank's rows of I):
+        source ranges or numpy arrays, made without torch (``Unit.torch_free``)."""
         holders = self.holders(e)
         keys = {r: self.key(r, role) for r in holders}
         slots = {r: self.pc.plan.tensors[keys[r]].nbytes // self.local(r) * (e - self.experts[r][0]) for r in holders}
@@ -104,7 +101,7 @@ class _Moe:
             prepared = prepare(ctx)
             return [p for r in holders for p in concat_pieces(keys[r], emit(ctx, prepared, r, self.inter[r]), slots[r])]
 
-        self.pc.plan.units.append(Unit(f"{kind}:{self.p}.{e}", inputs, list(keys.values()), run, compute, torch_free))
+        self.pc.plan.units.append(Unit(f"{kind}:{self.p}.{e}", inputs, list(keys.values()), run, compute, torch_free=True))
 
     def plan_vectors(self, vectors: dict[Role, tuple[np.ndarray, str, list[str]]]) -> None:
         """Per-expert [E] vectors sliced to each rank's experts; 0-dim scalars whole everywhere."""
@@ -137,13 +134,8 @@ class _Moe:
 
 
 
-def _check(t: torch.Tensor, m: Module, suffix: str) -> None:
-    if ops.fp8.has_nan_fp8(t):
-        raise BadData(m.tensors[suffix].name, "FP8 bytes encode NaN (0x7F or 0xFF)")
-
-
 def _check_bytes(raw: np.ndarray, m: Module, suffix: str) -> None:
-    if nvfp4.has_nan_fp8(raw):
+    if fp8.has_nan_fp8(raw):
         raise BadData(m.tensors[suffix].name, "FP8 bytes encode NaN (0x7F or 0xFF)")
 
 
@@ -185,29 +177,44 @@ class _Fp8Moe(_Moe):
         for r in self.ranks:
             self.module(r, {})
 
-    def _w13_unit(self, e: int, g: Module, u: Module, s1, s3, s) -> None:
-        layout, h = self.pc.layout, self.h
+    # FP8 units are numpy on the CPU (``mocli.ops.fp8``): every weight byte checked for NaN codes, the
+    # w1/w3 half below the expert's max scale requantized through a 256-entry table, rows permuted for
+    # trtllm; bytes no transform touches are copied in the kernel.
 
-        def emit(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list[torch.Tensor]:
+    def _w13_unit(self, e: int, g: Module, u: Module, s1, s3, s) -> None:
+        layout = self.pc.layout
+
+        def emit(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
             # [w3; w1]: FlashInfer computes act(second half) * first half (SEMANTICS §4).
-            w13 = _stacked_halves(ctx, [(u, scalar(s3)), (g, scalar(s1))], rows, h, scalar(s))
-            return [ops.layout.permute_rows(w13, layout.w13_rows(w13.shape[0]), ctx.out(w13))]
+            i0, i1 = rows
+            halves = []
+            for m, scale in ((u, s3), (g, s1)):
+                raw = ctx.array(m.tensors[WEIGHT], i0, i1)  # mapped, not read (UnitContext.array)
+                _check_bytes(raw, m, WEIGHT)
+                halves.append((m, raw, fp8.requantize_fp8(raw, scale, s)))
+            idx = layout.w13_rows(2 * (i1 - i0))
+            if idx is not None:
+                return [nvfp4.gather_rows([q for _, _, q in halves], idx)]
+            # the half already at the max scale is its source bytes: copied in the kernel
+            return [ctx.src(m.tensors[WEIGHT]).rows(i0, i1) if q is raw else q for m, raw, q in halves]
 
         self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], emit, compute=True)
 
     def _w2_unit(self, e: int, d: Module) -> None:
         layout, h = self.pc.layout, self.h
 
-        def prepare(ctx: UnitContext) -> torch.Tensor:
-            w2 = ctx.load(d.tensors[WEIGHT])
-            _check(w2, d, WEIGHT)
+        def prepare(ctx: UnitContext) -> np.ndarray:
+            w2 = ctx.array(d.tensors[WEIGHT])
+            _check_bytes(w2, d, WEIGHT)
             return w2
 
-        def emit(ctx: UnitContext, w2: torch.Tensor, r: int, rows: tuple[int, int]) -> list[torch.Tensor]:
+        def emit(ctx: UnitContext, w2: np.ndarray, r: int, rows: tuple[int, int]) -> list:
             i0, i1 = rows
-            w2_r = w2[:, i0:i1] if i1 - i0 != self.i else w2
-            w2_r = ops.layout.permute_rows(w2_r, layout.w2_rows(h), ctx.out(w2_r) if w2_r.is_contiguous() else None)
-            return [w2_r.contiguous()]
+            whole = i1 - i0 == self.i
+            if whole and not layout.shuffles_rows:  # source bytes: copied in the kernel
+                return [ctx.src(d.tensors[WEIGHT])]
+            part = w2 if whole else w2[:, i0:i1]
+            return [np.ascontiguousarray(nvfp4.permute_rows(part, layout.w2_rows(h)))]
 
         self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, prepare, compute=True)  # NaN checks
 
@@ -265,8 +272,7 @@ class _Nvfp4Moe(_Moe):
         for r in self.ranks:
             self.module(r, {})
 
-    # Every NVFP4 unit is torch-free (``Unit.torch_free``): bytes copied in the kernel, or moved and
-    # rescaled in numpy (``mocli.ops.nvfp4``) on the CPU whatever --device says.
+    # NVFP4 units: bytes copied in the kernel, or moved and rescaled in numpy (``mocli.ops``).
 
     def _w13_unit(self, e: int, g: Module, u: Module) -> None:
         layout = self.pc.layout
@@ -278,7 +284,7 @@ class _Nvfp4Moe(_Moe):
                 return [ctx.src(u.tensors[WEIGHT]).rows(i0, i1), ctx.src(g.tensors[WEIGHT]).rows(i0, i1)]
             return [ctx.gather_array([(u.tensors[WEIGHT], i0, i1), (g.tensors[WEIGHT], i0, i1)], idx)]
 
-        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], emit, torch_free=True)
+        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], emit)
 
     def _w13_scale_unit(self, e: int, g: Module, u: Module, s2_1, s2_3, big) -> None:
         layout = self.pc.layout
@@ -287,7 +293,7 @@ class _Nvfp4Moe(_Moe):
             ub, gb = ctx.array(u.tensors[WEIGHT_SCALE]), ctx.array(g.tensors[WEIGHT_SCALE])
             for t, m in ((ub, u), (gb, g)):
                 _check_bytes(t, m, WEIGHT_SCALE)
-            return nvfp4.rescale_block_scales(ub, s2_3, big), nvfp4.rescale_block_scales(gb, s2_1, big)
+            return fp8.rescale_block_scales(ub, s2_3, big), fp8.rescale_block_scales(gb, s2_1, big)
 
         def emit(ctx: UnitContext, scales, r: int, rows: tuple[int, int]) -> list[np.ndarray]:
             (ub, gb), (i0, i1) = scales, rows
@@ -295,7 +301,7 @@ class _Nvfp4Moe(_Moe):
             return [nvfp4.swizzle_block_scales(bs13)]
 
         self.expert_unit("w13s", e, Role.W13_WEIGHT_SCALE, [g.tensors[WEIGHT_SCALE], u.tensors[WEIGHT_SCALE]],
-                         emit, prepare, torch_free=True)
+                         emit, prepare)
 
     def _w2_unit(self, e: int, d: Module) -> None:
         layout, h = self.pc.layout, self.h
@@ -309,7 +315,7 @@ class _Nvfp4Moe(_Moe):
             part = loaded["w2"][:, i0 // 2:i1 // 2]
             return [np.ascontiguousarray(nvfp4.permute_rows(part, layout.w2_rows(h)))]
 
-        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, lambda ctx: {}, torch_free=True)
+        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, lambda ctx: {})
 
     def _w2_scale_unit(self, e: int, d: Module) -> None:
         layout, h = self.pc.layout, self.h
@@ -323,29 +329,7 @@ class _Nvfp4Moe(_Moe):
             i0, i1 = rows
             return [nvfp4.swizzle_block_scales(nvfp4.permute_rows(db[:, i0 // 16:i1 // 16], layout.w2_rows(h)))]
 
-        self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], emit, prepare, torch_free=True)
-
-
-def _stacked_halves(ctx: UnitContext, halves: list[tuple[Module, torch.Tensor]], rows: tuple[int, int],
-                    h: int, new_scale: torch.Tensor) -> torch.Tensor:
-    """[up rows; gate rows] of one FP8 expert on the compute device, each half checked for NaN and
-    requantized to ``new_scale`` straight into one output buffer (no concatenation copy)."""
-    import torch
-
-    i0, i1 = rows
-    i = i1 - i0
-    cpu = ctx.device.type == "cpu"
-    out = ctx.buffer((2 * i, h), torch.float8_e4m3fn) if cpu else \
-        torch.empty((2 * i, h), dtype=torch.float8_e4m3fn, device=ctx.device)
-    for k, (m, scale) in enumerate(halves):
-        half = ctx.rows(m.tensors[WEIGHT], i0, i1)  # on the CPU mapped, not read (UnitContext.rows)
-        _check(half, m, WEIGHT)
-        part = out[k * i:(k + 1) * i]
-        if cpu:
-            ops.fp8.requantize_fp8(half, scale, new_scale, out=part)
-        else:
-            part.copy_(ops.fp8.requantize_fp8(half.to(ctx.device, non_blocking=True), scale, new_scale))
-    return out
+        self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], emit, prepare)
 
 
 # Planner per MoE kind (mocli.plan.PLANNERS joins it with the dense one).
