@@ -57,7 +57,7 @@ lint:
 bench: install
 	$(PYTHON) tests/bench/bench.py
 
-# The same on a GPU machine: convert/quantize/verify with --device cuda, cuda vs cpu, and the loader.
+# The same on a GPU machine: convert, quantize and verify with --device cuda (quantize also against --device cpu), and the loader.
 bench-gpu:
 	$(PYTHON) tests/bench/bench.py --device cuda --only convert,quantize
 

@@ -294,10 +294,10 @@ def convert_cmd(
         with out.progress_bar("converting") as progress:
             progress.phase("reading headers")
             ckpt = open_checkpoint(model)
-            digests = SourceDigests([h.path for h in ckpt.files])  # hashing overlaps planning (and torch's import)
-            # and so does CUDA's start-up: the driver always (--device is checked without torch), the
-            # device's context where the plan will use the GPU (FP8 weights; Plan.compute decides)
-            warm_cuda(device.value, context=ckpt.has_fp8_weights)
+            digests = SourceDigests([h.path for h in ckpt.files])  # hashing overlaps planning
+            # the CUDA driver only, to check --device without torch: no conversion uses the GPU (it only
+            # moves bytes, in numpy; mocli.ops)
+            warm_cuda(device.value, context=False)
             trace.mark("headers read")
             from mocli.convert import convert
             from mocli.render import render_convert

@@ -100,6 +100,26 @@ def check_device(device: str) -> None:
         raise InputError(f"--device {device}: no CUDA device is available", hint="use --device cpu or auto")
 
 
+def capability(device: str) -> tuple[int, int] | None:
+    """The compute capability of the CUDA device ``device`` names (``requested_device``), from the
+    driver through ctypes, without torch; None without a driver or a device."""
+    name = requested_device(device)
+    if not name.startswith("cuda"):
+        return None
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        dev, major, minor = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
+        if (cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), int(name.split(":", 1)[1])) != 0
+                or cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) != 0  # ..._COMPUTE_CAPABILITY_MAJOR
+                or cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev) != 0):  # ..._MINOR
+            return None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return major.value, minor.value
+
+
 def requested_device(device: str) -> str:
     """What ``resolve_device`` names for ``device``, as the CUDA driver sees it (no torch): a summary's
     ``device_requested`` where the units ran on the CPU without torch."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import json
 import shutil
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 
@@ -629,3 +630,55 @@ def test_early_digests_are_the_ones_verify_checks(cli, tmp_path):
     report = verify(out, VerifyOptions(early_digests=early))
     assert not report["ok"] and early.futures == {}
     assert [p["file"] for p in report["files"]["problems"]] == [shard.name]
+
+
+def test_module_checks_side_by_side_agree_and_stop_at_an_error(cli, converted, monkeypatch):
+    """Several numpy module checks at once (``nvfp4.WORKERS``, one per 4 cores: 1 on the build machine,
+    so forced here) give the report of one at a time; a module whose check raises stops the run with
+    that error, and the modules not started yet are not checked."""
+    from mocli.verify import nvfp4
+
+    out = converted["qwen", TRTLLM]
+    one = cli("--json", "verify", out).json
+    monkeypatch.setattr(nvfp4, "WORKERS", 2)
+    many = cli("--json", "verify", out).json
+    strip = lambda r: [{k: v for k, v in m.items() if k != "seconds"} for m in r["modules"]]  # noqa: E731
+    assert many["ok"] and strip(many) == strip(one)
+    started: list[str] = []
+    real = nvfp4.check_dense
+
+    def first_fails(name, *a, **k):
+        started.append(name)
+        if len(started) == 1:
+            raise RuntimeError("planted: the first dense module")
+        time.sleep(0.5)  # the others take a while: the queued ones are cancelled meanwhile
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(nvfp4, "check_dense", first_fails)
+    monkeypatch.setattr(nvfp4, "check_moe", lambda name, *a, **k: started.append(name))
+    with pytest.raises(RuntimeError, match="planted"):
+        from mocli.verify import VerifyOptions, verify
+
+        verify(out, VerifyOptions(device="cpu"))
+    # the manifest lists every dense module before the MoE layers: with two at a time, the failing
+    # one's worker takes one more, and nothing after that starts
+    assert len(started) == 3 and not any(n.endswith("experts") for n in started), started
+
+
+def test_fp4_kernels_are_sought_only_on_sm100(monkeypatch):
+    """Torch is loaded for NVFP4 only where FlashInfer's NVFP4 kernels could run: FlashInfer installed,
+    a layout they read, and an sm_100+ device (asked through the driver, without torch); an H100/H200
+    (sm_90) checks NVFP4 in numpy."""
+    import importlib.util
+
+    from mocli.targets import layout_of
+    from mocli.verify import VerifyOptions, runner
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flashinfer" else None)
+    cutlass, trtllm = layout_of(CUTLASS), layout_of(TRTLLM)
+    for cc, want in (((9, 0), False), ((10, 0), True), (None, False)):
+        monkeypatch.setattr(runner, "capability", lambda device, cc=cc: cc)
+        assert runner._fp4_kernels_possible(cutlass, VerifyOptions()) is want
+        assert runner._fp4_kernels_possible(trtllm, VerifyOptions()) is False  # no FlashInfer NVFP4 kernel reads it
+        assert runner._fp4_kernels_possible(cutlass, VerifyOptions(device="cpu")) is False
+        assert runner._fp4_kernels_possible(cutlass, VerifyOptions(kernels="flashinfer")) is True

@@ -25,8 +25,11 @@ def to_numpy(t: Any) -> np.ndarray:
         return t
     if not hasattr(t, "detach"):
         return np.asarray(t)
+    torch = _torch()
     t = t.detach().cpu()
-    return t.view(_torch().uint8).numpy() if t.element_size() == 1 and t.is_floating_point() else t.numpy()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.float().numpy()
+    return t.view(torch.uint8).numpy() if t.element_size() == 1 and t.is_floating_point() else t.numpy()
 
 
 def _torch():

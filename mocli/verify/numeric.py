@@ -129,4 +129,8 @@ def dequant_nvfp4(packed: np.ndarray, block_scales: np.ndarray, scale_2: float) 
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1) + np.exp(-x))
+    """x * sigmoid(x), as x / 2 * (1 + tanh(x / 2)): no overflow for large |x| (within a few ulp of
+    torch's silu, which the kernel emulation need not match bit for bit: its inputs are exact, its
+    output is quantized)."""
+    half = x * np.float32(0.5)
+    return half * (np.float32(1) + np.tanh(half))

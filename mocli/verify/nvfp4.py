@@ -75,7 +75,12 @@ class NpSource:
         return self.census.modules[name]
 
     def scalar(self, m: Module, suffix: str) -> np.float32:
-        return np.float32(self.floats(m.tensors[suffix].name).reshape(-1)[0])
+        name = m.tensors[suffix].name
+        v = self.floats(name)
+        if v.size != 1:
+            raise CorruptFileError(f"{name}: a per-tensor scale with {v.size} values",
+                                   hint="the source is not the per-tensor NVFP4 export it was converted from")
+        return np.float32(v.reshape(()))
 
     def dequant(self, m: Module, rows: np.ndarray | None = None) -> np.ndarray:
         """float32 [N, K] of one source linear (or its ``rows``), from its own scales."""
@@ -120,8 +125,8 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict, src: NpSource, lay
     kind = ModuleKind(first["kind"])
     shards = [src.module(n) for n in first["sources"]]
     s2 = [src.scalar(m, WEIGHT_SCALE_2) for m in shards]
-    big_s2 = max(s2)
-    big_a = max(src.scalar(m, INPUT_SCALE) for m in shards)
+    big_s2 = np.max(s2)  # numpy's max: a NaN scale stays NaN (and fails), as torch's did
+    big_a = np.max([src.scalar(m, INPUT_SCALE) for m in shards])
     limits = THRESHOLDS[kind]
     threshold = limits.unified if any(v != big_s2 for v in s2) else limits.kept
 
@@ -171,27 +176,28 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict, src: NpSource, lay
             global_rows = held[local_rows]
             cols = np.searchsorted(sample, global_rows)  # their place among the sampled rows
             xr = x[:, c0:c1]
-            if fp4 is not None:
-                out, res.kernel = fp4.mm(cks[rank], name, xr)[:, local_rows], "flashinfer.mm_fp4"
-            else:
-                xa = nvfp4_quant(xr, mod.input_scale_inv)  # e2m1 * sf: exact in float32
-                out = (xa @ scaled_e2m1(w[local_rows], bs[local_rows]).T) * mod.alpha
-                res.kernel, res.emulated = EMULATED, True
-            xq_r = quant(xr)
-            if split == "row":
-                ref = xq_r @ w_sample[:, c0:c1].T
-            else:
-                if xq_full is None:  # the same for every rank; the rank's own when it holds every column
-                    xq_full = xq_r if (c0, c1) == (0, k_full) else quant(x)
-                ref = (xq_full @ w_sample.T)[:, cols]
-            if getattr(mod, "bias", None) is not None:
-                problems.expect_parts("bias", mod.bias, [src.arr(m.tensors["bias"].name)[a:e]
-                                                         for m, (a, e, _, _) in zip(shards, slices, strict=True)])
-                # the engine adds a row-parallel bias once, after the all-reduce: rank 0 carries it here
-                if split != "row" or meta.get("tp_rank", 0) == 0:
-                    out = out + floats(mod.bias, cks[rank].entry(info["tensors"]["bias"]).dtype)[local_rows]
-                    ref = ref + bias_full[global_rows]
-            res.error = rel_error(out, ref)
+            with np.errstate(all="ignore"):  # a broken scale gives inf/NaN, which fails the check (no warning)
+                if fp4 is not None:
+                    out, res.kernel = fp4.mm(cks[rank], name, xr)[:, local_rows], "flashinfer.mm_fp4"
+                else:
+                    xa = nvfp4_quant(xr, mod.input_scale_inv)  # e2m1 * sf: exact in float32
+                    out = (xa @ scaled_e2m1(w[local_rows], bs[local_rows]).T) * mod.alpha
+                    res.kernel, res.emulated = EMULATED, True
+                xq_r = quant(xr)
+                if split == "row":
+                    ref = xq_r @ w_sample[:, c0:c1].T
+                else:
+                    if xq_full is None:  # the same for every rank; the rank's own when it holds every column
+                        xq_full = xq_r if (c0, c1) == (0, k_full) else quant(x)
+                    ref = (xq_full @ w_sample.T)[:, cols]
+                if getattr(mod, "bias", None) is not None:
+                    problems.expect_parts("bias", mod.bias, [src.arr(m.tensors["bias"].name)[a:e]
+                                                             for m, (a, e, _, _) in zip(shards, slices, strict=True)])
+                    # the engine adds a row-parallel bias once, after the all-reduce: rank 0 carries it here
+                    if split != "row" or meta.get("tp_rank", 0) == 0:
+                        out = out + floats(mod.bias, cks[rank].entry(info["tensors"]["bias"]).dtype)[local_rows]
+                        ref = ref + bias_full[global_rows]
+                res.error = rel_error(out, ref)
             outs[rank] = (split, cols, xq_r, out, meta.get("tp_rank", 0))
         except (LayoutError, CorruptFileError) as e:
             res.kernel = "layout check"
@@ -199,8 +205,9 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict, src: NpSource, lay
         results.append(finish(res, problems, t0))
     cross = None
     if len(outs) > 1 and len(outs) == len(infos):
-        cross = _dense_cross(name, outs, x, quant, threshold, w_sample,
-                             None if bias_full is None else bias_full[sample])
+        with np.errstate(all="ignore"):
+                cross = _dense_cross(name, outs, x, quant, threshold, w_sample,
+                                 None if bias_full is None else bias_full[sample])
     return results, cross
 
 
@@ -259,8 +266,8 @@ class _Layer:
         self.layer = src.layers[name]
         self.limits = THRESHOLDS[ModuleKind.NVFP4_MOE]
         every = [self.layer.experts[e] for e in sorted(self.layer.experts)]
-        self.a13 = max(max(src.scalar(e.gate, INPUT_SCALE), src.scalar(e.up, INPUT_SCALE)) for e in every)
-        self.a2 = max(src.scalar(e.down, INPUT_SCALE) for e in every)
+        self.a13 = np.max([np.maximum(src.scalar(e.gate, INPUT_SCALE), src.scalar(e.up, INPUT_SCALE)) for e in every])
+        self.a2 = np.max([src.scalar(e.down, INPUT_SCALE) for e in every])
         self.x = rng(opts.seed, name).standard_normal((opts.tokens, self.layer.hidden), dtype=np.float32) \
             * np.float32(float(self.a13) * 448.0 * 6 / 4)
         self.ref_in = self.quant(self.x, self.a13)
@@ -317,7 +324,7 @@ class _Layer:
         """What ``decoded`` must hold for source expert ``ex``, by role: parts laid end to end on dim 0."""
         (i0, i1), src = i_slice, self.src
         s1, s3 = src.scalar(ex.gate, WEIGHT_SCALE_2), src.scalar(ex.up, WEIGHT_SCALE_2)
-        big = max(s1, s3)
+        big = np.maximum(s1, s3)
 
         def part(m, role):
             return src.arr(m.tensors[role].name)
@@ -385,7 +392,7 @@ class _Layer:
             outs[gid] = (o1, o2, h_true)
         return EMULATED_MOE, True, stages, (worst[1], worst[2]), outs
 
-    def fused(self, fp4: Fp4Kernels, ck, mod, experts):  # pragma: no cover - FlashInfer's fused kernel, sm_100+
+    def fused(self, fp4: Fp4Kernels, ck, mod):  # pragma: no cover - FlashInfer's fused kernel, sm_100+
         """FlashInfer's fused kernel gives only the layer output: one end-to-end check with routing."""
         g = rng(self.opts.seed, mod.name + "/routing")
         t, top_k = self.x.shape[0], min(2, mod.experts)
@@ -436,8 +443,8 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict, src: NpSource, layou
             case.consistency(mod, experts, problems)
             found: Future = _BYTES.submit(case.all_bytes, mod, experts, i_slice)
             try:
-                numbers = case.fused(fp4, cks[rank], mod, experts) if fp4 is not None else \
-                    case.stages(mod, off, i_slice)
+                with np.errstate(all="ignore"):  # a broken scale gives inf/NaN, which fails the check below
+                    numbers = case.fused(fp4, cks[rank], mod) if fp4 is not None else case.stages(mod, off, i_slice)
             finally:
                 differ, fault = found.result()
                 problems += differ
@@ -452,7 +459,8 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict, src: NpSource, layou
         results.append(finish(res, problems, t0))
     cross = None
     if len({i_slice for i_slice, _ in per_rank.values()}) > 1 and len(per_rank) == len(infos):
-        cross = _moe_cross(name, case, per_rank)
+        with np.errstate(all="ignore"):
+            cross = _moe_cross(name, case, per_rank)
     return results, cross
 
 
@@ -474,7 +482,8 @@ def _moe_cross(name: str, case: _Layer, per_rank: dict) -> CrossResult:
             h_parts.append(h_true)
             total2 = total2 + o2
         ref2 = np.concatenate(h_parts, axis=1) @ w2.T
-        worst = max(worst, rel_error(got1, full1) / case.limits.unified, rel_error(total2, ref2) / case.limits.gemm2)
-    passed = worst <= 1.0
+        errs = (rel_error(got1, full1) / case.limits.unified, rel_error(total2, ref2) / case.limits.gemm2)
+        worst = math.nan if math.isnan(worst) or any(map(math.isnan, errs)) else max(worst, *errs)
+    passed = worst <= 1.0  # False for NaN
     return CrossResult(name, "tensor-parallel experts: GEMM1 concatenates, GEMM2 sums over ranks", worst, 1.0, passed,
                        "" if passed else f"error {worst:.3g}x the threshold")

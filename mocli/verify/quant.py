@@ -1,4 +1,6 @@
-"""Activation quantization as the target kernels do it, and source-weight dequantization.
+"""Activation quantization as the target kernels do it, in torch, and FP8 source-weight dequantization:
+what the FP8 checks and the serving emulation (``mocli.serve``) use. NVFP4 verify runs in numpy
+(``mocli.verify.numeric``, held bit-equal to ``nvfp4_quant`` here by a test).
 
 Both the reference and the kernel side quantize activations with these functions (it is an input
 model, not what is being checked); the weights each side uses come from different files.

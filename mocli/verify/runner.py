@@ -19,7 +19,7 @@ from typing import Any
 from mocli import trace
 from mocli.census import build_census
 from mocli.checkpoint import Checkpoint
-from mocli.devices import Kernels, check_device, requested_device
+from mocli.devices import Kernels, capability, check_device, requested_device
 from mocli.errors import InputError
 from mocli.formats.layout import read_manifest
 from mocli.kinds import KINDS, ModuleKind
@@ -119,14 +119,19 @@ def _torch_runtime(kinds: set[ModuleKind], layout, opts: VerifyOptions):
 
 
 def _fp4_kernels_possible(layout, opts: VerifyOptions) -> bool:
-    """Whether FlashInfer's NVFP4 kernels could run (decided without torch; ``Runtime.fp4_kernels`` then
-    decides for certain)."""
+    """Whether FlashInfer's NVFP4 kernels could run: asked for, or a layout they read, FlashInfer
+    installed and an sm_100+ device (SEMANTICS §9), all decided without torch (``Runtime.fp4_kernels``
+    then decides for certain)."""
     import importlib.util
 
-    if opts.kernels is Kernels.FLASHINFER:
+    kernels = Kernels(opts.kernels)
+    if kernels is Kernels.FLASHINFER:
         return True  # the runtime checks that they can, and says why not
-    return (opts.kernels is Kernels.AUTO and layout.fp4_kernels and opts.device != "cpu"
-            and importlib.util.find_spec("flashinfer") is not None and requested_device(opts.device) != "cpu")
+    if kernels is not Kernels.AUTO or not layout.fp4_kernels or opts.device == "cpu" \
+            or importlib.util.find_spec("flashinfer") is None:
+        return False
+    cc = capability(opts.device)
+    return cc is not None and cc[0] >= 10
 
 
 def _cpu_note(device: str) -> dict[str, str]:
@@ -140,7 +145,8 @@ def _check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout,
     """Every named module on every rank of ``cks`` that holds it, by its kind's check, in order (a module
     missing on a rank is completeness's finding, not a crash here). NVFP4 in numpy (torch only for
     FlashInfer's kernels), up to ``nvfp4.WORKERS`` modules at once; FP8 in torch (``rt``), one at a
-    time. Each module gives back the mapped pages it touched when it is done."""
+    time. When a module is done the mapped pages go back (all maps': the modules still running fault
+    theirs back in from the page cache)."""
     heads = heads_of(src.config)
     results: list[ModuleResult] = []
     cross: list[CrossResult] = []
@@ -152,8 +158,8 @@ def _check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout,
         def check(name: str) -> tuple[list[ModuleResult], CrossResult | None]:
             try:
                 return check_one(name)
-            finally:  # RSS: the mapped bytes of the modules in flight, not the model's
-                reader.drop_pages()
+            finally:  # RSS: the mapped bytes of the modules in flight, not the model's (every map's pages
+                reader.drop_pages()  # go; a module still running faults its own back in from the page cache)
                 for ck in cks.values():
                     ck.drop_pages()
 
@@ -176,15 +182,22 @@ def _check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout,
 
         # numpy checks side by side where there are cores (nvfp4.WORKERS); torch's one at a time
         workers = nvfp4.WORKERS if rt is None else 1
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mocli-verify") as pool:
-            pending = [pool.submit(check, name) if workers > 1 else None for name in names]
-            for name, fut in zip(names, pending, strict=True):
-                res, cr = fut.result() if fut is not None else check(name)
+        if workers == 1:
+            done = (check(name) for name in names)
+        else:
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mocli-verify")
+            futures = [pool.submit(check, name) for name in names]
+            done = (f.result() for f in futures)
+        try:
+            for res, cr in done:
                 results += res
                 if cr is not None:
                     cross.append(cr)
                 for _ in res:
                     progress.advance()
+        finally:  # an error or Ctrl-C: the modules not started yet are not checked
+            if workers > 1:
+                pool.shutdown(wait=True, cancel_futures=True)
     return results, cross
 
 

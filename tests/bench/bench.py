@@ -142,29 +142,17 @@ def bench_convert(scratch: Path, rounds: int, device: str, results: list, algos:
         src = made()
         warm(src)
         for target in ("flashinfer-cutlass", "flashinfer-trtllm"):
-            # on the GPU machine, FP8 (requantization is compute) also runs on the CPU in the same rounds:
-            # --device cuda must beat it
-            on_cpu = device == "cuda" and algo == "FP8"
-            a, b, c = [], [], []
+            # a conversion runs on the CPU whatever --device says (it only moves bytes): the same path
+            # under --device cuda, which the GPU machine's figures are taken with
+            a, b = [], []
             for _ in range(rounds):
                 fresh(scratch / "floor-out")
                 b.append(timed([*floor, str(src), str(scratch / "floor-out")]))
                 fresh(scratch / "out")
                 a.append(timed(mocli("convert", str(src), "-o", str(scratch / "out"), "--target", target,
                                      "--device", device)))
-                if on_cpu:
-                    fresh(scratch / "out-cpu")
-                    c.append(timed(mocli("convert", str(src), "-o", str(scratch / "out-cpu"), "--target", target,
-                                         "--device", "cpu")))
             results.append(line(f"convert {algo} MoE {size_gib(src):.2f} GiB {target} --device {device} / I/O floor",
                                 a, b, goal))
-            if on_cpu:
-                results.append(line(f"convert FP8 MoE {target} --device cuda / --device cpu", a, c, 1.0, "cuda", "cpu"))
-                same = tree_digest(scratch / "out") == tree_digest(scratch / "out-cpu")
-                print(f"convert FP8 {target} output bytes, cuda vs cpu: {'identical' if same else 'DIFFER'} | "
-                      f"goal identical | {'meets' if same else 'MISSES'}", flush=True)
-                results.append({"what": f"convert FP8 {target} cuda bytes == cpu bytes", "meets": same})
-                fresh(scratch / "out-cpu")
         if algo == "NVFP4":
             # the output of the last round (trtllm) is what verify and the loader read
             v = []
