@@ -215,3 +215,35 @@ def test_a_units_numpy_pieces_are_lent_after_its_consumed_inputs_go_back_and_nev
     pool.give(done[0])
     t.join(5)
     assert not t.is_alive() and pool.out == 30
+
+
+@pytest.mark.parametrize("algo,target,par", [("FP8", "flashinfer-trtllm", []), ("FP8", "flashinfer-cutlass", ["--tp", "2"]),
+                                             ("NVFP4", "flashinfer-cutlass", ["--tp", "2", "--ep", "2"]), ("NVFP4", "flashinfer-trtllm", [])])
+def test_units_side_by_side_give_the_same_bytes_and_stop_at_bad_data(cli, tmp_path, monkeypatch, algo, target, par):
+    """On a many-core machine several units run at once (``job.UNIT_WORKERS``, one per 4 cores: 1 on the
+    build machine, so forced here): the same bytes as one at a time, and a NaN code in a weight still
+    refuses the run, naming the tensor, with nothing published."""
+    from safetensors.torch import load_file, save_file
+
+    import mocli.engine.job as job_mod
+
+    src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo=algo)
+    args = ["--target", target, *par]
+    monkeypatch.setattr(job_mod, "UNIT_WORKERS", 1)
+    assert cli("convert", src, "-o", tmp_path / "one", *args).exit_code == 0
+    monkeypatch.setattr(job_mod, "UNIT_WORKERS", 3)
+    assert cli("convert", src, "-o", tmp_path / "three", *args).exit_code == 0
+    tree = lambda d: {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+                      for p in sorted(d.rglob("*")) if p.is_file()}
+    assert tree(tmp_path / "three") == tree(tmp_path / "one")
+    if algo != "FP8":
+        return
+    shard, t, name = next((f, t, n) for f in sorted(src.glob("*.safetensors")) for t in [load_file(str(f))]
+                          for n in sorted(t) if n.endswith("experts.3.down_proj.weight"))
+    w = t[name].clone()
+    w.view(torch.uint8).view(-1)[5] = 0x7F
+    t[name] = w
+    save_file(t, str(shard), metadata={"format": "pt"})
+    r = cli("convert", src, "-o", tmp_path / "nan", *args)
+    assert r.exit_code == 1 and name in r.stderr and "NaN" in r.stderr, r.stderr
+    assert not (tmp_path / "nan").exists()

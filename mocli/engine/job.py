@@ -376,11 +376,11 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
             else:
                 used = (devices.requested_device(job.device), "cpu")
             recorded = job.source_digests is None or dist.rank != 0
-            for unit in units:
+            workers = UNIT_WORKERS if ctx.device is None else 1
+            for unit, pieces in _ran(units, ctx, workers):
                 if not recorded and job.source_digests.done():
                     record_source(partial, job.source_digests.result())
                     recorded = True
-                pieces = unit.run(ctx)
                 if ctx.device is not None and ctx.device.type == "cuda":
                     pieces = _to_host(pieces, ctx)
                 sink.put(unit, pieces, ctx.release(pieces))
@@ -396,6 +396,57 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
 
             torch.set_num_threads(threads)
     return None, used
+
+
+# Torch-free units (every conversion's: FP8 NaN checks and table lookups, row gathers) run this many at
+# a time where there are cores for them (numpy drops the GIL in its loops and copies): one per four
+# cores, up to four. On the 2-core build machine one, as before: its second core writes and hashes.
+# Units still reach the writer in plan order.
+UNIT_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def _ran(units: list[Unit], ctx: UnitContext, workers: int):
+    """(unit, its pieces) in plan order. ``workers`` > 1: up to that many units run at once ahead of the
+    writer, each thread with a reader of its own (a reader's descriptors are not shared across threads);
+    an error stops the units not yet started."""
+    if workers == 1:
+        for unit in units:
+            yield unit, unit.run(ctx)
+        return
+    import threading
+    from collections import deque
+
+    local = threading.local()
+    readers: list[TensorReader] = []
+    lock = threading.Lock()
+
+    def run(unit: Unit) -> list[Piece]:
+        own = getattr(local, "ctx", None)
+        if own is None:
+            with lock:
+                readers.append(TensorReader())
+                own = local.ctx = UnitContext(readers[-1], None, ctx.pool)
+        return unit.run(own)
+
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mocli-unit")
+    todo = iter(units)
+    window: deque = deque()
+    try:
+        for unit in todo:
+            window.append((unit, pool.submit(run, unit)))
+            if len(window) >= workers:
+                break
+        while window:
+            unit, fut = window.popleft()
+            pieces = fut.result()
+            nxt = next(todo, None)
+            if nxt is not None:
+                window.append((nxt, pool.submit(run, nxt)))
+            yield unit, pieces
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for r in readers:
+            r.close()
 
 
 def _compute_threads(job: Job, device: torch.device) -> int:
