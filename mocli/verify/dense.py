@@ -4,17 +4,12 @@ are checked in numpy (``mocli.verify.nvfp4``)."""
 
 from __future__ import annotations
 
-import math
-import time
-
 import torch
 
 from mocli.census import Module
-from mocli.errors import CorruptFileError
 from mocli.kinds import ModuleKind
 from mocli.loader import ConvertedCheckpoint
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE
-from mocli.targets.decode import LayoutError
 from mocli.verify.common import (
     THRESHOLDS,
     CrossResult,
@@ -22,16 +17,15 @@ from mocli.verify.common import (
     Problems,
     Runtime,
     Source,
-    finish,
     gen,
     rel_error,
     rows_of,
     scaled_mm,
 )
-from mocli.verify.expect import apply_table, rule_slices
+from mocli.verify.cross import dense_cross
+from mocli.verify.expect import apply_table, rule_slices, to_numpy
 from mocli.verify.quant import fp8_per_group_dequant, fp8_per_token, fp8_static
-
-NUMERIC_ROWS = 512  # output rows per dense module that get GEMMs (every row's bytes are compared)
+from mocli.verify.results import rank_check, sample_rows
 
 
 class _DenseKind:
@@ -135,16 +129,6 @@ DENSE: dict[ModuleKind, type[_DenseKind]] = {
 
 
 
-def _sample_rows(shards: list[Module], opts, name: str) -> torch.Tensor:
-    """Full-layer output rows that get GEMMs: each shard's first and last row plus seeded others."""
-    n = sum(m.out_in[0] for m in shards)
-    if n <= NUMERIC_ROWS:
-        return torch.arange(n)
-    edges = {e for off, m in zip(_offsets(shards), shards, strict=True) for e in (off, off + m.out_in[0] - 1)}
-    pick = torch.randperm(n, generator=gen(opts.seed, name + "/rows"))[: NUMERIC_ROWS - len(edges)]
-    return torch.tensor(sorted(edges | set(pick.tolist())))
-
-
 def check_dense(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheckpoint], src: Source, rt: Runtime,
                 opts, tp: int, heads) -> tuple[list[ModuleResult], CrossResult | None]:
     """One dense module on every given rank, then (all ranks given) the column-concat / row-sum
@@ -155,8 +139,8 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheck
     case = DENSE[kind](shards, src, rt)
     k_full = shards[0].out_in[1]
     x = (torch.randn(opts.tokens, k_full, generator=gen(opts.seed, name)) * case.x_scale).to(rt.device)
-    sample = _sample_rows(shards, opts, name)  # sorted full-layer rows
     offsets = _offsets(shards)
+    sample = torch.from_numpy(sample_rows(shards, offsets, opts.seed, name))  # sorted full-layer rows
     parts = []
     for m, off in zip(shards, offsets, strict=True):
         local = sample[(sample >= off) & (sample < off + m.out_in[0])] - off
@@ -168,18 +152,13 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheck
     results, outs = [], {}
     xq_full = None
     for rank, info in infos.items():
-        t0 = time.perf_counter()
         meta = info["meta"]
         slices = meta.get("slices") or [[0, m.out_in[0], 0, m.out_in[1]] for m in shards]
         split = meta.get("split", "replicated")
-        res = ModuleResult(name, rank, str(kind), info["scheme"], "", False,
-                           {k: v for k, v in meta.items() if isinstance(v, int)}, math.nan, case.threshold, False, 0.0,
-                           tensors=list(info["tensors"].values()))
-        problems = Problems()
-        expected = rule_slices(info, shards, tp, heads)
-        if expected is not None and expected != slices:
-            problems.append(f"the manifest's slices {slices} are not SEMANTICS §10's {expected}")
-        try:
+        with rank_check(results, name, rank, info, kind, case.threshold) as (res, problems):
+            expected = rule_slices(info, shards, tp, heads)
+            if expected is not None and expected != slices:
+                problems.append(f"the manifest's slices {slices} are not SEMANTICS §10's {expected}")
             mod = cks[rank].load_module(name, rt.device)
             case.check(mod, slices, problems)
             c0, c1 = slices[0][2], slices[0][3]
@@ -206,51 +185,12 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheck
                     ref = ref + bias_full.to(ref.device)[global_rows.to(ref.device)]
             res.error = rel_error(out, ref)
             outs[rank] = (split, cols, xq_r, out, meta.get("tp_rank", 0))
-        except (LayoutError, CorruptFileError) as e:
-            res.kernel = "layout check"
-            problems.insert(0, str(e))
-        results.append(finish(res, problems, t0))
     cross = None
-    if len(outs) > 1 and len(outs) == len(infos):
-        cross = _dense_cross(name, outs, x, case, w_sample, None if bias_full is None else bias_full[sample])
+    if len(outs) > 1 and len(outs) == len(infos):  # in numpy (small arrays): one implementation for every kind
+        np_outs = {r: (sp, c.numpy(), to_numpy(xq), to_numpy(o), t) for r, (sp, c, xq, o, t) in outs.items()}
+        cross = dense_cross(name, np_outs, to_numpy(x), lambda a: to_numpy(case.quant(torch.from_numpy(a).to(rt.device))),
+                            case.threshold, to_numpy(w_sample), None if bias_full is None else to_numpy(bias_full[sample]))
     return results, cross
-
-
-def _dense_cross(name, outs, x, case, w_sample, bias_sample) -> CrossResult:
-    """Combine the ranks' kernel outputs as the engine does and compare with the whole layer (on the
-    sampled rows). Ranks that share a tp rank (expert-parallel replicas) must agree and count once."""
-    split = next(iter(outs.values()))[0]
-    by_tp: dict[int, tuple] = {}
-    for rank in sorted(outs):
-        _, cols, xq, out, t = outs[rank]
-        if t in by_tp and not torch.equal(by_tp[t][2], out):
-            return CrossResult(name, "replica ranks agree", math.nan, 0.0, False,
-                               f"ranks holding tp rank {t} give different outputs")
-        by_tp.setdefault(t, (cols, xq, out))
-    w = w_sample.to(x.device)
-    if split == "row":
-        check = "row-parallel rank outputs sum to the full layer"
-        got = sum(out for _, _, out in by_tp.values())
-        # ranks hold consecutive column blocks in tp-rank order; their quantized inputs side by side
-        ref = torch.cat([by_tp[t][1] for t in sorted(by_tp)], dim=1) @ w.T
-    else:
-        check = ("column-parallel rank outputs concatenate to the full layer" if split == "column"
-                 else "replicated ranks each equal the full layer")
-        got = torch.full((x.shape[0], w.shape[0]), math.nan, device=w.device)
-        for cols, _, out in by_tp.values():
-            c = cols.to(got.device)
-            held = ~torch.isnan(got[:, c])
-            if bool(held.any()) and not torch.equal(got[:, c][held], out[held]):
-                return CrossResult(name, check, math.nan, case.threshold, False, "replicated rows differ between ranks")
-            got[:, c] = out
-        ref = case.quant(x) @ w.T
-    if bias_sample is not None:  # the ranks' outputs carry the bias (row-parallel: rank 0 only)
-        ref = ref + bias_sample.to(ref.device)
-    err = math.nan if bool(torch.isnan(got).any()) else rel_error(got, ref)
-    passed = not math.isnan(err) and err <= case.threshold
-    return CrossResult(name, check, err, case.threshold, passed, "" if passed else
-                       ("some rows are held by no rank" if math.isnan(err) else f"relative error {err:.3g} > "
-                        f"{case.threshold:g}"))
 
 
 def _offsets(shards: list[Module]) -> list[int]:

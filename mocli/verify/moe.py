@@ -10,9 +10,7 @@ of the layout) cannot read as a fault.
 
 from __future__ import annotations
 
-import math
 import os
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -35,14 +33,15 @@ from mocli.verify.common import (
     Problems,
     Runtime,
     Source,
-    finish,
     gen,
     rel_error,
     sample_experts,
     scaled_mm,
 )
-from mocli.verify.expect import apply_table, bit_equal
+from mocli.verify.cross import moe_cross
+from mocli.verify.expect import apply_table, bit_equal, to_numpy
 from mocli.verify.quant import FP8, fp8_static
+from mocli.verify.results import Stages, rank_check, take_bytes
 
 
 class _Experts:
@@ -226,13 +225,8 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheckpo
     results, per_rank = [], {}
     with src.on_device(_expert_tensors(layer, infos)):
         for rank, info in infos.items():
-            t0 = time.perf_counter()
             meta = info["meta"]
-            res = ModuleResult(name, rank, str(kind), info["scheme"], "", False,
-                               {k: v for k, v in meta.items() if isinstance(v, int)}, math.nan, 0.0, False, 0.0,
-                               tensors=list(info["tensors"].values()))
-            problems = Problems()
-            try:
+            with rank_check(results, name, rank, info, kind, 0.0) as (res, problems):
                 mod = cks[rank].load_module(name, rt.device)
                 off = meta.get("expert_offset", 0)
                 i_slice = tuple(meta.get("intermediate_slice", [0, meta["intermediate"]]))
@@ -248,20 +242,15 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheckpo
                     else:
                         numbers = _stages(case, mod, off, i_slice, x, ref_in, source, opts)
                 finally:
-                    differ, fault = found.result()
-                    problems += differ
-                    if fault is not None:  # a byte check's own layout fault first, as when it ran first
-                        raise fault
+                    take_bytes(found, problems)
                 res.kernel, res.emulated, res.stages, (res.error, res.threshold), outs = numbers
                 if outs is not None:
                     per_rank[rank] = (i_slice, outs)
-            except (LayoutError, CorruptFileError) as e:
-                res.kernel = "layout check"
-                problems.insert(0, str(e))
-            results.append(finish(res, problems, t0))
     cross = None
     if len({i_slice for i_slice, _ in per_rank.values()}) > 1 and len(per_rank) == len(infos):
-        cross = _cross(name, case, per_rank, ref_in, source, layer.intermediate)
+        np_rank = {r: (sl, {g: tuple(map(to_numpy, v)) for g, v in outs.items()}) for r, (sl, outs) in per_rank.items()}
+        cross = moe_cross(name, np_rank, to_numpy(ref_in), lambda g: tuple(map(to_numpy, source(g))),
+                          layer.intermediate, case.limits)
     return results, cross
 
 
@@ -307,8 +296,7 @@ def _stages(case: _Experts, mod, off: int, i_slice, x, ref_in, source, opts):
     (i0, i1), rt = i_slice, case.rt
     i = i1 - i0
     sample = sample_experts(mod.experts, rt, opts, mod.name, every=case.grouped)
-    stages = {"gemm1": 0.0, "gemm2": 0.0, "experts_numeric": len(sample)}
-    worst = (-1.0, math.nan, 1.0)
+    stages = Stages(len(sample))
     outs: dict[int, tuple] = {}
     kernel, emulated = "", False
     shared = case.prepare(mod, sample, x)
@@ -318,38 +306,10 @@ def _stages(case: _Experts, mod, off: int, i_slice, x, ref_in, source, opts):
         ref1 = torch.cat([ref_in @ w3[i0:i1].T, ref_in @ w1[i0:i1].T], dim=1)  # [up | gate] (SEMANTICS §4)
         o1, o2, h_true, kernel, emulated, t1 = case.expert_gemms(mod, n, local, i, x, shared)
         ref2 = h_true @ w2[:, i0:i1].T
-        e1, e2 = rel_error(o1, ref1), rel_error(o2, ref2)
-        for stage, err, thr in (("gemm1", e1, t1), ("gemm2", e2, case.limits.gemm2)):
-            stages[stage] = math.nan if math.isnan(err) or math.isnan(stages[stage]) else max(stages[stage], err)
-            ratio = math.inf if math.isnan(err) else err / thr
-            if ratio > worst[0]:
-                worst = (ratio, err, thr)
+        stages.add("gemm1", rel_error(o1, ref1), t1)
+        stages.add("gemm2", rel_error(o2, ref2), case.limits.gemm2)
         outs[gid] = (o1, o2, h_true)
-    return kernel, emulated, stages, (worst[1], worst[2]), outs
-
-
-def _cross(name: str, case: _Experts, per_rank: dict, ref_in, source, inter: int) -> CrossResult:
-    """Tensor-parallel MoE: rank GEMM1 outputs concatenate to the full expert's, GEMM2 outputs sum to
-    the full down projection of the concatenated intermediate (SEMANTICS §10)."""
-    worst = 0.0
-    common = set.intersection(*(set(outs) for _, outs in per_rank.values()))
-    for gid in sorted(common):
-        w1, w3, w2 = source(gid)
-        full1 = ref_in @ torch.cat([w3, w1]).T
-        got1 = torch.empty_like(full1)
-        h_parts, total2 = [], 0
-        for rank in sorted(per_rank):
-            (i0, i1), outs = per_rank[rank]
-            o1, o2, h_true = outs[gid]
-            i = i1 - i0
-            got1[:, i0:i1], got1[:, inter + i0:inter + i1] = o1[:, :i], o1[:, i:]
-            h_parts.append(h_true)
-            total2 = total2 + o2
-        ref2 = torch.cat(h_parts, dim=1) @ w2.T
-        worst = max(worst, rel_error(got1, full1) / case.limits.unified, rel_error(total2, ref2) / case.limits.gemm2)
-    passed = worst <= 1.0
-    return CrossResult(name, "tensor-parallel experts: GEMM1 concatenates, GEMM2 sums over ranks", worst, 1.0, passed,
-                       "" if passed else f"error {worst:.3g}x the threshold")
+    return kernel, emulated, stages.errors, stages.result(), outs
 
 
 def _fp8_expert(mod, local: int, x: torch.Tensor, rt: Runtime):

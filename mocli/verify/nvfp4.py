@@ -11,9 +11,7 @@ on the H200 machine). Torch comes in only for FlashInfer's NVFP4 kernels (sm_100
 
 from __future__ import annotations
 
-import math
 import os
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -25,6 +23,7 @@ from mocli.kinds import ModuleKind, Role
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.targets import TargetLayout
 from mocli.targets.decode import LayoutError, unswizzle
+from mocli.verify.cross import dense_cross, moe_cross
 from mocli.verify.expect import apply_table, rule_slices
 from mocli.verify.numeric import E4M3, dequant_nvfp4, nvfp4_quant, scaled_e2m1, silu
 from mocli.verify.results import (
@@ -35,14 +34,16 @@ from mocli.verify.results import (
     Halves,
     ModuleResult,
     Problems,
-    finish,
+    Stages,
     pick_experts,
+    rank_check,
     rel_error,
     rng,
+    sample_rows,
+    take_bytes,
 )
 
 KINDS = (ModuleKind.NVFP4_LINEAR, ModuleKind.NVFP4_MOE)
-NUMERIC_ROWS = 512  # output rows per dense module that get GEMMs (every row's bytes are compared)
 EMULATED = "emulated NVFP4 (decoded layout, exact products)"
 EMULATED_MOE = "emulated NVFP4 MoE (decoded layout, exact products)"
 ONE = np.float32(1)
@@ -137,7 +138,7 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict, src: NpSource, lay
     x = rng(opts.seed, name).standard_normal((opts.tokens, k_full), dtype=np.float32) * np.float32(
         float(big_a) * 2688 / 4)
     offsets = list(np.cumsum([0] + [m.out_in[0] for m in shards[:-1]]))
-    sample = _sample_rows(shards, offsets, opts, name)  # sorted full-layer rows
+    sample = sample_rows(shards, offsets, opts.seed, name)  # sorted full-layer rows
     w_sample = np.concatenate([src.dequant(m, local) for m, off in zip(shards, offsets, strict=True)
                                if len(local := sample[(sample >= off) & (sample < off + m.out_in[0])] - off)])
     bias_full = np.concatenate([src.floats(m.tensors["bias"].name) for m in shards]) \
@@ -145,18 +146,13 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict, src: NpSource, lay
     results, outs = [], {}
     xq_full = None
     for rank, info in infos.items():
-        t0 = time.perf_counter()
         meta = info["meta"]
         slices = meta.get("slices") or [[0, m.out_in[0], 0, m.out_in[1]] for m in shards]
         split = meta.get("split", "replicated")
-        res = ModuleResult(name, rank, str(kind), info["scheme"], "", False,
-                           {k: v for k, v in meta.items() if isinstance(v, int)}, math.nan, threshold, False, 0.0,
-                           tensors=list(info["tensors"].values()))
-        problems = Problems()
-        expected = rule_slices(info, shards, tp, heads)
-        if expected is not None and expected != slices:
-            problems.append(f"the manifest's slices {slices} are not SEMANTICS §10's {expected}")
-        try:
+        with rank_check(results, name, rank, info, kind, threshold) as (res, problems):
+            expected = rule_slices(info, shards, tp, heads)
+            if expected is not None and expected != slices:
+                problems.append(f"the manifest's slices {slices} are not SEMANTICS §10's {expected}")
             mod = cks[rank].module_arrays(name)
             n, k = mod.n, mod.k
             problems.scalar("weight_scale_2", mod.weight_scale_2, big_s2)
@@ -199,61 +195,12 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict, src: NpSource, lay
                         ref = ref + bias_full[global_rows]
                 res.error = rel_error(out, ref)
             outs[rank] = (split, cols, xq_r, out, meta.get("tp_rank", 0))
-        except (LayoutError, CorruptFileError) as e:
-            res.kernel = "layout check"
-            problems.insert(0, str(e))
-        results.append(finish(res, problems, t0))
     cross = None
     if len(outs) > 1 and len(outs) == len(infos):
         with np.errstate(all="ignore"):
-                cross = _dense_cross(name, outs, x, quant, threshold, w_sample,
-                                 None if bias_full is None else bias_full[sample])
+                cross = dense_cross(name, outs, x, quant, threshold, w_sample,
+                                None if bias_full is None else bias_full[sample])
     return results, cross
-
-
-def _sample_rows(shards: list[Module], offsets: list[int], opts, name: str) -> np.ndarray:
-    """Full-layer output rows that get GEMMs: each shard's first and last row plus seeded others."""
-    n = sum(m.out_in[0] for m in shards)
-    if n <= NUMERIC_ROWS:
-        return np.arange(n)
-    edges = {int(e) for off, m in zip(offsets, shards, strict=True) for e in (off, off + m.out_in[0] - 1)}
-    pick = rng(opts.seed, name + "/rows").permutation(n)[: NUMERIC_ROWS - len(edges)]
-    return np.array(sorted(edges | set(pick.tolist())))
-
-
-def _dense_cross(name, outs, x, quant, threshold: float, w_sample, bias_sample) -> CrossResult:
-    """Combine the ranks' kernel outputs as the engine does and compare with the whole layer (on the
-    sampled rows). Ranks that share a tp rank (expert-parallel replicas) must agree and count once."""
-    split = next(iter(outs.values()))[0]
-    by_tp: dict[int, tuple] = {}
-    for rank in sorted(outs):
-        _, cols, xq, out, t = outs[rank]
-        if t in by_tp and not np.array_equal(by_tp[t][2], out):
-            return CrossResult(name, "replica ranks agree", math.nan, 0.0, False,
-                               f"ranks holding tp rank {t} give different outputs")
-        by_tp.setdefault(t, (cols, xq, out))
-    if split == "row":
-        check = "row-parallel rank outputs sum to the full layer"
-        got = sum(out for _, _, out in by_tp.values())
-        # ranks hold consecutive column blocks in tp-rank order; their quantized inputs side by side
-        ref = np.concatenate([by_tp[t][1] for t in sorted(by_tp)], axis=1) @ w_sample.T
-    else:
-        check = ("column-parallel rank outputs concatenate to the full layer" if split == "column"
-                 else "replicated ranks each equal the full layer")
-        got = np.full((x.shape[0], w_sample.shape[0]), np.nan, dtype=np.float32)
-        for cols, _, out in by_tp.values():
-            held = ~np.isnan(got[:, cols])
-            if held.any() and not np.array_equal(got[:, cols][held], out[held]):
-                return CrossResult(name, check, math.nan, threshold, False, "replicated rows differ between ranks")
-            got[:, cols] = out
-        ref = quant(x) @ w_sample.T
-    if bias_sample is not None:  # the ranks' outputs carry the bias (row-parallel: rank 0 only)
-        ref = ref + bias_sample
-    err = math.nan if np.isnan(got).any() else rel_error(got, ref)
-    passed = not math.isnan(err) and err <= threshold
-    return CrossResult(name, check, err, threshold, passed, "" if passed else
-                       ("some rows are held by no rank" if math.isnan(err) else f"relative error {err:.3g} > "
-                        f"{threshold:g}"))
 
 
 # --- MoE (SEMANTICS §7) ----------------------------------------------------------------------------------
@@ -374,8 +321,7 @@ class _Layer:
         stage errors, (error, threshold) of the worst stage relative to its threshold, per-expert outputs."""
         i0, i1 = i_slice
         sample = pick_experts(mod.experts, CPU_SAMPLE_EXPERTS, self.opts.seed, mod.name)
-        stages: dict[str, float] = {"gemm1": 0.0, "gemm2": 0.0, "experts_numeric": len(sample)}
-        worst = (-1.0, math.nan, 1.0)
+        stages = Stages(len(sample))
         outs: dict[int, tuple] = {}
         for local in sample:
             gid = off + local
@@ -383,14 +329,10 @@ class _Layer:
             ref1 = np.concatenate([self.ref_in @ w3[i0:i1].T, self.ref_in @ w1[i0:i1].T], axis=1)  # [up | gate]
             o1, o2, h_true, t1 = self.expert_gemms(mod, local, i1 - i0)
             ref2 = h_true @ w2[:, i0:i1].T
-            e1, e2 = rel_error(o1, ref1), rel_error(o2, ref2)
-            for stage, err, thr in (("gemm1", e1, t1), ("gemm2", e2, self.limits.gemm2)):
-                stages[stage] = math.nan if math.isnan(err) or math.isnan(stages[stage]) else max(stages[stage], err)
-                ratio = math.inf if math.isnan(err) else err / thr
-                if ratio > worst[0]:
-                    worst = (ratio, err, thr)
+            stages.add("gemm1", rel_error(o1, ref1), t1)
+            stages.add("gemm2", rel_error(o2, ref2), self.limits.gemm2)
             outs[gid] = (o1, o2, h_true)
-        return EMULATED_MOE, True, stages, (worst[1], worst[2]), outs
+        return EMULATED_MOE, True, stages.errors, stages.result(), outs
 
     def fused(self, fp4: Fp4Kernels, ck, mod):  # pragma: no cover - FlashInfer's fused kernel, sm_100+
         """FlashInfer's fused kernel gives only the layer output: one end-to-end check with routing."""
@@ -429,13 +371,8 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict, src: NpSource, layou
     case = _Layer(name, src, layout, opts)
     results, per_rank = [], {}
     for rank, info in infos.items():
-        t0 = time.perf_counter()
         meta = info["meta"]
-        res = ModuleResult(name, rank, str(kind), info["scheme"], "", False,
-                           {k: v for k, v in meta.items() if isinstance(v, int)}, math.nan, 0.0, False, 0.0,
-                           tensors=list(info["tensors"].values()))
-        problems = Problems()
-        try:
+        with rank_check(results, name, rank, info, kind, 0.0) as (res, problems):
             mod = cks[rank].module_arrays(name)
             off = meta.get("expert_offset", 0)
             i_slice = tuple(meta.get("intermediate_slice", [0, meta["intermediate"]]))
@@ -446,44 +383,12 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict, src: NpSource, layou
                 with np.errstate(all="ignore"):  # a broken scale gives inf/NaN, which fails the check below
                     numbers = case.fused(fp4, cks[rank], mod) if fp4 is not None else case.stages(mod, off, i_slice)
             finally:
-                differ, fault = found.result()
-                problems += differ
-                if fault is not None:  # a byte check's own layout fault first, as when it ran first
-                    raise fault
+                take_bytes(found, problems)
             res.kernel, res.emulated, res.stages, (res.error, res.threshold), outs = numbers
             if outs is not None:
                 per_rank[rank] = (i_slice, outs)
-        except (LayoutError, CorruptFileError) as e:
-            res.kernel = "layout check"
-            problems.insert(0, str(e))
-        results.append(finish(res, problems, t0))
     cross = None
     if len({i_slice for i_slice, _ in per_rank.values()}) > 1 and len(per_rank) == len(infos):
         with np.errstate(all="ignore"):
-            cross = _moe_cross(name, case, per_rank)
+            cross = moe_cross(name, per_rank, case.ref_in, case.weights, case.layer.intermediate, case.limits)
     return results, cross
-
-
-def _moe_cross(name: str, case: _Layer, per_rank: dict) -> CrossResult:
-    """Tensor-parallel MoE: rank GEMM1 outputs concatenate to the full expert's, GEMM2 outputs sum to
-    the full down projection of the concatenated intermediate (SEMANTICS §10)."""
-    worst, inter = 0.0, case.layer.intermediate
-    common = set.intersection(*(set(outs) for _, outs in per_rank.values()))
-    for gid in sorted(common):
-        w1, w3, w2 = case.weights(gid)
-        full1 = case.ref_in @ np.concatenate([w3, w1]).T
-        got1 = np.empty_like(full1)
-        h_parts, total2 = [], 0
-        for rank in sorted(per_rank):
-            (i0, i1), outs = per_rank[rank]
-            o1, o2, h_true = outs[gid]
-            i = i1 - i0
-            got1[:, i0:i1], got1[:, inter + i0:inter + i1] = o1[:, :i], o1[:, i:]
-            h_parts.append(h_true)
-            total2 = total2 + o2
-        ref2 = np.concatenate(h_parts, axis=1) @ w2.T
-        errs = (rel_error(got1, full1) / case.limits.unified, rel_error(total2, ref2) / case.limits.gemm2)
-        worst = math.nan if math.isnan(worst) or any(map(math.isnan, errs)) else max(worst, *errs)
-    passed = worst <= 1.0  # False for NaN
-    return CrossResult(name, "tensor-parallel experts: GEMM1 concatenates, GEMM2 sums over ranks", worst, 1.0, passed,
-                       "" if passed else f"error {worst:.3g}x the threshold")

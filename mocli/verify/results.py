@@ -8,13 +8,18 @@ from __future__ import annotations
 import math
 import time
 import zlib
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from mocli.devices import Kernels
+from mocli.errors import CorruptFileError
 from mocli.kinds import ModuleKind
+from mocli.targets.decode import LayoutError
 from mocli.verify.expect import bit_equal, to_numpy
 
 
@@ -87,6 +92,19 @@ def pick_experts(n: int, k: int, seed: int, name: str) -> list[int]:
         return list(range(n))
     rest = rng(seed, name + "/experts").permutation(n - 1)[: k - 1] + 1
     return sorted({0, *rest.tolist()})
+
+
+NUMERIC_ROWS = 512  # output rows per dense module that get GEMMs (every row's bytes are compared)
+
+
+def sample_rows(shards: list, offsets: list[int], seed: int, name: str) -> np.ndarray:
+    """Full-layer output rows that get GEMMs: each shard's first and last row plus seeded others."""
+    n = sum(m.out_in[0] for m in shards)
+    if n <= NUMERIC_ROWS:
+        return np.arange(n)
+    edges = {int(e) for off, m in zip(offsets, shards, strict=True) for e in (off, off + m.out_in[0] - 1)}
+    pick = rng(seed, name + "/rows").permutation(n)[: NUMERIC_ROWS - len(edges)]
+    return np.array(sorted(edges | set(pick.tolist())))
 
 
 @dataclass
@@ -209,6 +227,54 @@ def finish(res: ModuleResult, problems: list[str], t0: float) -> ModuleResult:
         res.message = "; ".join(v for v in res.checks.values() if v != "ok")
     res.seconds = round(time.perf_counter() - t0, 4)
     return res
+
+
+@contextmanager
+def rank_check(results: list[ModuleResult], name: str, rank: int, info: dict, kind: ModuleKind,
+               threshold: float) -> Iterator[tuple[ModuleResult, Problems]]:
+    """One module on one rank, as every converted kind's check runs it: a result from the manifest's
+    entry, the problems found, a layout fault (the bytes break the layout) ending the check as a
+    "layout check" failure first in the list; the result goes into ``results`` finished."""
+    t0 = time.perf_counter()
+    res = ModuleResult(name, rank, str(kind), info["scheme"], "", False,
+                       {k: v for k, v in info["meta"].items() if isinstance(v, int)}, math.nan, threshold, False, 0.0,
+                       tensors=list(info["tensors"].values()))
+    problems = Problems()
+    try:
+        yield res, problems
+    except (LayoutError, CorruptFileError) as e:
+        res.kernel = "layout check"
+        problems.insert(0, str(e))
+    results.append(finish(res, problems, t0))
+
+
+def take_bytes(found: Future, problems: Problems) -> None:
+    """The expert byte checks run beside the GEMMs: their differences, then their own layout fault
+    raised, as when they ran first."""
+    differ, fault = found.result()
+    problems += differ
+    if fault is not None:
+        raise fault
+
+
+class Stages:
+    """An MoE check's stage errors (GEMM1, GEMM2, largest over the sampled experts; NaN sticks) and its
+    worst stage relative to that stage's threshold, which the module's result reports."""
+
+    def __init__(self, experts: int) -> None:
+        self.errors: dict[str, float] = {"gemm1": 0.0, "gemm2": 0.0, "experts_numeric": experts}
+        self.worst = (-1.0, math.nan, 1.0)  # (error / threshold, error, threshold)
+
+    def add(self, stage: str, err: float, threshold: float) -> None:
+        prev = self.errors[stage]
+        self.errors[stage] = math.nan if math.isnan(err) or math.isnan(prev) else max(prev, err)
+        ratio = math.inf if math.isnan(err) else err / threshold
+        if ratio > self.worst[0]:
+            self.worst = (ratio, err, threshold)
+
+    def result(self) -> tuple[float, float]:
+        """(error, threshold) of the worst stage."""
+        return self.worst[1], self.worst[2]
 
 
 def single_rank_report(out, src, target: str, device: str, opts, results: list[ModuleResult], files_checked: int,
