@@ -651,7 +651,7 @@ def test_module_checks_side_by_side_agree_and_stop_at_an_error(cli, converted, m
         started.append(name)
         if len(started) == 1:
             raise RuntimeError("planted: the first dense module")
-        time.sleep(0.5)  # the others take a while: the queued ones are cancelled meanwhile
+        time.sleep(1.5)  # the others take a while: the queued ones are cancelled meanwhile
         return real(name, *a, **k)
 
     monkeypatch.setattr(nvfp4, "check_dense", first_fails)
@@ -661,8 +661,9 @@ def test_module_checks_side_by_side_agree_and_stop_at_an_error(cli, converted, m
 
         verify(out, VerifyOptions(device="cpu"))
     # the manifest lists every dense module before the MoE layers: with two at a time, the failing
-    # one's worker takes one more, and nothing after that starts
-    assert len(started) == 3 and not any(n.endswith("experts") for n in started), started
+    # one's worker takes one more (two, on a machine too busy to cancel within 1.5 s), and the MoE
+    # layers, queued behind them, never start
+    assert 3 <= len(started) <= 4 and not any(n.endswith("experts") for n in started), started
 
 
 def test_fp4_kernels_are_sought_only_on_sm100(monkeypatch):
