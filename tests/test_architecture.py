@@ -138,7 +138,6 @@ import numpy as np
 from mocli.census import build_census
 from mocli.checkpoint import open_checkpoint
 from mocli.engine import BufferPool, SourceRange, UnitContext, fingerprint
-from mocli.engine.units import Rows
 from mocli.formats import layout
 from mocli.io.safetensors_file import TensorReader
 from mocli.io.shard_writer import group_layouts
@@ -165,7 +164,7 @@ for target in Target:
         copied, computed = set(), set()
         for u in plan.units:
             for p in u.run(ctx):
-                assert isinstance(p.data, SourceRange | np.ndarray | Rows), (u.id, type(p.data))
+                assert isinstance(p.data, SourceRange | np.ndarray), (u.id, type(p.data))
                 assert p.offset + p.nbytes <= plan.tensors[p.key].nbytes, (u.id, p.key)
                 (copied if isinstance(p.data, SourceRange) else computed).add(u.id.split(":")[0])
         kinds[f"{target} tp{tp} ep{ep}"] = sorted(copied - computed)
@@ -177,9 +176,9 @@ def test_nvfp4_conversion_plans_and_runs_without_torch():
     """An NVFP4 conversion needs no torch (``Unit.torch_free``, ``mocli.ops.nvfp4``): with torch
     unimportable, convert's planning (validate, plan, shard layout, fingerprint, manifest) and every
     unit of the real NVFP4 MoE export run, both targets, at one rank and under tp/ep, and every piece
-    is source bytes, rows of arrays or a numpy array that fits its tensor. cutlass copies every expert's
-    weights in the kernel (w2 at tp 2 has its columns sliced); trtllm shuffles their rows, so only
-    tensors passed through are pure copies."""
+    is source bytes or a numpy array that fits its tensor. cutlass copies every expert's weights in
+    the kernel (w2 at tp 2 has its columns sliced); trtllm shuffles their rows, so only tensors passed
+    through are pure copies."""
     real = ROOT.parent / "fixtures" / "real" / "qwen3_moe-nvfp4_kv"
     r = subprocess.run([sys.executable, "-c", NVFP4_WITHOUT_TORCH, str(real)], capture_output=True, text=True,
                        cwd=ROOT.parent)

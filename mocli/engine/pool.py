@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from mocli.engine.units import Piece, Rows, SourceRange
+from mocli.engine.units import Piece, SourceRange
 from mocli.io.safetensors_file import TensorEntry, TensorReader, tensor_bytes_view, torch_dtypes
 
 if TYPE_CHECKING:  # torch-free units (``Unit.torch_free``) run without torch
@@ -184,6 +184,14 @@ class UnitContext:
             self.reader.read_range(entry, a * row, memoryview(out.reshape(-1)))
         return out
 
+    def gather_array(self, parts: list[tuple[TensorEntry, int, int]], idx: np.ndarray) -> np.ndarray:
+        """``concatenate([rows a:b of each entry])[idx]`` as bytes [len(idx), row bytes], for entries of
+        one row size, gathered from their maps (``array``) without the concatenation
+        (``ops.nvfp4.gather_rows``)."""
+        from mocli.ops.nvfp4 import gather_rows
+
+        return gather_rows([self.array(e, a, b) for e, a, b in parts], idx)
+
     @staticmethod
     def src(entry: TensorEntry) -> SourceRange:
         return SourceRange(entry, 0, entry.nbytes)
@@ -208,8 +216,7 @@ class UnitContext:
             self.borrowed = []
             if done:
                 self.pool.give(done)
-        arrays = sum(p.data.nbytes if isinstance(p.data, np.ndarray) else p.data.owned_bytes() for p in pieces
-                     if isinstance(p.data, np.ndarray | Rows))
+        arrays = sum(p.data.nbytes for p in pieces if isinstance(p.data, np.ndarray))
         if arrays:  # after the give-back above, and never waiting for the unit's own kept buffers
             keep.append(self.pool.lend(arrays, own=sum(b.numel() for b in keep)))
         return keep

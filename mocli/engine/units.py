@@ -2,9 +2,9 @@
 
 Planning (convert's ``mocli.plan``, ``mocli.repair``, ``mocli.quantize``) decides every output tensor's
 name, dtype, shape and place before any weight byte moves; the engine then runs the units and writes
-each piece straight to its place. A piece is computed bytes (a tensor or an array), a range of source
+each piece straight to its place. A piece is either computed bytes (a tensor) or a range of source
 bytes copied verbatim, which the engine moves in the kernel (``copy_file_range``) without reading it
-into Python, or rows of arrays in a new order (``Rows``), which the kernel writes from where they are.
+into Python.
 """
 
 from __future__ import annotations
@@ -65,40 +65,13 @@ class SourceRange:
         return SourceRange(self.entry, self.start + a * row, (b - a) * row)
 
 
-@dataclass(frozen=True)
-class Rows:
-    """Rows ``idx`` of ``parts`` laid end to end (all of them in order where ``idx`` is None), written by
-    the kernel straight from where they are (``ShardWriter.write_rows``): a row gather without the
-    gathered copy. Parts are [rows, row bytes] uint8 arrays of one row size whose rows are contiguous
-    (any row stride: a column slice is fine): copy-on-write maps of the source, or arrays a unit made."""
-
-    parts: list[np.ndarray]
-    idx: np.ndarray | None = None
-
-    @property
-    def nbytes(self) -> int:
-        rows = sum(len(p) for p in self.parts) if self.idx is None else len(self.idx)
-        return rows * self.parts[0].shape[1]
-
-    def owned_bytes(self) -> int:
-        """Bytes of the parts held in the process's own memory (not mapped file pages): what the buffer
-        pool counts until the rows are written."""
-        import numpy as np
-
-        def owned(a) -> bool:
-            while getattr(a, "base", None) is not None:
-                a = a.base
-            return isinstance(a, np.ndarray)  # a map's chain ends in the mmap object
-        return sum(p.nbytes for p in self.parts if owned(p))
-
-
 @dataclass
 class Piece:
     """Bytes for part of one output tensor: ``data`` goes ``offset`` bytes into the tensor ``key``."""
 
     key: Key
     offset: int
-    data: torch.Tensor | np.ndarray | SourceRange | Rows
+    data: torch.Tensor | np.ndarray | SourceRange
 
     @property
     def nbytes(self) -> int:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from mocli.engine.hashing import OrderedHasher
 from mocli.engine.pool import BufferPool
-from mocli.engine.units import Key, Piece, Rows, SourceRange, Unit
+from mocli.engine.units import Key, Piece, SourceRange, Unit
 from mocli.io.safetensors_file import TensorReader
 from mocli.io.shard_writer import ShardWriter
 
@@ -62,8 +62,6 @@ class Writer:
                             n = self.writer.copy(p.key, p.offset, sources.fd(r.entry.file),
                                                  r.entry.start + r.start, r.nbytes)
                             view = None
-                        elif isinstance(p.data, Rows):  # written from where the rows are; hashed read back
-                            n, view = self.writer.write_rows(p.key, p.offset, p.data.parts, p.data.idx), None
                         else:
                             n, view = self.writer.write(p.key, p.offset, p.data)  # view: the bytes, kept alive
                         idx = self.writer.file_index[p.key]

@@ -7,7 +7,6 @@ bytes), in any order, and a resumed run rewrites exactly the same bytes.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import os
@@ -138,13 +137,6 @@ def finish_shards(directory: Path, layout: ShardLayout) -> None:
         os.truncate(directory / f.name, f.size)
 
 
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.pwritev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong]
-_libc.pwritev.restype = ctypes.c_ssize_t
-_pwritev = _libc.pwritev  # ctypes drops the GIL while the kernel copies
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
-
 class ShardWriter:
     """Positional writes into planned shards (already created), from any thread.
 
@@ -175,40 +167,6 @@ class ShardWriter:
         while done < len(view):
             done += os.pwrite(fd, view[done:], pos + done)
         return len(view), t
-
-    def write_rows(self, key: tuple[str, str], offset: int, parts: list[np.ndarray], idx: np.ndarray | None) -> int:
-        """Write rows ``idx`` of ``parts`` laid end to end (all, in order, for None) at ``offset`` bytes into
-        tensor ``key``, the kernel reading each row where it is (``pwritev`` over one iovec per row, up to
-        IOV_MAX at a time): no gathered copy in between. Parts: [rows, row bytes] uint8, rows contiguous.
-        Where ``pwritev`` writes less than asked (a full disk reports an error instead) the rest is
-        gathered and written with ``pwrite``. Returns the byte count."""
-        import numpy as np
-
-        fd, start, nbytes = self.where[key]
-        row = parts[0].shape[1]
-        ptrs = np.concatenate([p.__array_interface__["data"][0] + np.arange(len(p), dtype=np.uint64) * p.strides[0]
-                               for p in parts]) if parts else np.empty(0, np.uint64)
-        ptrs = ptrs.astype(np.uint64) if idx is None else ptrs[idx].astype(np.uint64)
-        n = len(ptrs) * row
-        if offset + n > nbytes:
-            raise RuntimeError(f"write of {n} bytes at {offset} overflows {key[1]} ({nbytes} bytes)")
-        iov = np.empty((len(ptrs), 2), dtype=np.uint64)
-        iov[:, 0], iov[:, 1] = ptrs, row
-        pos = start + offset
-        for a in range(0, len(ptrs), _IOV_MAX):
-            b = min(a + _IOV_MAX, len(ptrs))
-            got = _pwritev(fd, iov[a:b].ctypes.data, b - a, pos + a * row)
-            if got < 0:
-                err = ctypes.get_errno()
-                raise OSError(err, os.strerror(err))
-            if got < (b - a) * row:  # rare: the rest of the rows gathered (a copy) and written with pwrite
-                order = np.arange(len(ptrs)) if idx is None else idx
-                rest = memoryview(np.concatenate(parts)[order[a:]].reshape(-1))[got:]
-                done = 0
-                while done < len(rest):
-                    done += os.pwrite(fd, rest[done:], pos + a * row + got + done)
-                break
-        return n
 
     def copy(self, key: tuple[str, str], offset: int, src_fd: int, src_offset: int, n: int) -> int:
         """Copy ``n`` source bytes into place in the kernel; read/write where that is unsupported."""

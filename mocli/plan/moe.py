@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mocli.census import Module, MoELayer
-from mocli.engine.units import BadData, OutTensor, Piece, Rows, Unit, concat_pieces
+from mocli.engine.units import BadData, OutTensor, Piece, Unit, concat_pieces
 from mocli.io.safetensors_file import TensorEntry
 from mocli.kinds import KINDS, ModuleKind, Role
 from mocli.ops import fp8, nvfp4, swizzled_shape
@@ -194,7 +194,7 @@ class _Fp8Moe(_Moe):
                 halves.append((m, raw, fp8.requantize_fp8(raw, scale, s)))
             idx = layout.w13_rows(2 * (i1 - i0))
             if idx is not None:
-                return [Rows([q for _, _, q in halves], idx)]
+                return [nvfp4.gather_rows([q for _, _, q in halves], idx)]
             # the half already at the max scale is its source bytes: copied in the kernel
             return [ctx.src(m.tensors[WEIGHT]).rows(i0, i1) if q is raw else q for m, raw, q in halves]
 
@@ -213,8 +213,8 @@ class _Fp8Moe(_Moe):
             whole = i1 - i0 == self.i
             if whole and not layout.shuffles_rows:  # source bytes: copied in the kernel
                 return [ctx.src(d.tensors[WEIGHT])]
-            # the rank's columns (tp), in the target's row order: written from where the rows are
-            return [Rows([w2 if whole else w2[:, i0:i1]], layout.w2_rows(h))]
+            part = w2 if whole else w2[:, i0:i1]
+            return [np.ascontiguousarray(nvfp4.permute_rows(part, layout.w2_rows(h)))]
 
         self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, prepare, compute=True)  # NaN checks
 
@@ -282,8 +282,7 @@ class _Nvfp4Moe(_Moe):
             idx = layout.w13_rows(2 * (i1 - i0))
             if idx is None:  # [w3; w1] rows are source bytes: copied in the kernel, never read here
                 return [ctx.src(u.tensors[WEIGHT]).rows(i0, i1), ctx.src(g.tensors[WEIGHT]).rows(i0, i1)]
-            # the rows in the target's order, written from the source's pages where they are
-            return [Rows([ctx.array(u.tensors[WEIGHT], i0, i1), ctx.array(g.tensors[WEIGHT], i0, i1)], idx)]
+            return [ctx.gather_array([(u.tensors[WEIGHT], i0, i1), (g.tensors[WEIGHT], i0, i1)], idx)]
 
         self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], emit)
 
@@ -313,7 +312,8 @@ class _Nvfp4Moe(_Moe):
                 return [ctx.src(d.tensors[WEIGHT])]
             if "w2" not in loaded:
                 loaded["w2"] = ctx.array(d.tensors[WEIGHT])
-            return [Rows([loaded["w2"][:, i0 // 2:i1 // 2]], layout.w2_rows(h))]  # a column slice: rows still contiguous
+            part = loaded["w2"][:, i0 // 2:i1 // 2]
+            return [np.ascontiguousarray(nvfp4.permute_rows(part, layout.w2_rows(h)))]
 
         self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, lambda ctx: {})
 
