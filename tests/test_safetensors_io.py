@@ -137,25 +137,22 @@ def _two_files(tmp_path):
     return a, b, read_header(tmp_path / "one.safetensors").tensors, read_header(tmp_path / "two.safetensors").tensors
 
 
-def test_gather_rows_mapped_from_one_file_or_read_from_two(tmp_path, monkeypatch):
-    """``cat(row ranges)[idx]`` against torch's own cat and indexing, gathered from a map of one
-    file's pages (the parts in either order in it) or read from two files."""
+def test_gather_array_from_one_file_or_two(tmp_path):
+    """``concatenate(row ranges)[idx]`` as bytes, gathered from maps of the files' pages (the parts in
+    either order in one file, or in two files), against torch's own cat and indexing."""
+    import numpy as np
+
     from mocli.engine import BufferPool, UnitContext
 
     a, b, one, two = _two_files(tmp_path)
-    maps = []
-    real = TensorReader.mapped
-    monkeypatch.setattr(TensorReader, "mapped", lambda self, *x: maps.append(x) or real(self, *x))
-    idx = torch.tensor([4, 0, 5, 2, 1, 3])
+    idx = np.array([4, 0, 5, 2, 1, 3])
+    as_bytes = lambda t: t.contiguous().view(torch.uint8).reshape(t.shape[0], -1).numpy()  # noqa: E731
     with TensorReader() as reader:
-        ctx = UnitContext(reader, torch.device("cpu"), BufferPool())
-        for parts, want, mapped in (
-                ([(one["a"], 1, 4), (one["b"], 0, 3)], torch.cat([a[1:4], b[0:3]]), True),
-                ([(one["b"], 1, 4), (one["a"], 3, 6)], torch.cat([b[1:4], a[3:6]]), True),
-                ([(one["a"], 1, 4), (two["b"], 0, 3)], torch.cat([a[1:4], b[0:3]]), False)):
-            maps.clear()
-            assert torch.equal(ctx.gather_rows(parts, idx), want[idx])
-            assert bool(maps) == mapped
+        ctx = UnitContext(reader, None, BufferPool())
+        for parts, want in (([(one["a"], 1, 4), (one["b"], 0, 3)], torch.cat([a[1:4], b[0:3]])),
+                            ([(one["b"], 1, 4), (one["a"], 3, 6)], torch.cat([b[1:4], a[3:6]])),
+                            ([(one["a"], 1, 4), (two["b"], 0, 3)], torch.cat([a[1:4], b[0:3]]))):
+            assert np.array_equal(ctx.gather_array(parts, idx), as_bytes(want)[idx])
 
 
 def test_mapped_bytes_are_private_and_a_truncated_file_is_a_named_error(tmp_path):
@@ -188,10 +185,10 @@ def test_a_file_that_cannot_be_mapped_is_read_instead(tmp_path, monkeypatch):
         raise OSError(19, "No such device")
 
     monkeypatch.setattr(mmap, "mmap", refuse)
-    idx = torch.tensor([4, 0, 5, 2, 1, 3])
     with TensorReader() as reader:
         ctx = UnitContext(reader, torch.device("cpu"), BufferPool())
         assert reader.mapped(one["a"], 0, 10) is None
-        assert torch.equal(ctx.gather_rows([(one["a"], 1, 4), (one["b"], 0, 3)], idx), torch.cat([a[1:4], b[0:3]])[idx])
         assert torch.equal(ctx.rows(one["b"], 1, 3), b[1:3])
+        got = ctx.array(one["a"], 1, 4)  # the torch-free units' bytes: read too
+        assert got.tobytes() == a[1:4].contiguous().view(torch.uint8).numpy().tobytes()
     assert len(tries) == 1

@@ -125,45 +125,10 @@ class UnitContext:
             self.reader.read_range(entry, a * row, tensor_bytes_view(t))
         return t
 
-    def gather_rows(self, parts: list[tuple[TensorEntry, int, int]], idx: torch.Tensor) -> torch.Tensor:
-        """``torch.cat([rows a:b of each entry])[idx]`` on the compute device, for entries of one dtype
-        and row size. On a CPU run with every part in one file the rows are gathered straight from a
-        map of its pages into the output buffer: one copy, where reading them in first made two."""
-        import torch
-
-        first = parts[0][0]
-        dtype = torch_dtypes()[first.dtype]
-        row = first.nbytes // first.shape[0]
-        shape = (len(idx), *first.shape[1:])
-        lo = min(e.start + a * row for e, a, _ in parts)
-        hi = max(e.start + b * row for e, _, b in parts)
-        span = self.reader.mapped(first, lo - first.start, hi - first.start) if (
-            self.device.type == "cpu" and len({e.file for e, _, _ in parts}) == 1 and row and len(idx)) else None
-        if span is not None:
-            windows = span.unfold(0, row, 1)  # windows[k] = the row's bytes starting k bytes in
-            starts = torch.cat([torch.arange(a, b, dtype=torch.int64) * row + (e.start - lo) for e, a, b in parts])
-            out = self.buffer((len(idx), row), torch.uint8)
-            torch.index_select(windows, 0, starts[idx.to(torch.int64)], out=out)
-            return out.view(dtype).view(shape)
-        n = sum(b - a for _, a, b in parts)
-        raw = self.buffer((n, *first.shape[1:]), dtype)
-        at = 0
-        for e, a, b in parts:
-            if b > a:
-                self.reader.read_range(e, a * row, tensor_bytes_view(raw[at:at + b - a]))
-            at += b - a
-        if self.device.type == "cpu":
-            return torch.index_select(raw, 0, idx, out=self.buffer(shape, dtype))
-        return raw.to(self.device, non_blocking=True).index_select(0, idx.to(self.device))
-
     def load(self, entry: TensorEntry) -> torch.Tensor:
         """The entry's tensor on the compute device."""
         t = self.read(entry)
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
-
-    def out(self, like: torch.Tensor) -> torch.Tensor | None:
-        """An output buffer for a CPU transform of ``like`` (None on CUDA: torch allocates there)."""
-        return self.buffer(tuple(like.shape), like.dtype) if self.device.type == "cpu" else None
 
     # --- torch-free units (``Unit.torch_free``): numpy uint8 arrays, one row per tensor row ----------
 
