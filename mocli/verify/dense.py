@@ -23,9 +23,9 @@ from mocli.verify.common import (
     scaled_mm,
 )
 from mocli.verify.cross import dense_cross
-from mocli.verify.expect import apply_table, rule_slices, to_numpy
+from mocli.verify.expect import apply_table, to_numpy
 from mocli.verify.quant import fp8_per_group_dequant, fp8_per_token, fp8_static
-from mocli.verify.results import rank_check, sample_rows
+from mocli.verify.results import offsets_of, rank_check, rank_slices, sample_rows
 
 
 class _DenseKind:
@@ -139,7 +139,7 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheck
     case = DENSE[kind](shards, src, rt)
     k_full = shards[0].out_in[1]
     x = (torch.randn(opts.tokens, k_full, generator=gen(opts.seed, name)) * case.x_scale).to(rt.device)
-    offsets = _offsets(shards)
+    offsets = offsets_of(shards)
     sample = torch.from_numpy(sample_rows(shards, offsets, opts.seed, name))  # sorted full-layer rows
     parts = []
     for m, off in zip(shards, offsets, strict=True):
@@ -153,12 +153,8 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheck
     xq_full = None
     for rank, info in infos.items():
         meta = info["meta"]
-        slices = meta.get("slices") or [[0, m.out_in[0], 0, m.out_in[1]] for m in shards]
-        split = meta.get("split", "replicated")
         with rank_check(results, name, rank, info, kind, case.threshold) as (res, problems):
-            expected = rule_slices(info, shards, tp, heads)
-            if expected is not None and expected != slices:
-                problems.append(f"the manifest's slices {slices} are not SEMANTICS §10's {expected}")
+            slices, split = rank_slices(info, shards, tp, heads, problems)
             mod = cks[rank].load_module(name, rt.device)
             case.check(mod, slices, problems)
             c0, c1 = slices[0][2], slices[0][3]
@@ -191,12 +187,3 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheck
         cross = dense_cross(name, np_outs, to_numpy(x), lambda a: to_numpy(case.quant(torch.from_numpy(a).to(rt.device))),
                             case.threshold, to_numpy(w_sample), None if bias_full is None else to_numpy(bias_full[sample]))
     return results, cross
-
-
-def _offsets(shards: list[Module]) -> list[int]:
-    offs, off = [], 0
-    for m in shards:
-        offs.append(off)
-        off += m.out_in[0]
-    return offs
-

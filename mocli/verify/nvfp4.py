@@ -24,7 +24,7 @@ from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.targets import TargetLayout
 from mocli.targets.decode import LayoutError, unswizzle
 from mocli.verify.cross import dense_cross, moe_cross
-from mocli.verify.expect import apply_table, rule_slices
+from mocli.verify.expect import apply_table
 from mocli.verify.numeric import E4M3, dequant_nvfp4, nvfp4_quant, scaled_e2m1, silu
 from mocli.verify.results import (
     CPU_SAMPLE_EXPERTS,
@@ -35,8 +35,10 @@ from mocli.verify.results import (
     ModuleResult,
     Problems,
     Stages,
+    offsets_of,
     pick_experts,
     rank_check,
+    rank_slices,
     rel_error,
     rng,
     sample_rows,
@@ -137,7 +139,7 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict, src: NpSource, lay
     k_full = shards[0].out_in[1]
     x = rng(opts.seed, name).standard_normal((opts.tokens, k_full), dtype=np.float32) * np.float32(
         float(big_a) * 2688 / 4)
-    offsets = list(np.cumsum([0] + [m.out_in[0] for m in shards[:-1]]))
+    offsets = offsets_of(shards)
     sample = sample_rows(shards, offsets, opts.seed, name)  # sorted full-layer rows
     w_sample = np.concatenate([src.dequant(m, local) for m, off in zip(shards, offsets, strict=True)
                                if len(local := sample[(sample >= off) & (sample < off + m.out_in[0])] - off)])
@@ -147,12 +149,8 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict, src: NpSource, lay
     xq_full = None
     for rank, info in infos.items():
         meta = info["meta"]
-        slices = meta.get("slices") or [[0, m.out_in[0], 0, m.out_in[1]] for m in shards]
-        split = meta.get("split", "replicated")
         with rank_check(results, name, rank, info, kind, threshold) as (res, problems):
-            expected = rule_slices(info, shards, tp, heads)
-            if expected is not None and expected != slices:
-                problems.append(f"the manifest's slices {slices} are not SEMANTICS §10's {expected}")
+            slices, split = rank_slices(info, shards, tp, heads, problems)
             mod = cks[rank].module_arrays(name)
             n, k = mod.n, mod.k
             problems.scalar("weight_scale_2", mod.weight_scale_2, big_s2)

@@ -20,7 +20,7 @@ from mocli.devices import Kernels
 from mocli.errors import CorruptFileError
 from mocli.kinds import ModuleKind
 from mocli.targets.decode import LayoutError
-from mocli.verify.expect import bit_equal, to_numpy
+from mocli.verify.expect import bit_equal, rule_slices, to_numpy
 
 
 @dataclass
@@ -92,6 +92,26 @@ def pick_experts(n: int, k: int, seed: int, name: str) -> list[int]:
         return list(range(n))
     rest = rng(seed, name + "/experts").permutation(n - 1)[: k - 1] + 1
     return sorted({0, *rest.tolist()})
+
+
+def offsets_of(shards: list) -> list[int]:
+    """Each shard's first row in the fused layer."""
+    offs, off = [], 0
+    for m in shards:
+        offs.append(off)
+        off += m.out_in[0]
+    return offs
+
+
+def rank_slices(info: dict, shards: list, tp: int, heads, problems: Problems) -> tuple[list[list[int]], str]:
+    """A dense module's rank: its [a, b, c0, c1] per shard as the manifest records them (whole tensors
+    where it records none) and its split; a problem where they are not SEMANTICS §10's."""
+    meta = info["meta"]
+    slices = meta.get("slices") or [[0, m.out_in[0], 0, m.out_in[1]] for m in shards]
+    expected = rule_slices(info, shards, tp, heads)
+    if expected is not None and expected != slices:
+        problems.append(f"the manifest's slices {slices} are not SEMANTICS §10's {expected}")
+    return slices, meta.get("split", "replicated")
 
 
 NUMERIC_ROWS = 512  # output rows per dense module that get GEMMs (every row's bytes are compared)
