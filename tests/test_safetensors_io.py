@@ -59,14 +59,14 @@ def test_header_not_an_object(tmp_path):
 
 
 @pytest.mark.parametrize("a,b", [(0, 300_000), (5, 299_999), (65_537, 65_538), (70_000, 70_000), (123, 200_000)])
-def test_hash_range_over_small_windows_equals_hashlib(tmp_path, monkeypatch, a, b):
-    """Windowed memory maps (kept small so a big file is never mapped whole) hash exactly the range."""
+def test_hash_range_over_small_chunks_equals_hashlib(tmp_path, monkeypatch, a, b):
+    """Reads of a small buffer at a time (a range spanning many, ending mid-chunk, empty) hash exactly
+    the range."""
     import hashlib
     import os
 
     from mocli.io import digests
 
-    monkeypatch.setattr(digests, "WINDOW", 1 << 16)
     monkeypatch.setattr(digests, "CHUNK", 1000)
     data = os.urandom(300_000)
     (tmp_path / "f").write_bytes(data)
@@ -76,6 +76,16 @@ def test_hash_range_over_small_windows_equals_hashlib(tmp_path, monkeypatch, a, 
     assert h.hexdigest() == hashlib.sha256(data[a:b]).hexdigest()
     assert digests.file_digest(tmp_path / "f", "sha256") == hashlib.sha256(data).hexdigest()
     assert digests.file_digest(tmp_path / "f") == blake3.blake3(data).hexdigest()
+
+
+def test_hash_range_past_the_end_is_an_error_not_a_short_digest(tmp_path):
+    """A file that ends before the range does (it shrank after its size was taken) raises instead of
+    hashing fewer bytes."""
+    from mocli.io import digests
+
+    (tmp_path / "f").write_bytes(b"x" * 5000)
+    with open(tmp_path / "f", "rb") as f, pytest.raises(OSError, match="end of file at byte 5000"):
+        digests.hash_range(blake3.blake3(), f.fileno(), 0, 6000)
 
 
 def _rss_file_kib() -> int:

@@ -65,6 +65,26 @@ def test_apply_table_gives_the_same_bytes_to_numpy_and_torch():
     assert apply_table("rescale", q, 2.0, 2.0) is not None and np.array_equal(apply_table("rescale", q, 2.0, 2.0), q)
 
 
+def test_e2m1_round_is_the_serving_emulations_on_every_edge():
+    """Every e2m1 value and midpoint (a midpoint goes to the lower value in both models), one ulp either
+    side, signed zeros, saturation and infinities, and a million spread values: numpy's comparison
+    count against torch's bucketize (``mocli.verify.quant``), bit for bit."""
+    from mocli.verify.quant import e2m1_round as torch_e2m1_round
+
+    mids = np.float32((N.E2M1[1:] + N.E2M1[:-1]) / 2)
+    edges = np.concatenate([N.E2M1, mids, [0.0, 6.5, 1e9, np.inf, 1e-40]]).astype(np.float32)
+    edges = np.concatenate([edges, np.nextafter(edges, np.float32(-1)), np.nextafter(edges, np.float32(99))])
+    spread = (np.random.default_rng(2).standard_normal(1_000_000) * 3).astype(np.float32)
+    for x in (np.concatenate([edges, -edges]), spread):
+        got = N.e2m1_round(x)
+        want = torch_e2m1_round(torch.from_numpy(x)).numpy()
+        assert np.array_equal(got, want)
+        assert np.array_equal(np.signbit(got), np.signbit(want))
+    assert N.e2m1_round(mids)[:3].tolist() == [0.0, 0.5, 1.0]  # 0.25, 0.75, 1.25: to the lower value
+    # NaN (a broken scale upstream) stays NaN, so the check it feeds fails (torch's sign() makes it 0)
+    assert np.isnan(N.e2m1_round(np.array([np.nan, -np.nan], dtype=np.float32))).all()
+
+
 @settings(max_examples=40, deadline=None)
 @given(t=st.integers(1, 9), blocks=st.integers(1, 12), log_scale=st.floats(-8, 8), seed=st.integers(0, 2**31))
 def test_nvfp4_quant_is_the_serving_emulations(t, blocks, log_scale, seed):

