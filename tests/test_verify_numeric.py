@@ -107,9 +107,30 @@ def test_dequant_and_scaled_products_match_the_reference_decoder():
     bs = g.integers(0, 256, (40, 3), dtype=np.uint8)
     want = ref.dequant_nvfp4(torch.from_numpy(packed), torch.from_numpy(bs).view(F8), 0.3).numpy()
     assert np.array_equal(N.dequant_nvfp4(packed, bs, 0.3), want, equal_nan=True)  # same float32 order: exact
-    want1 = ref.dequant_nvfp4(torch.from_numpy(packed), torch.from_numpy(bs).view(F8), 1.0).numpy()
-    assert np.array_equal(N.scaled_e2m1(packed, bs), want1, equal_nan=True)
     assert N.unpack_e2m1(np.array([[0x9F]], dtype=np.uint8)).tolist() == [[-6.0, -0.5]]  # low nibble first
+
+
+@pytest.mark.parametrize("rows", [1, 7, 128, 300])
+def test_scaled_matmul_is_the_reference_weight_times_x(rows, monkeypatch):
+    """A GEMM on W dequantized a few rows at a time (chunks that do not divide the rows, a column slice
+    of the packed bytes, with and without weight_scale_2) against float64 products of the reference
+    decoder's W; a NaN block scale reaches the output rows it belongs to."""
+    monkeypatch.setattr(N, "MATMUL_ROWS", 7)
+    g = np.random.default_rng(rows)
+    packed = g.integers(0, 256, (rows, 48), dtype=np.uint8)
+    bs = g.integers(0, 0x77, (rows, 6), dtype=np.uint8)  # no NaN codes here
+    x = g.standard_normal((5, 96)).astype(np.float32)
+    for s2, cols in ((None, (0, 96)), (0.3, (0, 96)), (0.3, (32, 80))):
+        w = ref.dequant_nvfp4(torch.from_numpy(packed), torch.from_numpy(bs).view(F8), 1.0 if s2 is None else s2)
+        w = w.double().numpy()[:, cols[0]:cols[1]]
+        got = N.scaled_matmul(x[:, :cols[1] - cols[0]], packed[:, cols[0] // 2:cols[1] // 2],
+                              bs[:, cols[0] // 16:cols[1] // 16], s2)
+        want = x[:, :cols[1] - cols[0]].astype(np.float64) @ w.T
+        assert got.shape == (5, rows) and got.dtype == np.float32
+        assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    bs[rows // 2, 1] = 0x7F  # NaN
+    out = N.scaled_matmul(x, packed, bs)
+    assert np.isnan(out[:, rows // 2]).all() and np.isfinite(np.delete(out, rows // 2, axis=1)).all()
 
 
 @settings(max_examples=30, deadline=None)

@@ -25,7 +25,7 @@ from mocli.targets import TargetLayout
 from mocli.targets.decode import LayoutError, unswizzle
 from mocli.verify.cross import dense_cross, moe_cross
 from mocli.verify.expect import apply_table
-from mocli.verify.numeric import E4M3, dequant_nvfp4, nvfp4_quant, scaled_e2m1, silu
+from mocli.verify.numeric import E4M3, dequant_nvfp4, nvfp4_quant, scaled_matmul, silu
 from mocli.verify.results import (
     CPU_SAMPLE_EXPERTS,
     FUSED_MOE_THRESHOLD,
@@ -91,6 +91,17 @@ class NpSource:
         if rows is not None:
             w, bs = w[rows], bs[rows]
         return dequant_nvfp4(w, bs, self.scalar(m, WEIGHT_SCALE_2))
+
+    def matmul(self, x: np.ndarray, m: Module, rows: tuple[int, int] | None = None,
+               cols: tuple[int, int] | None = None) -> np.ndarray:
+        """``x @ W.T`` for the source linear W dequantized from its own scales (``rows`` / ``cols``: a
+        slice of W's output / input dims), without W ever whole in float32 (``scaled_matmul``)."""
+        w, bs = self.arr(m.tensors[WEIGHT].name), self.arr(m.tensors[WEIGHT_SCALE].name)
+        if rows is not None:
+            w, bs = w[rows[0]:rows[1]], bs[rows[0]:rows[1]]
+        if cols is not None:
+            w, bs = w[:, cols[0] // 2:cols[1] // 2], bs[:, cols[0] // 16:cols[1] // 16]
+        return scaled_matmul(x, w, bs, self.scalar(m, WEIGHT_SCALE_2))
 
 
 class Fp4Kernels:
@@ -175,7 +186,7 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict, src: NpSource, lay
                     out, res.kernel = fp4.mm(cks[rank], name, xr)[:, local_rows], "flashinfer.mm_fp4"
                 else:
                     xa = nvfp4_quant(xr, mod.input_scale_inv)  # e2m1 * sf: exact in float32
-                    out = (xa @ scaled_e2m1(w[local_rows], bs[local_rows]).T) * mod.alpha
+                    out = scaled_matmul(xa, w[local_rows], bs[local_rows]) * mod.alpha
                     res.kernel, res.emulated = EMULATED, True
                 xq_r = quant(xr)
                 if split == "row":
@@ -306,10 +317,10 @@ class _Layer:
         bs13 = layout.moe_rows_decode(unswizzle(mod.w13_weight_scale[local], 2 * i, h // 16, "w13"), gated=True)
         w2 = layout.moe_rows_decode(mod.w2_weight[local], gated=False)
         bs2 = layout.moe_rows_decode(unswizzle(mod.w2_weight_scale[local], h, i // 16, "w2"), gated=False)
-        o1 = (nvfp4_quant(self.x, mod.a1_gscale[local]) @ scaled_e2m1(w13, bs13).T) * mod.g1_alphas[local]
+        o1 = scaled_matmul(nvfp4_quant(self.x, mod.a1_gscale[local]), w13, bs13) * mod.g1_alphas[local]
         act = silu(o1[:, i:]) * o1[:, :i]  # FlashInfer: act(second half) * first half
         ha = nvfp4_quant(act, mod.a2_gscale[local])
-        o2 = (ha @ scaled_e2m1(w2, bs2).T) * mod.g2_alphas[local]
+        o2 = scaled_matmul(ha, w2, bs2) * mod.g2_alphas[local]
         ex = self.layer.experts[mod.expert_offset + local]
         rescaled = self.src.scalar(ex.gate, WEIGHT_SCALE_2) != self.src.scalar(ex.up, WEIGHT_SCALE_2)
         return o1, o2, ha / mod.a2_gscale[local], self.limits.unified if rescaled else self.limits.kept
@@ -323,10 +334,11 @@ class _Layer:
         outs: dict[int, tuple] = {}
         for local in sample:
             gid = off + local
-            w1, w3, w2 = self.weights(gid)
-            ref1 = np.concatenate([self.ref_in @ w3[i0:i1].T, self.ref_in @ w1[i0:i1].T], axis=1)  # [up | gate]
+            ex, src = self.layer.experts[gid], self.src
+            ref1 = np.concatenate([src.matmul(self.ref_in, ex.up, rows=i_slice),
+                                   src.matmul(self.ref_in, ex.gate, rows=i_slice)], axis=1)  # [up | gate]
             o1, o2, h_true, t1 = self.expert_gemms(mod, local, i1 - i0)
-            ref2 = h_true @ w2[:, i0:i1].T
+            ref2 = src.matmul(h_true, ex.down, cols=i_slice)
             stages.add("gemm1", rel_error(o1, ref1), t1)
             stages.add("gemm2", rel_error(o2, ref2), self.limits.gemm2)
             outs[gid] = (o1, o2, h_true)
