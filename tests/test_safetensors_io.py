@@ -68,12 +68,16 @@ def test_hash_range_over_small_chunks_equals_hashlib(tmp_path, monkeypatch, a, b
     from mocli.io import digests
 
     monkeypatch.setattr(digests, "CHUNK", 1000)
+    monkeypatch.setattr(digests, "WINDOW", 1 << 16)  # the mapped path: windows of 64 KiB, updates of 1000
+    monkeypatch.setattr(digests, "MAP_CHUNK", 1000)
     data = os.urandom(300_000)
     (tmp_path / "f").write_bytes(data)
-    h = hashlib.sha256()
-    with open(tmp_path / "f", "rb") as f:
-        digests.hash_range(h, f.fileno(), a, b)
-    assert h.hexdigest() == hashlib.sha256(data[a:b]).hexdigest()
+    for mapped in (False, True):
+        h = hashlib.sha256()
+        with open(tmp_path / "f", "rb") as f:
+            digests.hash_range(h, f.fileno(), a, b, mapped=mapped)
+        assert h.hexdigest() == hashlib.sha256(data[a:b]).hexdigest()
+    assert digests.file_digest(tmp_path / "f", threads=True) == blake3.blake3(data).hexdigest()
     assert digests.file_digest(tmp_path / "f", "sha256") == hashlib.sha256(data).hexdigest()
     assert digests.file_digest(tmp_path / "f") == blake3.blake3(data).hexdigest()
 
@@ -84,8 +88,9 @@ def test_hash_range_past_the_end_is_an_error_not_a_short_digest(tmp_path):
     from mocli.io import digests
 
     (tmp_path / "f").write_bytes(b"x" * 5000)
-    with open(tmp_path / "f", "rb") as f, pytest.raises(OSError, match="end of file at byte 5000"):
-        digests.hash_range(blake3.blake3(), f.fileno(), 0, 6000)
+    for mapped in (False, True):
+        with open(tmp_path / "f", "rb") as f, pytest.raises(OSError, match="end of file at byte 5000"):
+            digests.hash_range(blake3.blake3(), f.fileno(), 0, 6000, mapped=mapped)
 
 
 def _rss_file_kib() -> int:
