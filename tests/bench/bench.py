@@ -141,6 +141,7 @@ def bench_convert(scratch: Path, rounds: int, device: str, results: list, algos:
             continue
         src = made()
         warm(src)
+        v: list[Run] = []
         for target in ("flashinfer-cutlass", "flashinfer-trtllm"):
             # a conversion runs on the CPU whatever --device says (it only moves bytes): the same path
             # under --device cuda, which the GPU machine's figures are taken with
@@ -151,15 +152,16 @@ def bench_convert(scratch: Path, rounds: int, device: str, results: list, algos:
                 fresh(scratch / "out")
                 a.append(timed(mocli("convert", str(src), "-o", str(scratch / "out"), "--target", target,
                                      "--device", device)))
+                if algo == "NVFP4" and target == "flashinfer-trtllm":
+                    # verify of the output this round's convert wrote, right after it, from the state the
+                    # convert started from: nothing dirty (else it pays for writing back the convert's
+                    # 4 GB beside its own work) and warm memory; paired with that convert
+                    os.sync()
+                    warm_memory()
+                    v.append(timed(mocli("verify", str(scratch / "out"), "--device", device)))
             results.append(line(f"convert {algo} MoE {size_gib(src):.2f} GiB {target} --device {device} / I/O floor",
                                 a, b, goal))
         if algo == "NVFP4":
-            # the output of the last round (trtllm) is what verify and the loader read
-            v = []
-            for _ in range(rounds):  # from the state each convert started from: nothing dirty, warm memory
-                os.sync()  # else the first round pays for writing back the convert's 4 GB beside its own work
-                warm_memory()
-                v.append(timed(mocli("verify", str(scratch / "out"), "--device", device)))
             results.append(line(f"verify {size_gib(src):.2f} GiB NVFP4 output --device {device} / its convert", v, a,
                                 1.0, "verify", "convert"))
             if device == "cuda":
