@@ -75,9 +75,11 @@ def test_hash_range_over_small_chunks_equals_hashlib(tmp_path, monkeypatch, a, b
     for mapped in (False, True):
         h = hashlib.sha256()
         with open(tmp_path / "f", "rb") as f:
-            digests.hash_range(h, f.fileno(), a, b, mapped=mapped)
+            digests.hash_range(h, f.fileno(), a, b, read=not mapped)
         assert h.hexdigest() == hashlib.sha256(data[a:b]).hexdigest()
     assert digests.file_digest(tmp_path / "f", threads=True) == blake3.blake3(data).hexdigest()
+    assert digests.file_digest(tmp_path / "f", read=True) == blake3.blake3(data).hexdigest()
+    assert digests.digest_or_error(tmp_path / "f", "blake3", True, False, True) == (blake3.blake3(data).hexdigest(), None)
     assert digests.file_digest(tmp_path / "f", "sha256") == hashlib.sha256(data).hexdigest()
     assert digests.file_digest(tmp_path / "f") == blake3.blake3(data).hexdigest()
 
@@ -90,7 +92,7 @@ def test_hash_range_past_the_end_is_an_error_not_a_short_digest(tmp_path):
     (tmp_path / "f").write_bytes(b"x" * 5000)
     for mapped in (False, True):
         with open(tmp_path / "f", "rb") as f, pytest.raises(OSError, match="end of file at byte 5000"):
-            digests.hash_range(blake3.blake3(), f.fileno(), 0, 6000, mapped=mapped)
+            digests.hash_range(blake3.blake3(), f.fileno(), 0, 6000, read=not mapped)
 
 
 def _rss_file_kib() -> int:

@@ -62,18 +62,21 @@ def lfs_digest(path: Path) -> str | None:
     return target.name if target.parent.name == "blobs" and _SHA256_NAME.match(target.name) else None
 
 
-def hash_range(h, fd: int, a: int, b: int, mapped: bool = False) -> None:
-    """Feed bytes [a, b) of ``fd`` to ``h``, read into one small buffer per thread that stays in the
-    core's cache while it is hashed. On the 2-core build machine this took less CPU than hashing the
-    page cache through memory maps (which SHA-256 was measured with): 1.25 against 1.35-1.55 s for
-    3.95 GiB with BLAKE3 (the copy costs system time, the hash from cache runs faster and no page
-    tables are built and torn down), and the process's RSS holds no mapped window.
+def hash_range(h, fd: int, a: int, b: int, read: bool = False) -> None:
+    """Feed bytes [a, b) of ``fd`` to ``h`` straight from the page cache through memory maps, one
+    window at a time, ``MAP_CHUNK`` bytes per update (see ``_hash_mapped``).
 
-    ``mapped``: for a hasher with threads of its own (``new_hasher(threads=True)``), which needs large
-    inputs to spread: straight from the page cache through memory maps, ``MAP_CHUNK`` bytes per
-    update. Fed 1 MB reads instead, BLAKE3's threads took verify on the 16-core GPU machine from 1.73
-    to 2.30 s (14.9 s of CPU)."""
-    if mapped:
+    ``read``: read into one small buffer per thread instead, which stays in the core's cache while it
+    is hashed. Which costs less depends on what else the process does with the file's pages, so each
+    caller takes what measured faster for it on the 2-core build machine, paired runs:
+    - a conversion hashes through maps: reads took its NVFP4 trtllm convert from 3.90-4.11 s to
+      3.93-4.64 s (5 pairs; the copies' system time outweighed the faster hashing);
+    - verify's single-threaded hashers read: 0.98 of the wall and 0.96 of the CPU of the mapped path
+      (6 pairs), with no mapped window in its RSS.
+    A hasher with threads of its own (``new_hasher(threads=True)``, verify on 8+ cores) needs large
+    inputs to spread, so it is always fed through maps: fed 1 MB reads, BLAKE3's threads took verify on
+    the 16-core GPU machine from 1.73 to 2.30 s (14.9 s of CPU)."""
+    if not read:
         _hash_mapped(h, fd, a, b)
         return
     buf = _buffer()
@@ -120,33 +123,36 @@ def _buffer() -> bytearray:
     return buf
 
 
-def file_digest(path: Path, algo: str = DIGEST, follow: bool = True, threads: bool = False) -> str:
-    """Hex digest of a regular file (see ``hash_range``; ``follow``: whether ``path`` may be a link)."""
+def file_digest(path: Path, algo: str = DIGEST, follow: bool = True, threads: bool = False,
+                read: bool = False) -> str:
+    """Hex digest of a regular file (see ``hash_range``, whose ``read`` applies to a hasher without
+    ``threads``; ``follow``: whether ``path`` may be a link)."""
     from mocli.io.paths import open_regular
 
     h = new_hasher(algo, threads)
     fd = open_regular(path, follow)
     try:
-        hash_range(h, fd, 0, os.fstat(fd).st_size, mapped=threads)
+        hash_range(h, fd, 0, os.fstat(fd).st_size, read=read and not threads)
     finally:
         os.close(fd)
     return h.hexdigest()
 
 
-def digest_or_error(path: Path, algo: str, follow: bool, threads: bool = False) -> tuple[str | None, str | None]:
+def digest_or_error(path: Path, algo: str, follow: bool, threads: bool = False,
+                    read: bool = False) -> tuple[str | None, str | None]:
     """(hex digest, None), or (None, why the file could not be read): for checks that report, not raise."""
     from mocli.errors import MocliError
 
     try:
-        return file_digest(path, algo, follow, threads), None
+        return file_digest(path, algo, follow, threads, read), None
     except (OSError, MocliError) as e:
         return None, getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
 
 
 class BackgroundDigests:
-    """Digests of ``jobs`` ((path, algorithm, follow)) taken on a thread pool (the hashers drop the GIL),
-    one file per thread, largest first; ``take`` hands one job's future ((digest, None) or (None, why))
-    to whoever checks it. BLAKE3's own threads inside a file only where cores are left over for them:
+    """verify's digests of ``jobs`` ((path, algorithm, follow)) taken on a thread pool (the hashers drop
+    the GIL; a single-threaded one reads, see ``hash_range``), one file per thread, largest first;
+    ``take`` hands one job's future ((digest, None) or (None, why)) to whoever checks it. BLAKE3's own threads inside a file only where cores are left over for them:
     on 2 cores they fought verify's GEMM threads (13.6 s against 11.6 s)."""
 
     def __init__(self, jobs: list[tuple[Path, str, bool]]) -> None:
@@ -159,7 +165,7 @@ class BackgroundDigests:
 
         self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
         self.futures: dict[tuple[str, str, bool], Future] = {
-            _job_key(p, a, f): self.pool.submit(digest_or_error, p, a, f, threads)
+            _job_key(p, a, f): self.pool.submit(digest_or_error, p, a, f, threads, not threads)
             for p, a, f in sorted(jobs, key=lambda j: -size(j[0]))}
 
     def take(self, path: Path, algo: str, follow: bool) -> Future | None:
