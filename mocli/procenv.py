@@ -20,6 +20,9 @@ def passive_omp() -> None:
 def single_thread_blas() -> None:
     """One OpenBLAS thread for numpy's GEMMs (unless the user chose), set before numpy loads it.
 
+    A conversion runs no GEMM; its numpy's BLAS threads only spun (1.3% of the CPU of an NVFP4 trtllm
+    convert on the 2-core build machine, ``perf``).
+
     NVFP4 verify runs its GEMMs in numpy: 64 token rows each, too small to gain from BLAS threads,
     whose workers spin between calls and took the cores of the hashing and byte-check threads. On the
     2-core build machine verifying the 3.95 GiB NVFP4 bench output went from 5.08 to 4.17 s (user time

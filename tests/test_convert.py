@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -432,6 +433,46 @@ def test_convert_and_verify_run_without_torch(cli, tmp_path, target, par):
     assert cli("verify", tmp_path / "fp8").exit_code == 0
     fp8v = run("verify", tmp_path / "fp8")
     assert fp8v.returncode != 0 and "torch" in fp8v.stderr
+
+
+BLAS_AT_NUMPY_IMPORT = """
+import importlib.abc, os, sys
+seen = []
+
+
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" and not seen:
+            seen.append(os.environ.get("OPENBLAS_NUM_THREADS"))
+        return None
+
+
+sys.meta_path.insert(0, Watch())
+from mocli.cli import main
+sys.argv = ["mocli", *sys.argv[1:]]
+try:
+    main()
+finally:
+    sys.stderr.write(f"OPENBLAS_NUM_THREADS at numpy's import: {seen}\\n")
+"""
+
+
+def test_convert_and_verify_set_one_blas_thread_before_numpy_loads(tmp_path):
+    """OpenBLAS reads OPENBLAS_NUM_THREADS once, when numpy loads it: convert (no GEMM; its workers only
+    spun) and verify (GEMMs of 64 rows beside hashing threads) must set it before the first numpy import,
+    in a fresh process as a user runs them, and keep a value the user chose."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+
+    def run(*a, **extra):
+        r = subprocess.run([sys.executable, "-c", BLAS_AT_NUMPY_IMPORT, *map(str, a)], capture_output=True,
+                           text=True, cwd=root, env={**env, **extra})
+        assert r.returncode == 0, r.stderr
+        return r.stderr.strip().splitlines()[-1]
+
+    assert run("-q", "convert", REAL_QWEN, "-o", tmp_path / "o", "--target", "flashinfer-trtllm").endswith("['1']")
+    assert run("-q", "verify", tmp_path / "o").endswith("['1']")
+    assert run("-q", "verify", tmp_path / "o", OPENBLAS_NUM_THREADS="3").endswith("['3']")
 
 
 def test_numpy_units_wait_for_the_pool_behind_a_slow_disk(tmp_path, monkeypatch):
