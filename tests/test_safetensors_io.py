@@ -209,3 +209,42 @@ def test_a_file_that_cannot_be_mapped_is_read_instead(tmp_path, monkeypatch):
         got = ctx.array(one["a"], 1, 4)  # the torch-free units' bytes: read too
         assert got.tobytes() == a[1:4].contiguous().view(torch.uint8).numpy().tobytes()
     assert len(tries) == 1
+
+
+def test_preallocate_reserves_the_blocks_and_keeps_the_size(tmp_path):
+    """A shard's blocks are reserved up front and its size stays what was written (appends grow it,
+    a partial output reads as before); a file system without fallocate is left alone."""
+    import os
+
+    from mocli.io.shard_writer import preallocate
+
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"head")
+        preallocate(fd, 8 << 20, path)
+        st = os.fstat(fd)
+        assert st.st_size == 4
+        if st.st_blocks * 512 < 8 << 20 and not _fallocate_works(tmp_path / "probe"):
+            pytest.skip("this file system reserves no blocks through fallocate")
+        assert st.st_blocks * 512 >= 8 << 20
+        os.pwrite(fd, b"x" * 100, 4)
+        assert os.fstat(fd).st_size == 104 and os.pread(fd, 104, 0) == b"head" + b"x" * 100
+    finally:
+        os.close(fd)
+
+
+def _fallocate_works(path) -> bool:
+    """Whether fallocate(2) reserves blocks here, asked of the C library directly."""
+    import ctypes
+    import os
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+        return libc.fallocate(fd, 1, 0, 1 << 20) == 0 and os.fstat(fd).st_blocks * 512 >= 1 << 20
+    except (OSError, AttributeError):
+        return False
+    finally:
+        os.close(fd)

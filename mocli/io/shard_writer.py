@@ -122,14 +122,50 @@ def shards_intact(directory: Path, layout: ShardLayout, required: dict[str, int]
 def create_shards(directory: Path, layout: ShardLayout) -> None:
     """Write every planned shard's header only: tensors are then appended in file order, which the
     kernel does far more cheaply than filling a pre-sized sparse file (measured 3-10x less system
-    time on ext4). ``finish_shards`` sets the exact size at the end."""
+    time on ext4). Each shard's blocks are reserved first (``preallocate``). ``finish_shards`` sets
+    the exact size at the end."""
     directory.mkdir(parents=True, exist_ok=True)
     for f in layout.files:
-        fd = os.open(directory / f.name, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        path = directory / f.name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         try:
+            preallocate(fd, f.size, path)
             os.pwrite(fd, f.header, 0)
         finally:
             os.close(fd)
+
+
+_FALLOC_FL_KEEP_SIZE = 1
+
+
+def preallocate(fd: int, size: int, path: Path) -> None:
+    """Reserve ``size`` bytes of blocks for the file behind ``fd`` without changing its size
+    (``fallocate(2)`` with FALLOC_FL_KEEP_SIZE: appends still grow it, so a partial output and its
+    resume read as before). A disk without room for the output fails here, in the first
+    milliseconds, instead of when it fills up minutes into the work (ENOSPC, EDQUOT, raised as the
+    writes would have). Writes into reserved blocks also skip ext4's per-page delayed allocation:
+    appending 4 GiB alone took 0.56-0.91 s of system time against 0.97-1.56 s on the build machine
+    (6 runs each), though whole conversions there measured within their noise (NVFP4 trtllm median
+    4.19 s against 4.11 s in 11 pairs, cutlass 3.99 against 4.48 in 4). A file system or platform
+    without ``fallocate`` just writes as before (glibc's ``posix_fallocate`` would write zeros over
+    the whole size instead)."""
+    if size <= 0:
+        return
+    import ctypes
+    import errno
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fallocate = libc.fallocate
+    except (OSError, AttributeError):
+        return
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    fallocate.restype = ctypes.c_int
+    if fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, size) == 0:
+        return
+    err = ctypes.get_errno()
+    if err in (errno.ENOSPC, errno.EDQUOT):
+        raise OSError(err, os.strerror(err), str(path))
 
 
 def finish_shards(directory: Path, layout: ShardLayout) -> None:
