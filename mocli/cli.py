@@ -291,7 +291,7 @@ def convert_cmd(
         from mocli.io.digests import SourceDigests
         from mocli.procenv import single_thread_blas
 
-        single_thread_blas()  # numpy's OpenBLAS workers spun for 1.3% of a 2-core convert's CPU, for no GEMM
+        single_thread_blas()  # no GEMM: its BLAS workers only spun (1.3% of a 2-core convert's CPU)
         shard_bytes = parse_size(max_shard_size)
         with out.progress_bar("converting") as progress:
             progress.phase("reading headers")
@@ -380,7 +380,7 @@ def quantize_cmd(
         from mocli.io.digests import SourceDigests
         from mocli.procenv import single_thread_blas
 
-        single_thread_blas()  # numpy's OpenBLAS workers spun for 1.3% of a 2-core convert's CPU, for no GEMM
+        single_thread_blas()  # as convert: no GEMM here, numpy's BLAS workers would only spin
         shard_bytes = parse_size(max_shard_size)
         with out.progress_bar("quantizing") as progress:
             progress.phase("reading headers")
