@@ -112,14 +112,10 @@ def _scaled_pairs(scale_2: float | None) -> np.ndarray:
     return np.ascontiguousarray(pairs).view(np.int64).reshape(65536)
 
 
-def _scaled(packed: np.ndarray, block_scales: np.ndarray, scale_2: float | None) -> np.ndarray:
-    """float32 [N, K] of packed e2m1 [N, K/2] and block scale codes [N, K/16]: one lookup per byte in a
-    table of every (scale, byte) pair, instead of decoding and then scaling (about half the passes
-    over the float32 output)."""
-    return _lookup(_scaled_pairs(scale_2), packed, block_scales)
-
-
 def _lookup(table: np.ndarray, packed: np.ndarray, block_scales: np.ndarray) -> np.ndarray:
+    """float32 [N, K] of packed e2m1 [N, K/2] and block scale codes [N, K/16] through ``table``
+    (``_scaled_pairs``): one lookup per byte for its (scale, byte) pair, instead of decoding and then
+    scaling (about half the passes over the float32 output)."""
     n, half = packed.shape
     idx = (block_scales.astype(np.uint16)[:, :, None] << 8) | packed.reshape(n, half // 8, 8)  # a block's 8 bytes
     return table[idx].view(np.float32).reshape(n, half * 2)
@@ -148,7 +144,7 @@ def scaled_matmul(x: np.ndarray, packed: np.ndarray, block_scales: np.ndarray,
 
 def dequant_nvfp4(packed: np.ndarray, block_scales: np.ndarray, scale_2: float) -> np.ndarray:
     """A source NVFP4 weight in float32: e2m1 x (block scale x weight_scale_2)."""
-    return _scaled(packed, block_scales, float(scale_2))
+    return _lookup(_scaled_pairs(float(scale_2)), packed, block_scales)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
