@@ -84,7 +84,7 @@ def hash_range(h, fd: int, a: int, b: int, read: bool = False) -> None:
     while a < b:
         n = os.preadv(fd, [view[: min(CHUNK, b - a)]], a)
         if n <= 0:
-            raise OSError(errno.EIO, f"unexpected end of file at byte {a} (the file shrank while it was read)")
+            raise _ended(a)
         h.update(view[:n])
         a += n
 
@@ -96,9 +96,9 @@ WINDOW = 64 << 20  # bytes mapped at a time: a mapped page counts in the process
 def _hash_mapped(h, fd: int, a: int, b: int) -> None:
     """``hash_range`` through memory maps, one window at a time, so a multi-GB file never sits mapped
     in the process at once."""
-    if b > os.fstat(fd).st_size:
-        raise OSError(errno.EIO, f"unexpected end of file at byte {os.fstat(fd).st_size} (the file shrank "
-                      "while it was read)")
+    size = os.fstat(fd).st_size
+    if b > size:
+        raise _ended(size)
     while a < b:
         start = a - a % mmap.ALLOCATIONGRANULARITY
         end = min(b, start + WINDOW)
@@ -111,6 +111,10 @@ def _hash_mapped(h, fd: int, a: int, b: int) -> None:
             finally:
                 view.release()
         a = end
+
+
+def _ended(at: int) -> OSError:
+    return OSError(errno.EIO, f"unexpected end of file at byte {at} (the file shrank while it was read)")
 
 
 _local = threading.local()
@@ -152,8 +156,9 @@ def digest_or_error(path: Path, algo: str, follow: bool, threads: bool = False,
 class BackgroundDigests:
     """verify's digests of ``jobs`` ((path, algorithm, follow)) taken on a thread pool (the hashers drop
     the GIL; a single-threaded one reads, see ``hash_range``), one file per thread, largest first;
-    ``take`` hands one job's future ((digest, None) or (None, why)) to whoever checks it. BLAKE3's own threads inside a file only where cores are left over for them:
-    on 2 cores they fought verify's GEMM threads (13.6 s against 11.6 s)."""
+    ``take`` hands one job's future ((digest, None) or (None, why)) to whoever checks it. BLAKE3's own
+    threads inside a file only where cores are left over for them: on 2 cores they fought verify's
+    GEMM threads (13.6 s against 11.6 s)."""
 
     def __init__(self, jobs: list[tuple[Path, str, bool]]) -> None:
         threads = (os.cpu_count() or 1) >= 8
@@ -165,7 +170,7 @@ class BackgroundDigests:
 
         self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
         self.futures: dict[tuple[str, str, bool], Future] = {
-            _job_key(p, a, f): self.pool.submit(digest_or_error, p, a, f, threads, not threads)
+            _job_key(p, a, f): self.pool.submit(digest_or_error, p, a, f, threads, True)
             for p, a, f in sorted(jobs, key=lambda j: -size(j[0]))}
 
     def take(self, path: Path, algo: str, follow: bool) -> Future | None:
