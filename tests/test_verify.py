@@ -683,3 +683,54 @@ def test_fp4_kernels_are_sought_only_on_sm100(monkeypatch):
         assert runner._fp4_kernels_possible(trtllm, VerifyOptions()) is False  # no FlashInfer NVFP4 kernel reads it
         assert runner._fp4_kernels_possible(cutlass, VerifyOptions(device="cpu")) is False
         assert runner._fp4_kernels_possible(cutlass, VerifyOptions(kernels="flashinfer")) is True
+
+
+@pytest.mark.parametrize("target", [CUTLASS, TRTLLM])
+def test_nvfp4_fused_moe_reference_against_an_independent_decoder(converted, target):
+    """The reference of the NVFP4 fused-MoE check (FlashInfer's kernel, sm_100+: no CUDA here) through a
+    stand-in kernel that computes the routed layer from the source's experts with the test suite's own
+    decoder in float64: the check's reference must agree, and a kernel that swaps w1 and w3 must fail."""
+    import numpy as np
+
+    from mocli.census import build_census
+    from mocli.checkpoint import open_checkpoint
+    from mocli.loader import open_converted
+    from mocli.tables import WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+    from mocli.targets import layout_of
+    from mocli.verify import nvfp4
+    from mocli.verify.results import VerifyOptions
+
+    src = open_checkpoint(str(REAL_QWEN))
+    census = build_census(src.tensors)
+    with src.reader() as reader:
+        np_src = nvfp4.NpSource(src, census, reader)
+        name = census.moe[0].name
+        case = nvfp4._Layer(name, np_src, layout_of(target), VerifyOptions())
+        ck = open_converted(converted["qwen", target])
+        mod = ck.module_arrays(name)
+
+        def weight(m) -> torch.Tensor:
+            packed = torch.from_numpy(np.array(np_src.arr(m.tensors[WEIGHT].name)))
+            bs = torch.from_numpy(np.array(np_src.arr(m.tensors[WEIGHT_SCALE].name))).view(torch.float8_e4m3fn)
+            return ref.dequant_nvfp4(packed, bs, float(np_src.scalar(m, WEIGHT_SCALE_2))).double()
+
+        class Kernel:
+            swap = False
+
+            def fused_moe(self, ck_, name_, x, ids, w):
+                xq = torch.from_numpy(case.ref_in).double()
+                out = torch.zeros(x.shape[0], mod.hidden, dtype=torch.float64)
+                for t in range(x.shape[0]):
+                    for k in range(ids.shape[1]):
+                        ex = case.layer.experts[mod.expert_offset + int(ids[t, k])]
+                        gate, up = (ex.up, ex.gate) if self.swap else (ex.gate, ex.up)
+                        h = torch.nn.functional.silu(xq[t] @ weight(gate).T) * (xq[t] @ weight(up).T)
+                        hq = nvfp4_quant(h.float()[None], torch.tensor(1 / float(case.a2))) * float(case.a2)
+                        out[t] += float(w[t, k]) * (hq.double()[0] @ weight(ex.down).T)
+                return out.float().numpy()
+
+        kernel = Kernel()
+        got = case.fused(kernel, ck, mod)
+        assert got[0] == "flashinfer.cutlass_fused_moe" and got[3][0] < 0.01, got
+        kernel.swap = True
+        assert case.fused(kernel, ck, mod)[3][0] > got[3][1], "a kernel with w1 and w3 swapped passed"

@@ -50,27 +50,25 @@ def dense_cross(name: str, outs: dict, x: np.ndarray, quant: Callable[[np.ndarra
                         f"{threshold:g}"))
 
 
-def moe_cross(name: str, per_rank: dict, ref_in: np.ndarray, weights: Callable[[int], tuple], inter: int,
+def moe_cross(name: str, per_rank: dict, reference: Callable[[int, np.ndarray], tuple], inter: int,
               limits: Thresholds) -> CrossResult:
     """Tensor-parallel MoE: rank GEMM1 outputs concatenate to the full expert's, GEMM2 outputs sum to
     the full down projection of the concatenated intermediate (SEMANTICS §10). ``per_rank``: rank ->
-    (its intermediate slice, global expert -> (GEMM1 out, GEMM2 out, intermediate)); ``weights``: the
-    source's dequantized (w1, w3, w2) of a global expert."""
+    (its intermediate slice, global expert -> (GEMM1 out, GEMM2 out, intermediate)); ``reference(gid,
+    h)``: the source expert's full GEMM1 of the reference input ([up | gate]) and its GEMM2 of ``h``."""
     worst = 0.0
     common = set.intersection(*(set(outs) for _, outs in per_rank.values()))
     for gid in sorted(common):
-        w1, w3, w2 = weights(gid)
-        full1 = ref_in @ np.concatenate([w3, w1]).T
+        h_parts = [per_rank[rank][1][gid][2] for rank in sorted(per_rank)]
+        full1, ref2 = reference(gid, np.concatenate(h_parts, axis=1))
         got1 = np.empty_like(full1)
-        h_parts, total2 = [], 0
+        total2 = 0
         for rank in sorted(per_rank):
             (i0, i1), outs = per_rank[rank]
-            o1, o2, h_true = outs[gid]
+            o1, o2, _ = outs[gid]
             i = i1 - i0
             got1[:, i0:i1], got1[:, inter + i0:inter + i1] = o1[:, :i], o1[:, i:]
-            h_parts.append(h_true)
             total2 = total2 + o2
-        ref2 = np.concatenate(h_parts, axis=1) @ w2.T
         errs = (rel_error(got1, full1) / limits.unified, rel_error(total2, ref2) / limits.gemm2)
         worst = math.nan if math.isnan(worst) or any(map(math.isnan, errs)) else max(worst, *errs)
     passed = worst <= 1.0  # False for NaN

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -249,8 +250,13 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict[int, ConvertedCheckpo
     cross = None
     if len({i_slice for i_slice, _ in per_rank.values()}) > 1 and len(per_rank) == len(infos):
         np_rank = {r: (sl, {g: tuple(map(to_numpy, v)) for g, v in outs.items()}) for r, (sl, outs) in per_rank.items()}
-        cross = moe_cross(name, np_rank, to_numpy(ref_in), lambda g: tuple(map(to_numpy, source(g))),
-                          layer.intermediate, case.limits)
+        ref_np = to_numpy(ref_in)
+
+        def reference(gid: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            w1, w3, w2 = map(to_numpy, source(gid))
+            return ref_np @ np.concatenate([w3, w1]).T, h @ w2.T
+
+        cross = moe_cross(name, np_rank, reference, layer.intermediate, case.limits)
     return results, cross
 
 

@@ -227,19 +227,22 @@ class _Layer:
         self.x = rng(opts.seed, name).standard_normal((opts.tokens, self.layer.hidden), dtype=np.float32) \
             * np.float32(float(self.a13) * 448.0 * 6 / 4)
         self.ref_in = self.quant(self.x, self.a13)
-        self._weights: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     @staticmethod
     def quant(x: np.ndarray, a) -> np.ndarray:
         """Activations as the kernel quantizes them with the per-tensor input scale ``a``, dequantized."""
         return nvfp4_quant(x, ONE / a) * a
 
-    def weights(self, gid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Dequantized w1, w3, w2 of a global expert, once per layer."""
-        if gid not in self._weights:
-            ex = self.layer.experts[gid]
-            self._weights[gid] = (self.src.dequant(ex.gate), self.src.dequant(ex.up), self.src.dequant(ex.down))
-        return self._weights[gid]
+    def gemm1_ref(self, gid: int, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The source expert's GEMM1 of the reference input, [up | gate] (``rows``: the intermediate
+        slice of each), with W dequantized a block of rows at a time (``NpSource.matmul``)."""
+        ex = self.layer.experts[gid]
+        return np.concatenate([self.src.matmul(self.ref_in, ex.up, rows=rows),
+                               self.src.matmul(self.ref_in, ex.gate, rows=rows)], axis=1)
+
+    def reference(self, gid: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``moe_cross``'s full GEMM1 and GEMM2 (of ``h``) for a global expert."""
+        return self.gemm1_ref(gid), self.src.matmul(h, self.layer.experts[gid].down)
 
     def consistency(self, mod, experts, problems: Problems) -> None:
         """Every scale vector of the layer against SEMANTICS §7 over the source's scales."""
@@ -334,11 +337,9 @@ class _Layer:
         outs: dict[int, tuple] = {}
         for local in sample:
             gid = off + local
-            ex, src = self.layer.experts[gid], self.src
-            ref1 = np.concatenate([src.matmul(self.ref_in, ex.up, rows=i_slice),
-                                   src.matmul(self.ref_in, ex.gate, rows=i_slice)], axis=1)  # [up | gate]
+            ref1 = self.gemm1_ref(gid, rows=i_slice)
             o1, o2, h_true, t1 = self.expert_gemms(mod, local, i1 - i0)
-            ref2 = src.matmul(h_true, ex.down, cols=i_slice)
+            ref2 = self.src.matmul(h_true, self.layer.experts[gid].down, cols=i_slice)
             stages.add("gemm1", rel_error(o1, ref1), t1)
             stages.add("gemm2", rel_error(o2, ref2), self.limits.gemm2)
             outs[gid] = (o1, o2, h_true)
@@ -358,10 +359,9 @@ class _Layer:
             tok, slot = np.nonzero(ids == e)
             if not len(tok):
                 continue
-            w1, w3, w2 = self.weights(mod.expert_offset + e)
-            xt = self.ref_in[tok]
-            hmid = silu(xt @ w1.T) * (xt @ w3.T)
-            np.add.at(ref, tok, (self.quant(hmid, self.a2) @ w2.T) * w[tok, slot, None])
+            ex, xt = self.layer.experts[mod.expert_offset + e], self.ref_in[tok]
+            hmid = silu(self.src.matmul(xt, ex.gate)) * self.src.matmul(xt, ex.up)
+            np.add.at(ref, tok, self.src.matmul(self.quant(hmid, self.a2), ex.down) * w[tok, slot, None])
         err = rel_error(out, ref)
         return "flashinfer.cutlass_fused_moe", False, {"fused": err}, (err, FUSED_MOE_THRESHOLD), None
 
@@ -400,5 +400,5 @@ def check_moe(name: str, infos: dict[int, dict], cks: dict, src: NpSource, layou
     cross = None
     if len({i_slice for i_slice, _ in per_rank.values()}) > 1 and len(per_rank) == len(infos):
         with np.errstate(all="ignore"):
-            cross = moe_cross(name, per_rank, case.ref_in, case.weights, case.layer.intermediate, case.limits)
+            cross = moe_cross(name, per_rank, case.reference, case.layer.intermediate, case.limits)
     return results, cross
