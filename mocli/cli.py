@@ -289,9 +289,10 @@ def convert_cmd(
     def body(out: Output) -> None:
         from mocli.checkpoint import open_checkpoint
         from mocli.io.digests import SourceDigests
-        from mocli.procenv import single_thread_blas
+        from mocli.procenv import reuse_freed_memory, single_thread_blas
 
         single_thread_blas()  # no GEMM: its BLAS workers only spun (1.3% of a 2-core convert's CPU)
+        reuse_freed_memory()  # each unit's arrays land on the pages the last one freed
         shard_bytes = parse_size(max_shard_size)
         with out.progress_bar("converting") as progress:
             progress.phase("reading headers")
@@ -378,9 +379,10 @@ def quantize_cmd(
     def body(out: Output) -> None:
         from mocli.checkpoint import open_checkpoint
         from mocli.io.digests import SourceDigests
-        from mocli.procenv import single_thread_blas
+        from mocli.procenv import reuse_freed_memory, single_thread_blas
 
         single_thread_blas()  # as convert: no GEMM here, numpy's BLAS workers would only spin
+        reuse_freed_memory()  # as convert
         shard_bytes = parse_size(max_shard_size)
         with out.progress_bar("quantizing") as progress:
             progress.phase("reading headers")

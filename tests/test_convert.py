@@ -475,6 +475,52 @@ def test_convert_and_verify_set_one_blas_thread_before_numpy_loads(tmp_path):
     assert run("-q", "verify", tmp_path / "o", OPENBLAS_NUM_THREADS="3").endswith("['3']")
 
 
+FRESH_PAGES_AFTER_MAIN = """
+import ctypes, sys
+from mocli.cli import main
+
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype, libc.malloc.restype, libc.malloc.argtypes = Mallinfo2, ctypes.c_void_p, [ctypes.c_size_t]
+try:
+    main(sys.argv[1:])  # with argv: returns by SystemExit, the interpreter kept (cli.main)
+except SystemExit as e:
+    if e.code:
+        raise
+before = libc.mallinfo2().hblks
+block = libc.malloc(64 << 20)
+sys.stderr.write(f"fresh maps for a 64 MiB block: {libc.mallinfo2().hblks - before}\\n")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                    reason="glibc's malloc")
+def test_convert_and_quantize_reuse_freed_memory(tmp_path):
+    """convert and quantize make an array per unit (an NVFP4 trtllm expert's gathered rows: 6.3 MB on the
+    bench checkpoint); they set glibc's malloc to keep such blocks in the heap for the next unit instead
+    of mapping fresh, zeroed pages for each (``procenv.reuse_freed_memory``). Watched in a fresh process
+    as a user runs them: after the command, a 64 MiB block comes from the heap. glibc maps any block over
+    32 MiB by itself, which the bare interpreter shows."""
+    root = Path(__file__).resolve().parents[1]
+
+    def fresh_maps(*a):
+        r = subprocess.run([sys.executable, "-c", FRESH_PAGES_AFTER_MAIN, *map(str, a)], capture_output=True,
+                           text=True, cwd=root)
+        assert r.returncode == 0, r.stderr
+        return r.stderr.strip().splitlines()[-1]
+
+    assert fresh_maps("--version") == "fresh maps for a 64 MiB block: 1"  # the default, to tell them apart
+    assert fresh_maps("-q", "convert", REAL_QWEN, "-o", tmp_path / "o", "--target", "flashinfer-trtllm") == \
+        "fresh maps for a 64 MiB block: 0"
+    src = make_checkpoint(tmp_path / "bf16", arch="qwen3_moe", algo="BF16", kv_cache=False)
+    assert fresh_maps("-q", "quantize", src, "-o", tmp_path / "q") == "fresh maps for a 64 MiB block: 0"
+
+
 def test_numpy_units_wait_for_the_pool_behind_a_slow_disk(tmp_path, monkeypatch):
     """A torch-free unit's own arrays count against the buffer pool's limit: behind a slow disk the
     writer and hashing queues (several units deep) must not fill with arrays the pool knows nothing
