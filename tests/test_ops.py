@@ -68,6 +68,35 @@ def test_unswizzle_inverts_swizzle(m, kb, experts):
                 decode.unswizzle(dirty, m, kb, "t")
 
 
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 300), kb=st.integers(1, 20), experts=st.integers(0, 3), where=st.integers(0, 1 << 30))
+def test_numpy_unswizzle_matches_the_reference_offsets(m, kb, experts, where):
+    """NVFP4 verify unswizzles numpy arrays by the offset formula's digits (a reshape of 4-byte words),
+    not the gather the torch path uses: both against the reference's own offset gather, stacked experts
+    at once, and a non-zero byte anywhere in the padding (rows past m, columns past kb) refused."""
+    shape = (experts, m, kb) if experts else (m, kb)
+    s = torch.randint(0, 256, shape, dtype=torch.uint8)
+    flat = [ref.swizzle_by_offsets(x) for x in (s if experts else [s])]
+    sw = torch.stack(flat) if experts else flat[0]
+    got = decode.unswizzle(sw.numpy(), m, kb, "t")
+    assert isinstance(got, np.ndarray) and got.shape == shape
+    want = torch.stack([ref.unswizzle_by_offsets(f, m, kb) for f in flat]) if experts else \
+        ref.unswizzle_by_offsets(sw, m, kb)
+    assert np.array_equal(got, want.numpy())
+    assert np.array_equal(got, decode.unswizzle(sw, m, kb, "t").numpy())  # the torch gather
+    mp, kp = sw.shape[-2:]
+    pad = [(r, c) for r in range(mp) for c in range(kp) if r >= m or c >= kb]
+    if pad:  # the last matrix with one padding element set, swizzled by the formula as a whole
+        r, c = pad[where % len(pad)]
+        grown = torch.zeros((mp, kp), dtype=torch.uint8)
+        grown[:m, :kb] = s[-1] if experts else s
+        grown[r, c] = 1
+        dirty = sw.clone()
+        dirty[-1 if experts else ...] = ref.swizzle_by_offsets(grown)
+        with pytest.raises(decode.LayoutError):
+            decode.unswizzle(dirty.numpy(), m, kb, "t")
+
+
 def test_shuffle_and_reorder_match_loops():
     x = torch.arange(128 * 2).reshape(128, 2)
     assert torch.equal(x[shuffle_row_indices(128)], ref.shuffle_rows(x))

