@@ -301,7 +301,8 @@ def test_a_layout_fault_in_the_bytes_wins_over_the_gemms(cli, converted, monkeyp
 
 def test_differences_found_before_a_layout_fault_are_kept(cli, converted, tmp_path, monkeypatch):
     """A layout fault at expert 1 stops that layer's byte checks; what they found before it (a flipped
-    byte in expert 0) is still reported, after the fault."""
+    byte in expert 0) is still reported, after the fault, and nothing after it (a flipped byte in the
+    last expert)."""
     from mocli.targets.decode import LayoutError
     from mocli.verify import nvfp4
 
@@ -314,12 +315,14 @@ def test_differences_found_before_a_layout_fault_are_kept(cli, converted, tmp_pa
 
     out = _copy(converted, "qwen", TRTLLM, tmp_path)
     _mutate(out, _flip_expert_byte(f"{Q0}.w13_weight", 0))
+    _mutate(out, _flip_expert_byte(f"{Q0}.w13_weight", -1))
     monkeypatch.setattr(nvfp4, "unswizzle", planted)
     code, mods = _verify(cli, out)
     m = mods[Q0]
     assert code == 1 and m["kernel"] == "layout check", m
     assert m["message"].startswith(f"planted: {Q0}.w13_weight_scale[1]"), m["message"]
     assert "w13_weight (expert 0) differs from the source" in m["message"], m["message"]
+    assert m["message"].count("differs from the source") == 1, m["message"]
 
 
 # --- CLI behaviour ----------------------------------------------------------------------------------
@@ -634,36 +637,48 @@ def test_early_digests_are_the_ones_verify_checks(cli, tmp_path):
 
 def test_module_checks_side_by_side_agree_and_stop_at_an_error(cli, converted, monkeypatch):
     """Several numpy module checks at once (``nvfp4.WORKERS``, one per 4 cores: 1 on the build machine,
-    so forced here) give the report of one at a time; a module whose check raises stops the run with
-    that error, and the modules not started yet are not checked."""
+    so forced here) give the report of one at a time, in the manifest's order, though the largest
+    modules start first (an MoE layer started last would run alone at the end); a module whose check
+    raises stops the run with that error, and the modules not started yet are not checked."""
     from mocli.verify import nvfp4
 
     out = converted["qwen", TRTLLM]
     one = cli("--json", "verify", out).json
     monkeypatch.setattr(nvfp4, "WORKERS", 2)
+    started: list[str] = []
+    real_dense, real_moe = nvfp4.check_dense, nvfp4.check_moe
+    monkeypatch.setattr(nvfp4, "check_dense", lambda name, *a, **k: started.append(name) or real_dense(name, *a, **k))
+    monkeypatch.setattr(nvfp4, "check_moe", lambda name, *a, **k: started.append(name) or real_moe(name, *a, **k))
     many = cli("--json", "verify", out).json
     strip = lambda r: [{k: v for k, v in m.items() if k != "seconds"} for m in r["modules"]]  # noqa: E731
     assert many["ok"] and strip(many) == strip(one)
-    started: list[str] = []
-    real = nvfp4.check_dense
+    # the manifest lists the 4 dense modules before the 2 MoE layers; the layers start first
+    assert [m["module"] for m in one["modules"]][-2:] == [n for n in started if n.endswith("experts")]
+    assert all(n.endswith("experts") for n in started[:2]) and len(started) == 6, started
+
+    started.clear()
 
     def first_fails(name, *a, **k):
         started.append(name)
         if len(started) == 1:
-            raise RuntimeError("planted: the first dense module")
+            raise RuntimeError("planted: the first MoE layer")
         time.sleep(1.5)  # the others take a while: the queued ones are cancelled meanwhile
-        return real(name, *a, **k)
+        return real_moe(name, *a, **k)
 
-    monkeypatch.setattr(nvfp4, "check_dense", first_fails)
-    monkeypatch.setattr(nvfp4, "check_moe", lambda name, *a, **k: started.append(name))
+    def slow_dense(name, *a, **k):
+        started.append(name)
+        time.sleep(1.5)
+        return real_dense(name, *a, **k)
+
+    monkeypatch.setattr(nvfp4, "check_moe", first_fails)
+    monkeypatch.setattr(nvfp4, "check_dense", slow_dense)
     with pytest.raises(RuntimeError, match="planted"):
         from mocli.verify import VerifyOptions, verify
 
         verify(out, VerifyOptions(device="cpu"))
-    # the manifest lists the 4 dense modules before the 2 MoE layers. With two at a time, the failing
-    # module's worker may take one more before the run is cancelled (two, on a machine too busy to
-    # cancel within 1.5 s); the MoE layers, queued behind them, never start
-    assert 1 <= len(started) <= 4 and not any(n.endswith("experts") for n in started), started
+    # with two at a time, the failing module's worker may take one more before the run is cancelled (two,
+    # on a machine too busy to cancel within 1.5 s); the rest never start
+    assert 2 <= len(started) <= 4 and started[0].endswith("experts"), started
 
 
 def test_fp4_kernels_are_sought_only_on_sm100(monkeypatch):

@@ -145,12 +145,15 @@ def file_digest(path: Path, algo: str = DIGEST, follow: bool = True, threads: bo
 def digest_or_error(path: Path, algo: str, follow: bool, threads: bool = False,
                     read: bool = False) -> tuple[str | None, str | None]:
     """(hex digest, None), or (None, why the file could not be read): for checks that report, not raise."""
+    from mocli import trace
     from mocli.errors import MocliError
 
     try:
         return file_digest(path, algo, follow, threads, read), None
     except (OSError, MocliError) as e:
         return None, getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
+    finally:
+        trace.mark(f"hashed {path.name}")
 
 
 class BackgroundDigests:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from mocli import trace
 from mocli.census import Module
 from mocli.errors import CorruptFileError
 from mocli.kinds import ModuleKind, Role
@@ -299,6 +300,7 @@ class _Layer:
         stopped the check, if one did (the differences found before it are kept)."""
         found = Problems()
         i = i_slice[1] - i_slice[0]
+        trace.mark(f"{mod.name}: expert bytes started")
         try:
             for local, ex in enumerate(experts):
                 got = self.decoded(mod, local, i)
@@ -310,6 +312,7 @@ class _Layer:
                         found.expect_parts(what, got[role](), parts)
         except (LayoutError, CorruptFileError) as e:
             return found, e
+        trace.mark(f"{mod.name}: expert bytes done")
         return found, None
 
     def expert_gemms(self, mod, local: int, i: int):

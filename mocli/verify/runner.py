@@ -11,7 +11,8 @@ in the output went unchecked.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,28 @@ def _cpu_note(device: str) -> dict[str, str]:
     return {"device_requested": wanted} if wanted != "cpu" else {}
 
 
+def _module_bytes(cks: dict, name: str) -> int:
+    """Bytes of the module's tensors on every rank that holds it: its checks' work goes with them (an
+    MoE layer's expert bytes are compared and its sampled experts multiplied)."""
+    return sum(ck.entry(t).nbytes for ck in cks.values() if name in ck._module_info
+               for t in ck.module_info(name)["tensors"].values() if t in ck._entries)
+
+
+def _in_order(futures: dict[str, Future], names: list[str]) -> Iterator:
+    """The futures' results in ``names`` order, raising the first error of any of them as soon as it is
+    raised (a module that fails stops the run, wherever it comes in the order)."""
+    for name in names:
+        f = futures[name]
+        while True:
+            for x in futures.values():
+                if x.done() and not x.cancelled() and x.exception() is not None:
+                    x.result()
+            if f.done():
+                break
+            wait([x for x in futures.values() if not x.done()], return_when=FIRST_COMPLETED)
+        yield f.result()
+
+
 def _check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout, rt, opts: VerifyOptions, tp: int,
                    progress: Progress) -> tuple[list[ModuleResult], list[CrossResult]]:
     """Every named module on every rank of ``cks`` that holds it, by its kind's check, in order (a module
@@ -156,9 +179,11 @@ def _check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout,
         source = None
 
         def check(name: str) -> tuple[list[ModuleResult], CrossResult | None]:
+            trace.mark(f"{name}: started")
             try:
                 return check_one(name)
             finally:  # RSS: the mapped bytes of the modules in flight, not the model's (every map's pages
+                trace.mark(f"{name}: done")
                 reader.drop_pages()  # go; a module still running faults its own back in from the page cache)
                 for ck in cks.values():
                     ck.drop_pages()
@@ -184,10 +209,10 @@ def _check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout,
         workers = nvfp4.WORKERS if rt is None else 1
         if workers == 1:
             done = (check(name) for name in names)
-        else:
+        else:  # the largest modules start first, so a long MoE layer does not start last (results in order)
             pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mocli-verify")
-            futures = [pool.submit(check, name) for name in names]
-            done = (f.result() for f in futures)
+            futures = {name: pool.submit(check, name) for name in sorted(names, key=lambda n: -_module_bytes(cks, n))}
+            done = _in_order(futures, names)
         try:
             for res, cr in done:
                 results += res
