@@ -173,7 +173,7 @@ class BackgroundDigests:
 
         self.pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
         self.futures: dict[tuple[str, str, bool], Future] = {
-            _job_key(p, a, f): self.pool.submit(digest_or_error, p, a, f, threads, True)
+            _job_key(p, a, f): self.pool.submit(digest_or_error, p, a, f, threads, read=True)
             for p, a, f in sorted(jobs, key=lambda j: -size(j[0]))}
 
     def take(self, path: Path, algo: str, follow: bool) -> Future | None:

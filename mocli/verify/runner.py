@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -151,16 +151,13 @@ def _module_bytes(cks: dict, name: str) -> int:
 def _in_order(futures: dict[str, Future], names: list[str]) -> Iterator:
     """The futures' results in ``names`` order, raising the first error of any of them as soon as it is
     raised (a module that fails stops the run, wherever it comes in the order)."""
-    for name in names:
-        f = futures[name]
-        while True:
-            for x in futures.values():
-                if x.done() and not x.cancelled() and x.exception() is not None:
-                    x.result()
-            if f.done():
-                break
-            wait([x for x in futures.values() if not x.done()], return_when=FIRST_COMPLETED)
-        yield f.result()
+    order = iter(names)
+    name = next(order, None)
+    for f in as_completed(futures.values()):
+        f.result()  # an error: raised now
+        while name is not None and futures[name].done():
+            yield futures[name].result()
+            name = next(order, None)
 
 
 def _check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout, rt, opts: VerifyOptions, tp: int,
