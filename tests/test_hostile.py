@@ -160,6 +160,26 @@ def test_sharded_repo_from_the_hf_cache(cli, tmp_path, monkeypatch):
     assert r.exit_code == 0, r.stderr
     r = cli("--json", "inspect", "org/sharded", env={"HF_HUB_OFFLINE": "1"})
     assert r.exit_code == 0 and len(r.json["shards"]) == 3
+    # huggingface_hub itself reads this as one cached repo whose snapshot files are its blobs
+    info = huggingface_hub.scan_cache_dir(cache)
+    (cached,) = info.repos
+    assert cached.repo_id == "org/sharded" and not info.warnings
+    (revision,) = cached.revisions
+    assert {f.file_name for f in revision.files} == {f.name for f in src.iterdir()}
+    assert all(f.file_path.is_symlink() and f.blob_path.parent == repo / "blobs" for f in revision.files)
+    # convert follows the snapshot's links, and so does verify's byte check of the source (a regression:
+    # the no-link rule of mocli's own outputs was applied to the source's shards)
+    out = tmp_path / "out"
+    r = cli("convert", "org/sharded", "-o", out, "-t", "flashinfer-cutlass", env={"HF_HUB_OFFLINE": "1"})
+    assert r.exit_code == 0, r.stderr
+    r = cli("--json", "verify", out, env={"HF_HUB_OFFLINE": "1"})
+    assert r.exit_code == 0 and r.json["ok"] and r.json["passthrough"]["checked"] > 0, r.stderr
+    # a link inside the output is still refused
+    shard = next(out.glob("model-*.safetensors"))
+    moved = shard.rename(tmp_path / shard.name)
+    os.symlink(moved, shard)
+    r = cli("verify", out, env={"HF_HUB_OFFLINE": "1"})
+    assert r.exit_code == 2 and "link" in r.stderr
 
 
 @pytest.mark.parametrize("entry", ["../outside.safetensors", "/etc/passwd", "a/../../x.safetensors", ""])

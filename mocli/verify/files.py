@@ -73,15 +73,17 @@ class Hashes:
         return self.problems
 
 
-def compare_bytes(entries: dict, src: Checkpoint, reader) -> list[dict[str, str]]:
-    """Each output entry equals the source tensor of the same name, byte for byte (chunked reads)."""
+def compare_bytes(entries: dict, src: Checkpoint, out_reader, src_reader) -> list[dict[str, str]]:
+    """Each output entry equals the source tensor of the same name, byte for byte (chunked reads). Two
+    readers, two link rules: a mocli output holds no link, a source may be a Hugging Face cache snapshot
+    of links into ``../../blobs``."""
     problems, chunk = [], 16 << 20
     for name, e_out in entries.items():
         e_src = src.tensors.get(name)
         if e_src is None or (e_out.dtype, e_out.shape) != (e_src.dtype, e_src.shape):
             problems.append({"tensor": name, "problem": "has no source tensor of that name, dtype and shape"})
             continue
-        fo, fs = reader.fd(e_out.file), reader.fd(e_src.file)
+        fo, fs = out_reader.fd(e_out.file), src_reader.fd(e_src.file)
         for a in range(0, e_out.nbytes, chunk):
             n = min(chunk, e_out.nbytes - a)
             if os.pread(fo, n, e_out.start + a) != os.pread(fs, n, e_src.start + a):

@@ -103,7 +103,7 @@ def verify_quantized(out: Path, opts, progress) -> dict[str, Any]:
                 rs.drop_pages()
         progress.phase("kept tensors")
         kept = {n: e for n, e in ckpt.tensors.items() if n not in checked}
-        pass_problems = compare_bytes(kept, src, ro)
+        pass_problems = compare_bytes(kept, src, ro, rs)
     # completeness: every source tensor is in the output (quantized weights keep their names)
     pass_problems += [{"tensor": n, "problem": "in the source but not in the output"}
                       for n in sorted(set(src.tensors) - set(ckpt.tensors)) if opts.layers is None]

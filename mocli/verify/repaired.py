@@ -77,7 +77,7 @@ def verify_repaired(out: Path, opts, progress) -> dict[str, Any]:
             progress.advance()
         progress.phase("unchanged tensors")
         same = {n: e for n, e in ckpt.tensors.items() if n not in checked}
-        problems = compare_bytes(same, src, ro)
+        problems = compare_bytes(same, src, ro, rs)
     expected = (set(src.tensors) - dropped) | {f"{n}.{INPUT_SCALE}" for n in filled}
     problems += [{"tensor": n, "problem": "in the source but not in the output (and no repair dropped it)"}
                  for n in sorted(expected - set(ckpt.tensors))]
