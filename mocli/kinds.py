@@ -59,16 +59,29 @@ class KindSpec:
     kind: ModuleKind
     scheme: Algo
     moe: bool
+    roles: frozenset[Role]  # the tensors every target writes for it (LAYOUT.md), a bias aside
 
 
-KINDS: dict[ModuleKind, KindSpec] = {
-    ModuleKind.FP8_LINEAR: KindSpec(ModuleKind.FP8_LINEAR, Algo.FP8, False),
-    ModuleKind.FP8_CHANNEL_LINEAR: KindSpec(ModuleKind.FP8_CHANNEL_LINEAR, Algo.FP8_PER_CHANNEL_PER_TOKEN, False),
-    ModuleKind.FP8_BLOCK_LINEAR: KindSpec(ModuleKind.FP8_BLOCK_LINEAR, Algo.FP8_PB_WO, False),
-    ModuleKind.NVFP4_LINEAR: KindSpec(ModuleKind.NVFP4_LINEAR, Algo.NVFP4, False),
-    ModuleKind.FP8_MOE: KindSpec(ModuleKind.FP8_MOE, Algo.FP8, True),
-    ModuleKind.NVFP4_MOE: KindSpec(ModuleKind.NVFP4_MOE, Algo.NVFP4, True),
-}
+_FP8_MOE_ROLES = (Role.W13_WEIGHT, Role.W2_WEIGHT, Role.W13_WEIGHT_SCALE, Role.W2_WEIGHT_SCALE, Role.W13_INPUT_SCALE,
+                  Role.W2_INPUT_SCALE, Role.W13_INPUT_SCALE_INV, Role.W2_INPUT_SCALE_INV, Role.G1_ALPHAS, Role.G2_ALPHAS)
+_NVFP4_MOE_ROLES = (Role.W13_WEIGHT, Role.W2_WEIGHT, Role.W13_WEIGHT_SCALE, Role.W2_WEIGHT_SCALE, Role.W13_WEIGHT_SCALE_2,
+                    Role.W2_WEIGHT_SCALE_2, Role.W13_INPUT_SCALE, Role.W2_INPUT_SCALE, Role.G1_ALPHAS, Role.G2_ALPHAS,
+                    Role.A1_GSCALE, Role.A2_GSCALE)
+
+
+def _spec(kind: ModuleKind, scheme: Algo, moe: bool, *roles: Role) -> KindSpec:
+    return KindSpec(kind, scheme, moe, frozenset(roles))
+
+
+KINDS: dict[ModuleKind, KindSpec] = {k.kind: k for k in (
+    _spec(ModuleKind.FP8_LINEAR, Algo.FP8, False, Role.WEIGHT, Role.WEIGHT_SCALE, Role.INPUT_SCALE),
+    _spec(ModuleKind.FP8_CHANNEL_LINEAR, Algo.FP8_PER_CHANNEL_PER_TOKEN, False, Role.WEIGHT, Role.WEIGHT_SCALE),
+    _spec(ModuleKind.FP8_BLOCK_LINEAR, Algo.FP8_PB_WO, False, Role.WEIGHT, Role.WEIGHT_SCALE),
+    _spec(ModuleKind.NVFP4_LINEAR, Algo.NVFP4, False, Role.WEIGHT, Role.WEIGHT_SCALE, Role.WEIGHT_SCALE_2,
+          Role.INPUT_SCALE, Role.ALPHA, Role.INPUT_SCALE_INV),
+    _spec(ModuleKind.FP8_MOE, Algo.FP8, True, *_FP8_MOE_ROLES),
+    _spec(ModuleKind.NVFP4_MOE, Algo.NVFP4, True, *_NVFP4_MOE_ROLES),
+)}
 
 
 def kind_for(scheme: Algo, moe: bool) -> ModuleKind | None:

@@ -223,6 +223,8 @@ def render_verify(report: dict[str, Any], out: Output) -> None:
         out.stdout.print(f"[bold red]FAIL[/] file {escape(p['file'])}: {escape(p['problem'])}")
     for p in report["passthrough"]["problems"]:
         out.stdout.print(f"[bold red]FAIL[/] pass-through {escape(p['tensor'])}: {escape(p['problem'])}")
+    for p in report.get("layout", {}).get("problems", []):
+        out.stdout.print(f"[bold red]FAIL[/] layout: {escape(p)}")
     for p in report.get("completeness", {}).get("problems", []):
         out.stdout.print(f"[bold red]FAIL[/] {escape(p['module'])}: {escape(p['problem'])}")
     for n in report["coverage"]["unchecked"]:

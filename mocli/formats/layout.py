@@ -189,8 +189,13 @@ def _check_tensors(tensors: Any, where: str) -> None:
 
 
 def _check_manifest(m: dict[str, Any], where: Path) -> None:
+    from mocli.targets import Target
+
     at = str(where)
     _expect(m.get("target"), str, at, "target")
+    if m["target"] not in {t.value for t in Target}:
+        raise InputError(f"{at}: target {m['target']!r} is not one this mocli knows "
+                         f"({', '.join(t.value for t in Target)})", hint="convert again with this mocli")
     par = _expect(m.get("parallel"), dict, at, "parallel")
     for key in ("tp", "ep", "ranks"):
         if not _is_int(par.get(key), 1):

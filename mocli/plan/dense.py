@@ -19,6 +19,7 @@ from mocli.parallel import RankSlice, Split, rank_slices, split_of
 from mocli.plan.context import PlanContext
 from mocli.plan.core import F32, ConvertedModule
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+from mocli.targets.base import ROW_SHUFFLE
 
 if TYPE_CHECKING:
     from mocli.engine.pool import UnitContext
@@ -238,7 +239,7 @@ class _Nvfp4Dense(_Dense):
             self.add(r, Role.WEIGHT, "U8", shapes[r], [w.name for w in weights],
                      self.fused + rows + layout.nvfp4_weight_transforms(n, k))
             strans = (self.fused + rows + (["rescale_to_max_scale_2"] if any(x != big_s2 for x in s2) else [])
-                      + (["shuffle_matrix_a_128"] if layout.shuffles_rows else []) + ["swizzle_128x4"])
+                      + ([ROW_SHUFFLE] if layout.shuffles_rows else []) + ["swizzle_128x4"])
             self.add(r, Role.WEIGHT_SCALE, "F8_E4M3", swizzled_shape(n, k // 16), [b.name for b in bscales], strans)
             self.add(r, Role.WEIGHT_SCALE_2, "F32", (), self.sources(WEIGHT_SCALE_2), ["max"])
             self.add(r, Role.INPUT_SCALE, "F32", (), self.sources(INPUT_SCALE), ["max"])

@@ -46,6 +46,8 @@ SHARED_CONSTRAINTS: tuple[Constraint, ...] = (
     Constraint("moe", Algo.FP8, "H", 16, "FP8 fused-MoE GEMMs need H % 16 == 0"),
 )
 
+ROW_SHUFFLE = "shuffle_matrix_a_128"  # the transform FlashInfer's shuffle_matrix_a(., 128) records
+
 SUPPORTED: dict[str, frozenset[Algo]] = {
     "linear": frozenset({Algo.FP8, Algo.FP8_PER_CHANNEL_PER_TOKEN, Algo.FP8_PB_WO, Algo.NVFP4}),
     "moe": frozenset({Algo.FP8, Algo.NVFP4}),
@@ -66,6 +68,17 @@ class TargetLayout:
     # Whether ``nvfp4_weight_rows``, ``w13_rows`` and ``w2_rows`` permute rows (a planner asks this, and
     # leaves building the indices to the units)
     shuffles_rows: bool = False
+    # The module kinds whose weights (and block scales) this target stores with rows shuffled: their
+    # manifest transforms say ``ROW_SHUFFLE``, which tells this layout from one that shares its shapes
+    row_shuffled_kinds: frozenset[ModuleKind] = frozenset()
+    # Roles this target's kernels take beyond the kind's own (``KINDS[kind].roles``)
+    extra_roles: dict[ModuleKind, frozenset[Role]] = {}
+
+    def roles(self, kind: ModuleKind) -> frozenset[Role]:
+        """Every role a module of ``kind`` holds in this layout, a bias aside."""
+        from mocli.kinds import KINDS
+
+        return KINDS[kind].roles | self.extra_roles.get(kind, frozenset())
 
     # --- dense NVFP4 (SEMANTICS §6) ---------------------------------------------------------------
 

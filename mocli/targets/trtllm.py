@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from mocli.kinds import ModuleKind, Role
 from mocli.quant_config import Algo
-from mocli.targets.base import SHARED_CONSTRAINTS, Constraint, Target, TargetLayout
+from mocli.targets.base import ROW_SHUFFLE, SHARED_CONSTRAINTS, Constraint, Target, TargetLayout
 
 if TYPE_CHECKING:
     import numpy as np
@@ -16,6 +16,13 @@ if TYPE_CHECKING:
 class TrtllmLayout(TargetLayout):
     target = Target.FLASHINFER_TRTLLM
     shuffles_rows = True
+    row_shuffled_kinds = frozenset({ModuleKind.NVFP4_LINEAR, ModuleKind.FP8_MOE, ModuleKind.NVFP4_MOE})
+    extra_roles = {
+        ModuleKind.FP8_MOE: frozenset({Role.OUTPUT1_SCALES_SCALAR, Role.OUTPUT1_SCALES_GATE_SCALAR,
+                                       Role.OUTPUT2_SCALES_SCALAR}),
+        ModuleKind.NVFP4_MOE: frozenset({Role.OUTPUT1_SCALE_SCALAR, Role.OUTPUT1_SCALE_GATE_SCALAR,
+                                         Role.OUTPUT2_SCALE_SCALAR}),
+    }
     constraints = SHARED_CONSTRAINTS + (
         # SEMANTICS §6: shuffle_matrix_a(., 128) and the 128x4 scale interleave without padding.
         Constraint("linear", Algo.NVFP4, "N", 128, "trtllm NVFP4 GEMM shuffles rows in 128-row tiles (SEMANTICS §6)"),
@@ -36,7 +43,7 @@ class TrtllmLayout(TargetLayout):
         return shuffle_row_indices(n)
 
     def nvfp4_weight_transforms(self, n: int, k: int) -> list[str]:
-        return ["shuffle_matrix_a_128"]
+        return [ROW_SHUFFLE]
 
     def nvfp4_weight_decode(self, stored: torch.Tensor, n: int, k: int, what: str) -> torch.Tensor:
         from mocli.targets import decode
@@ -59,7 +66,7 @@ class TrtllmLayout(TargetLayout):
         return shuffle_row_indices(rows)
 
     def moe_row_transforms(self, gated: bool) -> list[str]:
-        return (["reorder_rows_gated_act"] if gated else []) + ["shuffle_matrix_a_128"]
+        return (["reorder_rows_gated_act"] if gated else []) + [ROW_SHUFFLE]
 
     def moe_rows_decode(self, stored: torch.Tensor, gated: bool) -> torch.Tensor:
         from mocli.targets import decode

@@ -56,6 +56,7 @@ def write_html(report: dict[str, Any], path: Path) -> None:
     problems = ([f"{m['module']} (rank {m['rank']}): {m['message']}" for m in report["modules"] if not m["passed"]]
                 + [f"file {p['file']}: {p['problem']}" for p in report["files"]["problems"]]
                 + [f"{p['module']}: {p['problem']}" for p in report.get("completeness", {}).get("problems", [])]
+                + [f"layout: {p}" for p in report.get("layout", {}).get("problems", [])]
                 + [f"{c['module']}: {c['check']}: {c['message']}" for c in report["cross_rank"] if not c["passed"]]
                 + [f"{p['tensor']}: {p['problem']}" for p in report["passthrough"]["problems"]]
                 + [f"{n}: in the output but checked by nothing" for n in report["coverage"]["unchecked"]])

@@ -1,5 +1,5 @@
 """JUnit XML for CI systems: one testcase per verified module and rank, plus file, cross-rank,
-pass-through and coverage problems as failing cases."""
+pass-through, coverage, completeness and layout problems as failing cases."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ def write_junit(report: dict[str, Any], path: Path) -> None:
     extra = ([("file", p["file"], p["problem"]) for p in report["files"]["problems"]]
              + [("cross_rank", c["module"], c["message"] or c["check"]) for c in report["cross_rank"] if not c["passed"]]
              + [("passthrough", p["tensor"], p["problem"]) for p in report["passthrough"]["problems"]]
-             + [("coverage", n, "in the output but checked by nothing") for n in report["coverage"]["unchecked"]])
+             + [("coverage", n, "in the output but checked by nothing") for n in report["coverage"]["unchecked"]]
+             + [("completeness", p["module"], p["problem"]) for p in report.get("completeness", {}).get("problems", [])]
+             + [("layout", p.split(":", 1)[0], p) for p in report.get("layout", {}).get("problems", [])])
     suite = ET.Element("testsuite", name="mocli verify", tests=str(len(mods) + len(extra)),
                        failures=str(report["failed"]), errors="0", time=f"{report['seconds']:.3f}")
     props = ET.SubElement(suite, "properties")

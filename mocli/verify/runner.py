@@ -66,12 +66,15 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
     complete = completeness(manifest, census, ranks)
     intact = [r for r in ranks if r not in inv.broken_ranks]
     cks = {r: open_converted(out, rank=r if manifest.get("ranks") else None) for r in intact}
+    layout_findings = _layout_problems(out, manifest, cks)
     # every module any checked rank holds, in the manifest's order (one missing on a rank is completeness's)
     names = list(dict.fromkeys(n for ck in cks.values() for n in ck._module_info))
     names = [n for n in names if opts.layers is None or fnmatchcase(n, opts.layers)]
     if not names and opts.layers is not None:
         raise InputError(f"--layers {opts.layers!r} matches no converted module",
                          hint="names look like model.layers.0.self_attn.qkv_proj; use * wildcards")
+    if layout_findings:  # the records contradict each other: no module check can trust them (files are hashed)
+        names = []
     layout = layout_of(manifest["target"])
     kinds = {ModuleKind(ck.module_info(n)["kind"]) for ck in cks.values() for n in names if n in ck._module_info}
     rt = _torch_runtime(kinds, layout, opts)
@@ -92,7 +95,8 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
             ck.close()
     failed = [r for r in results if not r.passed]
     failed_cross = [c for c in cross if not c.passed]
-    ok = not (failed or failed_cross or file_problems or pass_problems or coverage["unchecked"] or complete)
+    ok = not (failed or failed_cross or file_problems or pass_problems or coverage["unchecked"] or complete
+              or layout_findings)
     return {
         "output": str(out), "source": src.source.describe(), "target": manifest["target"],
         "parallel": parallel, "ranks": ranks, "device": str(rt.device) if rt else "cpu",
@@ -100,11 +104,22 @@ def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = Non
         "files": {"checked": len(inv.wanted or {}), "problems": file_problems},
         "modules": [r.to_dict() for r in results], "cross_rank": [c.to_dict() for c in cross],
         "passthrough": {"checked": n_pass, "problems": pass_problems}, "coverage": coverage,
-        "completeness": {"problems": complete},
+        "completeness": {"problems": complete}, "layout": {"problems": layout_findings},
         "passed": len(results) - len(failed), "failed": len(failed) + len(failed_cross) + len(file_problems)
-        + len(pass_problems) + len(coverage["unchecked"]) + len(complete),
+        + len(pass_problems) + len(coverage["unchecked"]) + len(complete) + len(layout_findings),
         "ok": ok, "seconds": round(time.perf_counter() - t_all, 3),
     }
+
+
+def _layout_problems(out: Path, manifest: dict[str, Any], cks: dict) -> list[str]:
+    """What the directory's own records say against each other (``formats.layout_audit``): everything
+    mocli's vLLM plugin refuses before loading fails here too."""
+    from mocli.formats.layout_audit import config_problems, module_problems, tensor_problems
+
+    problems = config_problems(out, manifest) + module_problems(manifest)
+    for r, ck in cks.items():
+        problems += tensor_problems(manifest, r if manifest.get("ranks") else None, ck._entries)
+    return problems
 
 
 def _torch_runtime(kinds: set[ModuleKind], layout, opts: VerifyOptions):
@@ -233,8 +248,9 @@ def _passthrough(out: Path, manifest: dict, src: Checkpoint) -> tuple[int, list[
     entries = group_entries(out, "") if (out / INDEX_NAME).exists() else {}
     missing = [{"tensor": n, "problem": "declared by the manifest but in no top-level shard"} for n in names
                if n not in entries]
-    with TensorReader(follow=False) as reader:
-        return len(names), missing + compare_bytes({n: entries[n] for n in names if n in entries}, src, reader)
+    with TensorReader(follow=False) as out_reader, src.reader() as src_reader:
+        return len(names), missing + compare_bytes({n: entries[n] for n in names if n in entries}, src, out_reader,
+                                                   src_reader)
 
 
 def _coverage(cks: dict, manifest: dict, opts: VerifyOptions) -> dict[str, Any]:

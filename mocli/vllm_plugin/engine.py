@@ -1,8 +1,10 @@
 """Registration into vLLM 0.32, and the two places where a mocli directory needs the engine's settings.
 
-- ``EngineArgs.create_engine_config`` (the vllm-bnb-plugin pattern): once vLLM has resolved the
+- ``EngineArgs.create_engine_config`` (the vllm-bnb-plugin pattern): before vLLM reads a local
+  directory that holds a layout manifest, check its files (``precheck``: a layout_version 1 output,
+  which vLLM would take for a ModelOpt export, is refused there); once vLLM has resolved the
   quantization to ``mocli``, pick the ``mocli`` load format (no ``--load-format`` needed) and check the
-  layout against the engine's parallelism in the first process, before any worker starts.
+  layout against the engine's parallelism, all in the first process, before any worker starts.
 - ``get_kv_cache_quant_algo_string`` (vllm/utils/torch_utils.py): with ``--kv-cache-dtype auto`` vLLM
   gives a ModelOpt checkpoint the KV-cache dtype its config declares (FP8); a converted directory keeps
   that config under ``source_quantization_config``, so it gets the same.
@@ -13,11 +15,13 @@ Both patches wrap the original, act only on a ``mocli`` directory, and are appli
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
-from mocli.formats.layout import QUANT_METHOD
+from mocli.formats.layout import MANIFEST_NAME, QUANT_METHOD
 from mocli.kinds import KINDS, ModuleKind
 from mocli.vllm_plugin.checks import LayoutMismatch, check_engine
+from mocli.vllm_plugin.precheck import local_directory, precheck
 
 LOAD_FORMAT = QUANT_METHOD
 _PATCHED = "_mocli_patched"
@@ -48,13 +52,31 @@ def _patch_engine_args() -> None:
 
     @functools.wraps(original)
     def create_engine_config(self, *args, **kwargs):
+        directory = local_directory(str(self.model), getattr(self, "revision", None))
+        if directory is not None:  # before vLLM reads the directory: refusals are then the last line
+            precheck(directory)
         config = original(self, *args, **kwargs)
         if config.model_config.quantization == QUANT_METHOD:
             prepare(config)
+        elif directory is None and str(config.model_config.quantization).startswith("modelopt"):
+            _refuse_remote_v1(config.model_config)
         return config
 
     setattr(create_engine_config, _PATCHED, True)
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _refuse_remote_v1(model_config) -> None:
+    """A Hub repo vLLM resolved to its ModelOpt path that is a mocli layout_version 1 output (a layout
+    manifest beside a modelopt config.json): refused, as for a local one. Nothing when the manifest
+    cannot be fetched (no such file, or offline)."""
+    try:
+        from huggingface_hub import hf_hub_download
+
+        path = hf_hub_download(model_config.model, MANIFEST_NAME, revision=model_config.revision)
+    except Exception:  # noqa: BLE001 - no manifest there, or no network: vLLM goes on as it would
+        return
+    precheck(Path(path).parent)
 
 
 def prepare(config) -> None:

@@ -1,0 +1,142 @@
+"""What a converted directory's files say about themselves, checked against each other (no tensor data).
+
+``mocli verify`` runs every check here before its own (a failure is a finding, exit 1), and mocli's
+vLLM plugin runs them in the engine's first process, before any worker starts (a failure is the one
+``mocli:`` line a user sees). So whatever the plugin refuses, verify has failed first. What only the
+bytes can prove (a layout relabelled with every record edited to match) is verify's alone.
+
+- ``config_problems``: config.json against the manifest: its recorded digest, and the layout fields
+  both files carry;
+- ``module_problems``: each module's roles and row transforms are the ones its target writes
+  (``TargetLayout.roles``, ``row_shuffled_kinds``), and every tensor a module names is described;
+- ``tensor_problems``: a rank's shards hold exactly the manifest's tensors, with its dtypes and shapes;
+- ``size_problems``: module sizes against config.json's hidden size and expert count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mocli.formats import CONFIG_JSON
+from mocli.formats.layout import file_path, rank_view
+from mocli.io.digests import as_record, digest_or_error
+from mocli.kinds import ModuleKind
+from mocli.targets import layout_of
+from mocli.targets.base import ROW_SHUFFLE
+
+# the layout fields config.json's quantization_config repeats from the manifest (layout_version 2)
+SHARED_FIELDS = ("layout_version", "target", "parallel")
+# Layout 1 kept the source's config.json (quant_method modelopt): vLLM takes such a directory for a
+# ModelOpt export and would process its converted bytes a second time (NVFP4 block scales swizzled twice).
+V1_REFUSAL = ("layout_version 1: its config.json declares the source's quant_method, so vLLM loads it as a ModelOpt "
+              "export and processes the converted bytes a second time; mocli's plugin refuses it. Convert the source "
+              "again with this mocli (layout_version 2)")
+# the weights whose rows a target may shuffle (their block scales follow them; FP8 scales are per expert)
+ROW_ROLES = frozenset({"weight", "w13_weight", "w2_weight"})
+
+
+def config_problems(root: Path, manifest: dict[str, Any]) -> list[str]:
+    """config.json as the manifest recorded it, and saying the same layout fields."""
+    from mocli.io.jsonfile import read_json
+
+    if manifest.get("layout_version", 1) < 2:
+        return [V1_REFUSAL]
+    record = as_record((manifest.get("files") or {}).get(CONFIG_JSON))
+    if record is None:
+        return [f"{CONFIG_JSON}: the manifest records no digest of it"]
+    path = file_path(root, CONFIG_JSON)
+    digest, err = digest_or_error(path, record[0], follow=False)
+    if err is not None:
+        return [f"{CONFIG_JSON}: cannot read it ({err})"]
+    problems = [] if digest == record[1] else [
+        f"{CONFIG_JSON} differs from the {record[0]} digest the manifest records: it was edited after conversion"]
+    qc = (read_json(path, follow=False) or {}).get("quantization_config")
+    qc = qc if isinstance(qc, dict) else {}
+    problems += [f"{CONFIG_JSON} says {key} {qc.get(key)!r} but the manifest says {manifest.get(key)!r}"
+                 for key in SHARED_FIELDS if qc.get(key) != manifest.get(key)]
+    return problems
+
+
+def module_problems(manifest: dict[str, Any]) -> list[str]:
+    """Every module of every rank holds its target's roles for its kind, its row transforms are the
+    target's, and each tensor it names is in the manifest's tensors."""
+    layout = layout_of(manifest["target"])
+    problems: list[str] = []
+    for rank in _ranks(manifest):
+        _, modules, tensors = rank_view(manifest, rank)
+        described = {**manifest.get("tensors", {}), **tensors}
+        where = "" if rank is None else f" (rank {rank})"
+        for m in modules:
+            kind = ModuleKind(m["kind"])
+            roles = set(m["tensors"]) - {"bias"}
+            want = {str(r) for r in layout.roles(kind)}
+            if roles != want:
+                problems.append(f"{m['name']}{where}: a {kind} module of {layout.target} holds {_names(want)}, this "
+                                f"one {_names(roles)}")
+            for role, tname in m["tensors"].items():
+                if tname not in described:
+                    problems.append(f"{m['name']}{where}: names tensor {tname} ({role}), which the manifest does not "
+                                    "describe")
+                elif role in ROW_ROLES and (ROW_SHUFFLE in described[tname].get("transforms", [])) != (
+                        kind in layout.row_shuffled_kinds):
+                    problems.append(f"{tname}{where}: its transforms {described[tname].get('transforms')} are not "
+                                    f"those of {layout.target} (rows {'' if kind in layout.row_shuffled_kinds else 'not '}"
+                                    f"shuffled by {ROW_SHUFFLE})")
+    return problems
+
+
+def tensor_problems(manifest: dict[str, Any], rank: int | None, entries: dict) -> list[str]:
+    """One rank's shards (``entries``: ``formats.layout.rank_entries``, the top level's and the rank's
+    own) against the manifest: the same names, and each tensor with the manifest's dtype and shape."""
+    _, _, tensors = rank_view(manifest, rank)
+    listed = {**manifest.get("tensors", {}), **tensors}
+    where = "" if rank is None else f" (rank {rank})"
+    problems = [f"{n}{where}: in the manifest but in no shard" for n in sorted(set(listed) - set(entries))]
+    problems += [f"{n}{where}: in a shard but not in the manifest" for n in sorted(set(entries) - set(listed))]
+    for name in sorted(set(entries) & set(listed)):
+        e, want = entries[name], listed[name]
+        if e.dtype != want["dtype"] or list(e.shape) != list(want["shape"]):
+            problems.append(f"{name}{where}: {e.dtype} {list(e.shape)} in its shard, {want['dtype']} {want['shape']} "
+                            "in the manifest")
+    return problems
+
+
+# config.json keys of the sizes a module's shapes follow (transformers names; a VLM keeps them in text_config)
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+# dense layers whose input is the hidden state (column-parallel) / whose output is (row-parallel)
+_READS_HIDDEN = ("qkv_proj", "q_proj", "k_proj", "v_proj", "gate_up_proj", "gate_proj", "up_proj")
+_WRITES_HIDDEN = ("o_proj", "down_proj")
+
+
+def size_problems(manifest: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """Module sizes against the model's config.json (hidden size, expert count): a layout converted
+    from another model. Only the sizes every architecture names the same way are compared."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    hidden = text.get("hidden_size")
+    experts = next((text[k] for k in _EXPERT_COUNT_KEYS if isinstance(text.get(k), int)), None)
+    if not isinstance(hidden, int):
+        return []
+    problems = []
+    for rank in _ranks(manifest):
+        _, modules, _ = rank_view(manifest, rank)
+        for m in modules:
+            meta, last = m["meta"], m["name"].rpartition(".")[2]
+            full = meta.get("full") or {"n": meta.get("n"), "k": meta.get("k")}
+            said = [("hidden", meta.get("hidden"), hidden), ("experts", meta.get("experts_total", meta.get("experts")),
+                                                            experts)] if "experts" in meta else [
+                ("input features", full.get("k"), hidden if last in _READS_HIDDEN else None),
+                ("output features", full.get("n"), hidden if last in _WRITES_HIDDEN else None)]
+            problems += [f"{m['name']}: {what} {got} in the layout, {want} in config.json (converted from another "
+                         "model?)" for what, got, want in said if want is not None and got != want]
+        if problems:
+            break
+    return problems
+
+
+def _ranks(manifest: dict[str, Any]) -> list[int | None]:
+    return list(range(len(manifest["ranks"]))) if manifest.get("ranks") else [None]
+
+
+def _names(roles: set[str]) -> str:
+    return "{" + ", ".join(sorted(roles)) + "}"
