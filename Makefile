@@ -29,7 +29,7 @@ install-vllm:
 	$(VLLM_VENV)/bin/pip uninstall -qq -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/pip install -qq --no-cache-dir -e ".[vllm]"
 
-# The plugin's engine tests (tests/test_vllm.py, marker vllm): about 5 minutes on 2 cores.
+# The plugin's engine tests (tests/test_vllm.py, marker vllm): about 7 minutes on 2 cores.
 test-vllm:
 	$(VLLM_VENV)/bin/python -m pytest -m vllm tests/test_vllm.py
 

@@ -82,7 +82,8 @@ class _Group(typer.core.TyperGroup):
 app = typer.Typer(
     name="mocli",
     cls=_Group,
-    help="Inspect, validate, convert and verify NVIDIA ModelOpt quantized checkpoints for FlashInfer kernels.",
+    help="Inspect, validate, repair, quantize, convert and verify quantized checkpoints (NVIDIA ModelOpt exports) "
+         "for serving: kernel-ready, per rank, proved right.",
     epilog=EXIT_CODES,
     pretty_exceptions_enable=False,
     no_args_is_help=True,
@@ -216,6 +217,11 @@ _OUTPUT_HELP = "Output directory (created; must be empty)."
 OutputOpt = Annotated[Path, typer.Option("--output", "-o", metavar="DIR", help=_OUTPUT_HELP, show_default=False)]
 DeviceOpt = Annotated[Device, typer.Option("--device", metavar="DEVICE", case_sensitive=False,
                                            help="auto, cpu or cuda: where to compute (auto picks CUDA when present).")]
+# convert only moves bytes, in numpy on the CPU, whatever --device says (README convert)
+ConvertDeviceOpt = Annotated[Device, typer.Option("--device", metavar="DEVICE", case_sensitive=False,
+                                                  help="auto, cpu or cuda. A conversion only moves bytes and runs on "
+                                                       "the CPU in every case (the summary says so); cuda is refused "
+                                                       "where there is no CUDA device.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", metavar="", help="Replace a non-empty OUTPUT.")]
 ShardSizeOpt = Annotated[str, typer.Option("--max-shard-size", metavar="SIZE", help=SHARD_HELP)]
 TpOpt = Annotated[int, typer.Option("--tp", metavar="N", min=1, help="Tensor-parallel size (SEMANTICS §10).")]
@@ -276,15 +282,15 @@ def convert_cmd(
                                            show_default=False)],
     tp: TpOpt = 1,
     ep: EpOpt = 1,
-    device: DeviceOpt = Device.AUTO,
+    device: ConvertDeviceOpt = Device.AUTO,
     overwrite: OverwriteOpt = False,
     max_shard_size: ShardSizeOpt = "2GB",
     json_: JsonOpt = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Convert a checkpoint into kernel-ready FlashInfer shards, per rank with --tp/--ep (streaming, resumable;
-    under torchrun the processes share the work)."""
+    """Convert a checkpoint into kernel-ready shards for one kernel layout, per rank with --tp/--ep (streaming,
+    resumable; under torchrun the processes share the work)."""
 
     def body(out: Output) -> None:
         from mocli.checkpoint import open_checkpoint

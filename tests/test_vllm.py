@@ -375,7 +375,7 @@ def test_server_refusal_is_the_last_line(models, tmp_path):
 
 # --- KV-cache scales ---------------------------------------------------------------------------------
 
-def test_kv_cache_scales_load_as_modelopt_does(models):
+def test_kv_cache_scales_load_as_modelopt_does(models, capfd):
     """With --kv-cache-dtype auto the FP8 KV cache the source declares is used (what vLLM gives the
     ModelOpt source), and the pass-through k_scale/v_scale reach every attention layer (as vLLM's
     ModelOpt path stores them: through a BF16 parameter)."""
@@ -386,17 +386,21 @@ def test_kv_cache_scales_load_as_modelopt_does(models):
     want = [(float(src[f"model.layers.{i}.self_attn.k_proj.k_scale"].bfloat16()),
              float(src[f"model.layers.{i}.self_attn.v_proj.v_scale"].bfloat16())) for i in range(2)]
     out = models.converted("real-llama-fp8")
+    capfd.readouterr()
     with engine_env():
         from vllm import LLM
 
         llm = LLM(model=str(out), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128,
                   kv_cache_memory_bytes=1 << 27)
+        log = "".join(capfd.readouterr())
         try:
             state = llm.apply_model(_kv_state)[0]
         finally:
             shutdown(llm)
     assert [s[0] for s in state] == ["fp8_e4m3"] * 2, state
     assert [(s[1], s[2]) for s in state] == want
+    # the plugin casts them as vLLM would, so vLLM has no dtype warning to print per scale
+    assert "mocli: rank 0 loaded" in log and "Attempted to load weight" not in log, log[-3000:]
     fp8_kv = run_engine(out, kv_cache_dtype="auto")
     bf16_kv = run_engine(out)
     assert torch.isfinite(fp8_kv.logprobs).all()
@@ -466,3 +470,68 @@ def test_repair_output_on_the_cpu_build(models, tmp_path):
         "modelopt_fp4", "ModelOptNvFp4Config")
     msg = _engine_error(nvfp4)
     assert "NVFP4" in msg and "kernel" in msg, msg
+
+
+# --- README "Serving the output": the CPU recipe --------------------------------------------------------
+
+PROMPT_TEXT = "mocli converts"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_openai_server_recipe(models, tmp_path):
+    """The README's CPU server recipe on a converted real export with its tokenizer: the OpenAI server
+    starts with only VLLM_CPU_KVCACHE_SPACE set, answers curl and the openai client with the same greedy
+    text, and that text is what vLLM's offline LLM gives for the same prompt."""
+    import time
+    import urllib.request
+
+    out = models.converted("real-qwen3moe-nvfp4")
+    assert (out / "tokenizer.json").is_file()  # copied by convert from the source
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")} | {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below, after the server
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(out),
+                               "--served-model-name", "demo", "--max-model-len", "128", "--port", str(port)],
+                              env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+                time.sleep(1)
+        body = json.dumps({"model": "demo", "prompt": PROMPT_TEXT, "max_tokens": 8, "temperature": 0})
+        r = subprocess.run(["curl", "-s", f"http://127.0.0.1:{port}/v1/completions", "-H",
+                            "Content-Type: application/json", "-d", body], capture_output=True, text=True, check=True)
+        curl_text = json.loads(r.stdout)["choices"][0]["text"]
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        c = client.completions.create(model="demo", prompt=PROMPT_TEXT, max_tokens=8, temperature=0, logprobs=1)
+        openai_text, lps = c.choices[0].text, c.choices[0].logprobs.token_logprobs
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+    served = (tmp_path / "server.log").read_text()
+    assert "mocli: rank 0 loaded" in served and "Attempted to load weight" not in served, served[-3000:]
+    assert curl_text == openai_text and len(lps) == 8 and all(x <= 0 for x in lps), (curl_text, openai_text)
+    with engine_env():
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=str(out), max_model_len=128, kv_cache_memory_bytes=1 << 30, seed=0)
+        try:
+            offline = llm.generate([PROMPT_TEXT], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        finally:
+            shutdown(llm)
+    assert offline[0].outputs[0].text == curl_text

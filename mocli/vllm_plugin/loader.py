@@ -28,6 +28,9 @@ from mocli.vllm_plugin.methods import MocliLinearMethod, MocliMoEMethod
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": shown in vLLM's log
 
 
+KV_SCALE_NAMES = (".k_scale", ".v_scale")
+
+
 def _few(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
 
@@ -155,6 +158,10 @@ class _Passthrough:
 
         self.model = model
         self.tied = _get_tied_embedding_params(model)  # e.g. lm_head.weight when tied: vLLM loads the embedding once
+        # vLLM keeps KV-cache scales in parameters of the model dtype (BF16) and casts the stored float32
+        # on copy, with a warning per tensor that reads like an error; the same cast done here first
+        # gives the same bits (round to nearest even either way) and no warning.
+        self.kv_dtype = next((p.dtype for n, p in model.named_parameters() if n.endswith(KV_SCALE_NAMES)), None)
         self.params: set[str] | None = set()  # vLLM's qualified names loaded (None: the model does not say)
         self.dropped: list[str] = []
         self.count = 0
@@ -163,6 +170,8 @@ class _Passthrough:
         self.count += 1
         if name in self.tied:
             return
+        if self.kv_dtype is not None and name.endswith(KV_SCALE_NAMES):
+            t = t.to(self.kv_dtype)
         loaded = self.model.load_weights([(name, t)])
         if loaded is None or self.params is None:
             self.params = None
