@@ -20,10 +20,14 @@ def test_version(cli):
 
 
 def test_help_lists_commands(cli):
-    r = cli("--help")
+    r = cli("--help", env={"COLUMNS": "200"})
     assert r.exit_code == 0
-    for cmd in ("inspect", "validate"):
-        assert cmd in r.stdout
+    summary = r.stdout.split("Options")[0].lower()  # the one-line description names every command
+    for cmd in ("inspect", "validate", "repair", "quantize", "convert", "verify"):
+        assert f"│ {cmd} " in r.stdout and cmd in summary, (cmd, summary)
+    # convert only moves bytes on the CPU: its --device help must not promise CUDA
+    device = cli("convert", "--help", env={"COLUMNS": "200"}).stdout.split("--device")[1].split("--overwrite")[0]
+    assert "runs on the CPU" in " ".join(device.split()) and "picks CUDA" not in device
 
 
 def test_no_args_shows_help_and_is_a_usage_error(cli):
