@@ -12,7 +12,7 @@ from enum import StrEnum
 
 from mocli.io.bulk import paused_gc
 from mocli.io.safetensors_file import TensorEntry
-from mocli.quant_config import Algo
+from mocli.schemes import MODELOPT, Scheme, Spelling, detect
 from mocli.tables import (
     EXPERT_NAMINGS,
     FUSED_GROUPS,
@@ -20,7 +20,6 @@ from mocli.tables import (
     NON_LINEAR_NAMES,
     SHARD_TO_FUSED,
     WEIGHT,
-    WEIGHT_SCALE,
     ExpertNaming,
 )
 
@@ -40,29 +39,12 @@ class Kind(StrEnum):
     OTHER = "other"  # norms, biases-only, anything without a 2-D weight
 
 
-def detect_scheme(tensors: dict[str, TensorEntry]) -> Algo | None:
-    """The scheme a module is *stored* in, from dtypes and scale shapes; None = unquantized."""
-    w = tensors.get(WEIGHT)
-    if w is None:
-        return None
-    scale = tensors.get(WEIGHT_SCALE)
-    if w.dtype == "U8" or (scale is not None and scale.dtype == "F8_E4M3"):
-        return Algo.NVFP4
-    if w.dtype == "F8_E4M3":
-        if scale is None or len(scale.shape) == 0:
-            return Algo.FP8
-        if len(scale.shape) == 4 or (len(scale.shape) == 2 and scale.shape[1] != 1):
-            return Algo.FP8_PB_WO
-        return Algo.FP8_PER_CHANNEL_PER_TOKEN
-    return None
-
-
 @dataclass
 class Module:
     name: str
-    tensors: dict[str, TensorEntry]
+    tensors: dict[str, TensorEntry]  # by canonical suffix (``mocli.schemes.Spelling``)
     kind: Kind = Kind.OTHER
-    scheme: Algo | None = None
+    scheme: Scheme | None = None  # the scheme it is stored in (``mocli.schemes.detect``); None: unquantized
     engine_name: str = ""  # the prefix the engine uses for this module (fused / MoE name)
 
     @property
@@ -75,8 +57,7 @@ class Module:
         w = self.weight
         if w is None or len(w.shape) != 2:
             return None
-        n, k = w.shape
-        return (n, k * 2) if self.scheme is Algo.NVFP4 else (n, k)
+        return self.scheme.logical(w.shape) if self.scheme is not None else tuple(w.shape)
 
     @property
     def is_linear(self) -> bool:
@@ -130,7 +111,7 @@ class MoELayer:
         return m.out_in[1] if m else None
 
     @property
-    def schemes(self) -> set[Algo | None]:
+    def schemes(self) -> set[Scheme | None]:
         return {m.scheme for e in self.experts.values() for _, m in e.projections() if m is not None}
 
 
@@ -141,9 +122,26 @@ class Census:
     moe: list[MoELayer]
     kv_scales: list[TensorEntry]
     num_layers: int
+    spelling: Spelling = MODELOPT
 
     def linears(self) -> list[Module]:
         return [m for m in self.modules.values() if m.is_linear]
+
+    def dense_units(self) -> list[tuple[str, list[Module], Scheme]]:
+        """Every quantized dense module as an engine builds it, with its scheme: a fused group whose
+        shards share one stored scheme (whole), and every other quantized linear alone."""
+        out = []
+        for g in self.fused:
+            schemes = {m.scheme for m in g.shards}
+            if len(schemes) == 1 and None not in schemes:
+                out.append((g.name, list(g.shards), schemes.pop()))
+        out += [(m.name, [m], m.scheme) for m in self.modules.values() if m.scheme is not None and m.kind is Kind.LINEAR]
+        return out
+
+    def moe_units(self) -> list[tuple[MoELayer, Scheme]]:
+        """Every MoE layer whose experts share one stored scheme, with it."""
+        return [(layer, next(iter(layer.schemes))) for layer in self.moe
+                if len(layer.schemes) == 1 and None not in layer.schemes]
 
     def kind_table(self) -> list[dict]:
         """Rows of (kind, modules, quantized, by scheme) for inspect."""
@@ -155,27 +153,32 @@ class Census:
         return [{"kind": str(k), **dict(c)} for k, c in sorted(rows.items(), key=lambda kv: list(Kind).index(kv[0]))]
 
 
-def build_census(tensors: dict[str, TensorEntry]) -> Census:
+def build_census(tensors: dict[str, TensorEntry], spelling: Spelling = MODELOPT) -> Census:
+    """Modules by name (their tensors under the canonical suffixes ``spelling`` maps the file's to),
+    each bound to the scheme it is stored in; fused groups, MoE layers, KV-cache scales."""
     with paused_gc():
-        return _build(tensors)
+        return _build(tensors, spelling)
 
 
-def _build(tensors: dict[str, TensorEntry]) -> Census:
+def _group(tensors: dict[str, TensorEntry], spelling: Spelling) -> tuple[dict[str, dict[str, TensorEntry]],
+                                                                          list[TensorEntry], set[str], int]:
+    """(module -> canonical suffix -> entry, KV-cache scales, modules holding them, number of layers)."""
     by_module: dict[str, dict[str, TensorEntry]] = {}
     kv_scales: list[TensorEntry] = []
-    layers: set[int] = set()
     kv_modules: set[str] = set()
+    canonical = spelling.canonical if spelling.suffixes else None
     for name, entry in tensors.items():
         module, _, suffix = name.rpartition(".")
         if suffix in KV_SUFFIXES:
             kv_scales.append(entry)
             kv_modules.add(module)
-        by_module.setdefault(module, {})[suffix] = entry
-    for module in by_module:  # once per module, not per tensor
-        m = _LAYER.search(module + ".")
-        if m:
-            layers.add(int(m.group(1)))
+        by_module.setdefault(module, {})[canonical(suffix) if canonical else suffix] = entry
+    layers = {int(m.group(1)) for module in by_module if (m := _LAYER.search(module + "."))}  # once per module
+    return by_module, kv_scales, kv_modules, len(layers)
 
+
+def _build(tensors: dict[str, TensorEntry], spelling: Spelling) -> Census:
+    by_module, kv_scales, kv_modules, num_layers = _group(tensors, spelling)
     modules: dict[str, Module] = {}
     moe: dict[str, MoELayer] = {}
     fused: dict[str, FusedGroup] = {}
@@ -183,35 +186,52 @@ def _build(tensors: dict[str, TensorEntry]) -> Census:
         mod = Module(name, {s: e for s, e in ts.items() if s not in KV_SUFFIXES} if name in kv_modules else ts)
         if not mod.tensors:  # a module holding only KV-cache scales is not a module of its own
             continue
-        mod.scheme = detect_scheme(mod.tensors)
+        mod.scheme = detect(mod.tensors)
         mod.engine_name = name
         modules[name] = mod
-        w = mod.weight
-        last = name.rpartition(".")[2]
-        if w is None or (len(w.shape) != 2):
-            mod.kind = Kind.OTHER
-            continue
-        if last in NON_LINEAR_NAMES:
-            mod.kind = Kind.EMBEDDING
-            continue
-        expert = _match_expert(name)
-        if expert is not None:
-            naming, layer, index, proj = expert
-            mod.kind = Kind.EXPERT
-            mod.engine_name = layer
-            moe_layer = moe.setdefault(layer, MoELayer(layer, naming))
-            slot = moe_layer.experts.setdefault(index, Expert(index))
-            setattr(slot, proj, mod)
-            continue
-        if last in SHARD_TO_FUSED:
-            parent = name.rpartition(".")[0]
-            fused_name = f"{parent}.{SHARD_TO_FUSED[last]}"
-            mod.kind = Kind.FUSED_SHARD
-            mod.engine_name = fused_name
-            fused.setdefault(fused_name, FusedGroup(fused_name, SHARD_TO_FUSED[last], [], []))
-            continue
-        mod.kind = Kind.LINEAR
+        _place(mod, moe, fused)
+    _complete_fused(fused, modules)
+    return Census(
+        modules=modules,
+        fused=sorted(fused.values(), key=lambda g: _natural(g.name)),
+        moe=sorted(moe.values(), key=lambda m: _natural(m.name)),
+        kv_scales=sorted(kv_scales, key=lambda e: _natural(e.name)),
+        num_layers=num_layers,
+        spelling=spelling,
+    )
 
+
+def _place(mod: Module, moe: dict[str, MoELayer], fused: dict[str, FusedGroup]) -> None:
+    """The module's kind, and its slot in an MoE layer or a fused group."""
+    w, name = mod.weight, mod.name
+    last = name.rpartition(".")[2]
+    if w is None or (len(w.shape) != 2):
+        mod.kind = Kind.OTHER
+        return
+    if last in NON_LINEAR_NAMES:
+        mod.kind = Kind.EMBEDDING
+        return
+    expert = _match_expert(name)
+    if expert is not None:
+        naming, layer, index, proj = expert
+        mod.kind = Kind.EXPERT
+        mod.engine_name = layer
+        moe_layer = moe.setdefault(layer, MoELayer(layer, naming))
+        slot = moe_layer.experts.setdefault(index, Expert(index))
+        setattr(slot, proj, mod)
+        return
+    if last in SHARD_TO_FUSED:
+        parent = name.rpartition(".")[0]
+        fused_name = f"{parent}.{SHARD_TO_FUSED[last]}"
+        mod.kind = Kind.FUSED_SHARD
+        mod.engine_name = fused_name
+        fused.setdefault(fused_name, FusedGroup(fused_name, SHARD_TO_FUSED[last], [], []))
+        return
+    mod.kind = Kind.LINEAR
+
+
+def _complete_fused(fused: dict[str, FusedGroup], modules: dict[str, Module]) -> None:
+    """Each group's present and missing shards, in FUSED_GROUPS order; a lone shard is a linear."""
     for group in fused.values():
         parent = group.name.rpartition(".")[0]
         for shard in FUSED_GROUPS[group.fused]:
@@ -224,14 +244,6 @@ def _build(tensors: dict[str, TensorEntry]) -> Census:
     for key in [k for k, g in fused.items() if len(g.shards) < 2]:
         for m in fused.pop(key).shards:
             m.kind, m.engine_name = Kind.LINEAR, m.name
-
-    return Census(
-        modules=modules,
-        fused=sorted(fused.values(), key=lambda g: _natural(g.name)),
-        moe=sorted(moe.values(), key=lambda m: _natural(m.name)),
-        kv_scales=sorted(kv_scales, key=lambda e: _natural(e.name)),
-        num_layers=len(layers),
-    )
 
 
 def _match_expert(name: str) -> tuple[ExpertNaming, str, int, str] | None:

@@ -84,3 +84,9 @@ class Findings(list[Finding]):
     @property
     def warnings(self) -> list[Finding]:
         return [f for f in self if f.severity is Severity.WARNING]
+
+
+def few(items: list, n: int = 4) -> str:
+    """The first ``n`` items of a list for a message, and how many more there are."""
+    shown = ", ".join(str(x) for x in items[:n])
+    return shown + (f" (+{len(items) - n} more)" if len(items) > n else "")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from mocli.quant_config import Algo
+from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, NVFP4, Scheme
 
 
 class ModuleKind(StrEnum):
@@ -57,7 +57,7 @@ class Role(StrEnum):
 @dataclass(frozen=True)
 class KindSpec:
     kind: ModuleKind
-    scheme: Algo
+    scheme: Scheme  # the stored scheme it converts (``mocli.schemes``)
     moe: bool
     roles: frozenset[Role]  # the tensors every target writes for it (LAYOUT.md), a bias aside
 
@@ -69,21 +69,21 @@ _NVFP4_MOE_ROLES = (Role.W13_WEIGHT, Role.W2_WEIGHT, Role.W13_WEIGHT_SCALE, Role
                     Role.A1_GSCALE, Role.A2_GSCALE)
 
 
-def _spec(kind: ModuleKind, scheme: Algo, moe: bool, *roles: Role) -> KindSpec:
+def _spec(kind: ModuleKind, scheme: Scheme, moe: bool, *roles: Role) -> KindSpec:
     return KindSpec(kind, scheme, moe, frozenset(roles))
 
 
 KINDS: dict[ModuleKind, KindSpec] = {k.kind: k for k in (
-    _spec(ModuleKind.FP8_LINEAR, Algo.FP8, False, Role.WEIGHT, Role.WEIGHT_SCALE, Role.INPUT_SCALE),
-    _spec(ModuleKind.FP8_CHANNEL_LINEAR, Algo.FP8_PER_CHANNEL_PER_TOKEN, False, Role.WEIGHT, Role.WEIGHT_SCALE),
-    _spec(ModuleKind.FP8_BLOCK_LINEAR, Algo.FP8_PB_WO, False, Role.WEIGHT, Role.WEIGHT_SCALE),
-    _spec(ModuleKind.NVFP4_LINEAR, Algo.NVFP4, False, Role.WEIGHT, Role.WEIGHT_SCALE, Role.WEIGHT_SCALE_2,
+    _spec(ModuleKind.FP8_LINEAR, FP8, False, Role.WEIGHT, Role.WEIGHT_SCALE, Role.INPUT_SCALE),
+    _spec(ModuleKind.FP8_CHANNEL_LINEAR, FP8_CHANNEL, False, Role.WEIGHT, Role.WEIGHT_SCALE),
+    _spec(ModuleKind.FP8_BLOCK_LINEAR, FP8_BLOCK, False, Role.WEIGHT, Role.WEIGHT_SCALE),
+    _spec(ModuleKind.NVFP4_LINEAR, NVFP4, False, Role.WEIGHT, Role.WEIGHT_SCALE, Role.WEIGHT_SCALE_2,
           Role.INPUT_SCALE, Role.ALPHA, Role.INPUT_SCALE_INV),
-    _spec(ModuleKind.FP8_MOE, Algo.FP8, True, *_FP8_MOE_ROLES),
-    _spec(ModuleKind.NVFP4_MOE, Algo.NVFP4, True, *_NVFP4_MOE_ROLES),
+    _spec(ModuleKind.FP8_MOE, FP8, True, *_FP8_MOE_ROLES),
+    _spec(ModuleKind.NVFP4_MOE, NVFP4, True, *_NVFP4_MOE_ROLES),
 )}
 
 
-def kind_for(scheme: Algo, moe: bool) -> ModuleKind | None:
+def kind_for(scheme: Scheme, moe: bool) -> ModuleKind | None:
     """The module kind a stored scheme converts to (None: no kernel path)."""
     return next((k for k, s in KINDS.items() if s.scheme is scheme and s.moe is moe), None)

@@ -10,7 +10,7 @@ from enum import StrEnum
 from typing import Any
 
 from mocli.findings import Findings
-from mocli.formats import CONFIG_JSON, HF_QUANT_CONFIG
+from mocli.io.hf_names import CONFIG_JSON, HF_QUANT_CONFIG
 
 # vLLM registers ModelOpt checkpoints under these quant_method names.
 MODELOPT_METHODS = {"modelopt", "modelopt_fp4", "modelopt_mixed"}
@@ -21,6 +21,7 @@ class Algo(StrEnum):
     FP8_PER_CHANNEL_PER_TOKEN = "FP8_PER_CHANNEL_PER_TOKEN"
     FP8_PB_WO = "FP8_PB_WO"
     NVFP4 = "NVFP4"
+    MXFP8 = "MXFP8"
     MIXED_PRECISION = "MIXED_PRECISION"
 
     @classmethod

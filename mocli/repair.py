@@ -23,8 +23,9 @@ from mocli.findings import Finding, Findings
 from mocli.formats import CONFIG_JSON, HF_QUANT_CONFIG, provenance_block
 from mocli.io.digests import SourceDigests
 from mocli.io.safetensors_file import TensorEntry
-from mocli.quant_config import NVFP4_GROUP_SIZE, Algo
-from mocli.tables import INPUT_SCALE, SCALE_SUFFIXES, WEIGHT_SCALE, WEIGHT_SCALE_2
+from mocli.quant_config import Algo
+from mocli.schemes import Merge
+from mocli.tables import INPUT_SCALE, SCALE_SUFFIXES, WEIGHT_SCALE
 
 # Findings a repair fixes (SEMANTICS §11.1-4). Everything else that is an error refuses the run:
 # NaN/Inf or non-positive weight scales, NaN weight bytes, missing weights, wrong dtypes or shapes,
@@ -133,9 +134,11 @@ def _unify_scale_2(plan: RepairPlan, census: Census, scales) -> None:
     for layer in census.moe:
         groups += [[layer.experts[e].gate, layer.experts[e].up] for e in sorted(layer.experts)]
     for mods in groups:
-        if not mods or any(m is None or m.scheme is not Algo.NVFP4 for m in mods):
+        schemes = {m.scheme for m in mods if m is not None}
+        scheme = schemes.pop() if len(schemes) == 1 and None not in schemes and None not in mods else None
+        if scheme is None or scheme.merge is not Merge.RESCALE:
             continue
-        values = [_scalar(scales, m, WEIGHT_SCALE_2) for m in mods]
+        values = [_scalar(scales, m, scheme.merged_scale) for m in mods]
         if None in values or len(set(values)) == 1:
             continue
         big = max(values)
@@ -144,7 +147,7 @@ def _unify_scale_2(plan: RepairPlan, census: Census, scales) -> None:
                 continue
             bs = m.tensors[WEIGHT_SCALE]
             plan.edits[bs.name] = TensorEdit((bs.dtype, bs.shape), _rescaler(bs, v, big), [bs])
-            s2 = m.tensors[WEIGHT_SCALE_2]
+            s2 = m.tensors[scheme.merged_scale]
             plan.edits[s2.name] = TensorEdit(("F32", s2.shape), _constant(big, s2.shape))
             plan.repairs.append(Repair("SCL005", m.name, "weight_scale_2 unified to the group's max, block scales "
                                        "rescaled (SEMANTICS §6)", v, big))
@@ -178,15 +181,18 @@ def _drop_stray_scales(plan: RepairPlan, census: Census) -> None:
                 plan.repairs.append(Repair("TNS004", m.tensors[s].name, "dropped: a scale on an unquantized module"))
 
 
-def _stored_algo(census: Census) -> tuple[Algo | None, dict[str, dict]]:
-    """The algorithm the stored tensors say, and MIXED_PRECISION's per-layer table if they differ."""
+def _stored_algo(census: Census) -> tuple[Algo | None, dict[str, dict], int | None]:
+    """The algorithm the stored tensors say, MIXED_PRECISION's per-layer table if they differ, and the
+    group size their schemes share (None: none has one, or they differ)."""
     quantized = {m.name: m.scheme for m in census.modules.values() if m.scheme is not None and m.is_linear}
     schemes = set(quantized.values())
+    sizes = {s.group_size for s in schemes if s.group_size}
+    group = sizes.pop() if len(sizes) == 1 else None
     if len(schemes) == 1:
-        return schemes.pop(), {}
-    layers = {n: ({"quant_algo": str(a), "group_size": NVFP4_GROUP_SIZE} if a is Algo.NVFP4 else {"quant_algo": str(a)})
-              for n, a in sorted(quantized.items())}
-    return (Algo.MIXED_PRECISION if schemes else None), layers
+        return schemes.pop().algo, {}, group
+    layers = {n: {"quant_algo": str(s), **({"group_size": s.group_size} if s.group_size else {})}
+              for n, s in sorted(quantized.items())}
+    return (Algo.MIXED_PRECISION if schemes else None), layers, group
 
 
 def _reconcile_config(plan: RepairPlan, ckpt: Checkpoint, census: Census, codes: set[str]) -> None:
@@ -200,7 +206,7 @@ def _reconcile_config(plan: RepairPlan, ckpt: Checkpoint, census: Census, codes:
         return
     for code, where, what in rewrite.changes:
         plan.repairs.append(Repair(code, where, what))
-    algo, layers = _stored_algo(census)
+    algo, layers, group = _stored_algo(census)
     fields: dict[str, Any] = {"exclude_modules": rewrite.entries}
     if algo is not None and algo is not quant.algo:
         plan.repairs.append(Repair("TNS005" if "TNS005" in codes else "CFG003", "quant_algo",
@@ -218,11 +224,11 @@ def _reconcile_config(plan: RepairPlan, ckpt: Checkpoint, census: Census, codes:
     if kv != quant.kv_cache_algo:
         plan.repairs.append(Repair("CFG004", "kv_cache_quant_algo", "set to what the tensors store", quant.kv_cache_algo, kv))
     fields["kv_cache_quant_algo"] = kv
-    if algo is Algo.NVFP4 or layers and any(v["quant_algo"] == "NVFP4" for v in layers.values()):
-        if quant.group_size != NVFP4_GROUP_SIZE:
+    if group is not None:
+        if quant.group_size != group:
             plan.repairs.append(Repair("CFG002" if quant.group_size else "CFG001", "group_size",
-                                       "set to the stored 16-element blocks", quant.group_size, NVFP4_GROUP_SIZE))
-        fields["group_size"] = NVFP4_GROUP_SIZE
+                                       f"set to the stored {group}-element blocks", quant.group_size, group))
+        fields["group_size"] = group
     hf, cj = ckpt.hf_quant_config, ckpt.config_quant
     if hf is not None and cj is not None and "CFG004" in codes:
         plan.repairs.append(Repair("CFG004", f"{HF_QUANT_CONFIG} vs {CONFIG_JSON}", "both rewritten from the "

@@ -5,8 +5,10 @@ from __future__ import annotations
 from fixtures.generate import make_checkpoint
 from mocli.census import Kind, build_census
 from mocli.checkpoint import open_checkpoint
+from mocli.io.safetensors_file import TensorEntry
 from mocli.quant_config import Algo
-from tests.conftest import REAL_LLAMA, REAL_QWEN
+from mocli.schemes import COMPRESSED_TENSORS, FP8, FP8_BLOCK, FP8_CHANNEL, MXFP8, NVFP4
+from tests.conftest import REAL, REAL_LLAMA, REAL_QWEN
 
 
 def test_real_qwen3_moe():
@@ -14,7 +16,7 @@ def test_real_qwen3_moe():
     # config.json: 2 layers, 8 experts, moe_intermediate 128, hidden 256
     assert [m.name for m in c.moe] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert all(m.num_experts == 8 and m.intermediate == 128 and m.hidden == 256 for m in c.moe)
-    assert all(m.naming.style == "qwen" and m.schemes == {Algo.NVFP4} for m in c.moe)
+    assert all(m.naming.style == "qwen" and m.schemes == {NVFP4} for m in c.moe)
     assert [g.fused for g in c.fused] == ["qkv_proj", "qkv_proj"]
     assert len(c.kv_scales) == 4 and c.num_layers == 2
     assert c.modules["model.layers.0.mlp.gate"].kind is Kind.LINEAR
@@ -28,7 +30,7 @@ def test_real_llama_fused_groups():
     groups = {g.name: [m.name.rpartition(".")[2] for m in g.shards] for g in c.fused}
     assert groups["model.layers.1.self_attn.qkv_proj"] == ["q_proj", "k_proj", "v_proj"]
     assert groups["model.layers.1.mlp.gate_up_proj"] == ["gate_proj", "up_proj"]
-    assert c.moe == [] and all(m.scheme is Algo.FP8 for m in c.linears())
+    assert c.moe == [] and all(m.scheme is FP8 for m in c.linears())
 
 
 def test_mixtral_naming_and_schemes(tmp_path):
@@ -40,9 +42,40 @@ def test_mixtral_naming_and_schemes(tmp_path):
 
 
 def test_scheme_detection_per_algorithm(tmp_path):
-    for algo in (Algo.FP8_PER_CHANNEL_PER_TOKEN, Algo.FP8_PB_WO):
+    for algo, scheme in ((Algo.FP8_PER_CHANNEL_PER_TOKEN, FP8_CHANNEL), (Algo.FP8_PB_WO, FP8_BLOCK)):
         c = build_census(open_checkpoint(make_checkpoint(tmp_path / algo, algo=str(algo))).tensors)
-        assert {m.scheme for m in c.linears()} == {algo}
+        assert {m.scheme for m in c.linears()} == {scheme} and scheme.algo is algo
+
+
+def test_real_mxfp8_export_is_not_read_as_fp8_blocks():
+    """ModelOpt 0.47's MXFP8: an e4m3 weight with U8 E8M0 scales [N, K/32] (it was misfiled as FP8_PB_WO)."""
+    c = build_census(open_checkpoint(REAL / "llama-mxfp8").tensors)
+    assert {m.scheme for m in c.linears() if m.scheme} == {MXFP8}
+    assert c.modules["model.layers.0.mlp.down_proj"].tensors["weight_scale"].shape == (256, 512 // 32)
+
+
+def _entries(tmp_path, spec: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, TensorEntry]:
+    return {n: TensorEntry(n, tmp_path, d, s, 0, 0) for n, (d, s) in spec.items()}
+
+
+def test_one_valued_fp8_scales_are_per_tensor(tmp_path):
+    """llm-compressor's static FP8 stores the weight scale [1]-shaped in BF16 (it was misfiled as per-channel)."""
+    c = build_census(_entries(tmp_path, {"m.o_proj.weight": ("F8_E4M3", (64, 32)),
+                                         "m.o_proj.weight_scale": ("BF16", (1,)),
+                                         "m.down_proj.weight": ("F8_E4M3", (64, 32)),
+                                         "m.down_proj.weight_scale": ("BF16", (64, 1))}))
+    assert c.modules["m.o_proj"].scheme is FP8 and c.modules["m.down_proj"].scheme is FP8_CHANNEL
+
+
+def test_a_second_spelling_binds_canonical_roles(tmp_path):
+    """compressed-tensors' names for the NVFP4 tensors (SEMANTICS §17.1) land on the same roles."""
+    spec = {"m.q_proj.weight_packed": ("U8", (64, 16)), "m.q_proj.weight_scale": ("F8_E4M3", (64, 2)),
+            "m.q_proj.weight_global_scale": ("F32", (1,)), "m.q_proj.input_global_scale": ("F32", (1,))}
+    m = build_census(_entries(tmp_path, spec), COMPRESSED_TENSORS).modules["m.q_proj"]
+    assert m.scheme is NVFP4 and m.out_in == (64, 32)
+    assert {r: e.name.rpartition(".")[2] for r, e in m.tensors.items()} == {
+        "weight": "weight_packed", "weight_scale": "weight_scale", "weight_scale_2": "weight_global_scale",
+        "input_scale": "input_global_scale"}
 
 
 def test_lone_shard_is_a_plain_linear(tmp_path):

@@ -19,11 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Hugging Face checkpoint files (transformers / huggingface_hub names).
-CONFIG_JSON = "config.json"
-HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's own copy of the quantization settings
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
+from mocli.io.hf_names import CONFIG_JSON, HF_QUANT_CONFIG, INDEX_NAME, SINGLE_NAME  # noqa: F401 - re-exported
 
 
 def write_json(path: Path, data: Any) -> None:

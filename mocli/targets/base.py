@@ -7,7 +7,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from mocli.kinds import ModuleKind, Role
-from mocli.quant_config import Algo
+from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, NVFP4, Scheme
 
 if TYPE_CHECKING:  # transforms import torch when they run, so validate and inspect never load it
     import numpy as np
@@ -21,14 +21,14 @@ class Target(StrEnum):
 
 @dataclass(frozen=True)
 class Constraint:
-    """``dim % multiple == 0`` on one rank's shapes, for modules of ``scope`` stored in ``algo``.
+    """``dim % multiple == 0`` on one rank's shapes, for modules of ``scope`` stored in ``scheme``.
 
     linear dims: "N" (the rank's fused output rows), "K" (the rank's input columns);
     moe dims: "2I" (twice the rank's intermediate size), "H" (hidden size).
     """
 
     scope: str
-    algo: Algo
+    scheme: Scheme
     dim: str
     multiple: int
     why: str
@@ -37,20 +37,21 @@ class Constraint:
 # Both FlashInfer targets.
 SHARED_CONSTRAINTS: tuple[Constraint, ...] = (
     # cuBLASLt / torch._scaled_mm FP8: both GEMM dims a multiple of 16.
-    Constraint("linear", Algo.FP8, "N", 16, "FP8 tensor-core GEMMs need N % 16 == 0"),
-    Constraint("linear", Algo.FP8, "K", 16, "FP8 tensor-core GEMMs need K % 16 == 0"),
+    Constraint("linear", FP8, "N", 16, "FP8 tensor-core GEMMs need N % 16 == 0"),
+    Constraint("linear", FP8, "K", 16, "FP8 tensor-core GEMMs need K % 16 == 0"),
     # SEMANTICS §7.4/§7.6: fused-MoE kernels check alignTo(I, 64) and H % 64.
-    Constraint("moe", Algo.NVFP4, "2I", 128, "NVFP4 fused-MoE needs 2I % 128 == 0 (SEMANTICS §7)"),
-    Constraint("moe", Algo.NVFP4, "H", 64, "NVFP4 fused-MoE needs H % 64 == 0 (SEMANTICS §7)"),
-    Constraint("moe", Algo.FP8, "2I", 16, "FP8 fused-MoE GEMMs need 2I % 16 == 0"),
-    Constraint("moe", Algo.FP8, "H", 16, "FP8 fused-MoE GEMMs need H % 16 == 0"),
+    Constraint("moe", NVFP4, "2I", 128, "NVFP4 fused-MoE needs 2I % 128 == 0 (SEMANTICS §7)"),
+    Constraint("moe", NVFP4, "H", 64, "NVFP4 fused-MoE needs H % 64 == 0 (SEMANTICS §7)"),
+    Constraint("moe", FP8, "2I", 16, "FP8 fused-MoE GEMMs need 2I % 16 == 0"),
+    Constraint("moe", FP8, "H", 16, "FP8 fused-MoE GEMMs need H % 16 == 0"),
 )
 
 ROW_SHUFFLE = "shuffle_matrix_a_128"  # the transform FlashInfer's shuffle_matrix_a(., 128) records
 
-SUPPORTED: dict[str, frozenset[Algo]] = {
-    "linear": frozenset({Algo.FP8, Algo.FP8_PER_CHANNEL_PER_TOKEN, Algo.FP8_PB_WO, Algo.NVFP4}),
-    "moe": frozenset({Algo.FP8, Algo.NVFP4}),
+# The stored schemes both FlashInfer targets convert, per scope (a scheme outside: TGT002)
+SUPPORTED: dict[str, frozenset[Scheme]] = {
+    "linear": frozenset({FP8, FP8_CHANNEL, FP8_BLOCK, NVFP4}),
+    "moe": frozenset({FP8, NVFP4}),
 }
 
 
@@ -62,7 +63,7 @@ class TargetLayout:
 
     target: Target
     constraints: tuple[Constraint, ...] = SHARED_CONSTRAINTS
-    supported: dict[str, frozenset[Algo]] = SUPPORTED
+    supported: dict[str, frozenset[Scheme]] = SUPPORTED
     # FlashInfer's NVFP4 kernels (mm_fp4, NVFP4 cutlass_fused_moe) read this layout (sm_100+)
     fp4_kernels: bool = False
     # Whether ``nvfp4_weight_rows``, ``w13_rows`` and ``w2_rows`` permute rows (a planner asks this, and

@@ -1,0 +1,19 @@
+"""NVFP4: packed e2m1 weights (two per byte, low nibble first), an e4m3 block scale per 16 values, a
+float32 global scale (``weight_scale_2``) and input scale (SEMANTICS §1, §5-§7)."""
+
+from mocli.quant_config import NVFP4_GROUP_SIZE, Algo
+from mocli.schemes.base import INPUT, Merge, ScaleSpec, Scheme, scalar
+from mocli.tables import WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+
+
+def _detect(tensors) -> bool:
+    w, s = tensors.get(WEIGHT), tensors.get(WEIGHT_SCALE)
+    return w is not None and (w.dtype == "U8" or s is not None and s.dtype == "F8_E4M3")
+
+
+NVFP4 = Scheme(Algo.NVFP4, "U8",
+               (ScaleSpec(WEIGHT_SCALE, "F8_E4M3", lambda n, k: (n, k // NVFP4_GROUP_SIZE)),
+                ScaleSpec(WEIGHT_SCALE_2, "F32", scalar), INPUT),
+               pack=2, scale_rows=1, scale_cols=NVFP4_GROUP_SIZE, merge=Merge.RESCALE, merged_scale=WEIGHT_SCALE_2,
+               group_size=NVFP4_GROUP_SIZE,
+               nan_codes=((WEIGHT_SCALE, (0x7F, 0xFF)),), detect=lambda t: _detect(t) and WEIGHT in t)

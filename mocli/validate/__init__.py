@@ -1,0 +1,93 @@
+"""``mocli validate``: config, exclusions, tensor census, scale health, target and per-rank constraints.
+
+Reads headers, plus the small float32 scale tensors (0-dim, per-channel, per-block) for scale health;
+``deep`` also scans every weight and block-scale byte for NaN/Inf codes at disk speed. No torch
+here: validate starts in a fraction of a second. Never prints; returns a report the CLI renders.
+One module per finding family: ``exclusion`` (CFG006, EXC), ``tensor`` (TNS, SCL003), ``scale``
+(SCL), ``parallel`` (PAR), ``target`` (TGT). What differs between stored schemes is asked of the
+module's scheme (``mocli.schemes``), never branched on here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mocli.census import Census, build_census
+from mocli.checkpoint import Checkpoint
+from mocli.findings import Findings
+from mocli.parallel import Heads, ParallelLayout
+from mocli.scales import read_scales
+from mocli.targets import Target
+from mocli.validate.exclusion import check_exclusions, check_mixed_layers, declared_quantized
+from mocli.validate.parallel import check_parallel
+from mocli.validate.scale import check_scales
+from mocli.validate.target import check_target
+from mocli.validate.tensor import check_tensors
+
+
+@dataclass
+class ValidationReport:
+    findings: Findings
+    census: Census
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    ignored: int = 0  # findings --select/--ignore left out
+    warnings_as_errors: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings.errors and not (self.warnings_as_errors and self.findings.warnings)
+
+    def filter(self, select: list[str], ignore: list[str]) -> None:
+        """Keep the findings whose code starts with a ``select`` entry (all when empty) and with no
+        ``ignore`` entry (ruff's --select/--ignore)."""
+        sel = [c.upper() for c in select]
+        ign = [c.upper() for c in ignore]
+        kept = [f for f in self.findings if (not sel or f.code.startswith(tuple(sel))) and not f.code.startswith(tuple(ign))]
+        self.ignored += len(self.findings) - len(kept)
+        self.findings[:] = kept
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "errors": len(self.findings.errors),
+            "warnings": len(self.findings.warnings),
+            "ignored": self.ignored,
+            "findings": [f.to_dict() for f in self.findings],
+            "stats": self.stats,
+        }
+
+
+def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | None = None,
+             scales: dict[str, np.ndarray] | None = None, parallel: ParallelLayout | None = None,
+             deep: bool = False, progress: Any = None) -> ValidationReport:
+    """All checks; ``census``/``scales`` may be passed in when the caller already has them."""
+    findings = Findings(ckpt.config_findings)
+    census = census or build_census(ckpt.tensors)
+    report = ValidationReport(findings, census)
+    quant = ckpt.quant
+    if quant is None or quant.algo is None:
+        return report  # CFG00x already says why; nothing else can be judged
+    parallel = parallel or ParallelLayout()
+    declared = declared_quantized(quant, census, findings)
+    check_mixed_layers(quant, census, findings)
+    check_exclusions(quant, census, declared, findings)
+    check_tensors(quant, census, declared, findings)
+    scales = scales if scales is not None else read_scales(census)
+    report.stats["scales"] = check_scales(scales, census, findings)
+    report.stats["scale_names"] = list(scales) if deep else []
+    heads = Heads.from_config(ckpt.config)
+    sliceable = check_parallel(parallel, heads, census, findings)
+    if target is not None:
+        check_target(target, parallel, heads, census, sliceable, findings)
+    if deep:
+        from mocli.deep_scan import scan
+
+        report.stats["deep"] = scan(ckpt, findings, skip=set(report.stats.get("scale_names", ())), progress=progress)
+    return report
+
+
+__all__ = ["ValidationReport", "validate"]

@@ -1,0 +1,59 @@
+"""Target findings, on each rank's shapes: a stored scheme the target has no kernel path for
+(TGT002) and the target's alignment constraints per scheme (TGT001, ``TargetLayout.constraints``)."""
+
+from __future__ import annotations
+
+from mocli.census import Census
+from mocli.findings import Findings
+from mocli.parallel import Heads, ParallelLayout, rank_slices
+from mocli.targets import Target, layout_of
+from mocli.validate.parallel import sliceable_units
+
+
+def check_target(target: Target, par: ParallelLayout, heads: Heads | None, census: Census,
+                 sliceable: set[str], findings: Findings) -> None:
+    layout = layout_of(target)
+    at = "" if par.single else f" per rank at tp {par.tp}" + (f", ep {par.ep}" if par.ep > 1 else "")
+    for name, shards, scheme in sliceable_units(census):
+        if scheme not in layout.supported["linear"]:
+            findings.add("TGT002", name, f"{target} does not take {scheme} linears",
+                         hint="convert for another target, or re-export in a supported scheme")
+            continue
+        if name not in sliceable:
+            continue
+        sl = rank_slices(par, heads, shards)[0]
+        for c in layout.constraints:
+            if c.scope == "linear" and c.scheme is scheme:
+                size = sl.n if c.dim == "N" else sl.k
+                if size % c.multiple:
+                    findings.add("TGT001", name, f"{c.dim} = {size}{at} is not a multiple of {c.multiple}",
+                                 hint=c.why)
+    _check_moe(target, par, census, findings, at)
+
+
+def _check_moe(target: Target, par: ParallelLayout, census: Census, findings: Findings, at: str) -> None:
+    layout = layout_of(target)
+    for layer in census.moe:
+        schemes = layer.schemes - {None}
+        if not schemes:
+            continue
+        if len(schemes) > 1 or None in layer.schemes:
+            findings.add("TGT002", layer.name, "experts are stored in mixed schemes "
+                         f"({', '.join(sorted(str(s) for s in layer.schemes))})",
+                         hint="the fused-MoE kernel takes one scheme per layer; re-export")
+            continue
+        scheme = schemes.pop()
+        if scheme not in layout.supported["moe"]:
+            findings.add("TGT002", layer.name, f"{target} has no fused-MoE path for {scheme} experts",
+                         hint="convert for another target, or re-export the experts in a scheme it takes")
+            continue
+        i, h = layer.intermediate, layer.hidden
+        if i is None or h is None:
+            continue
+        i_rank = i if par.expert_parallel or i % par.tp else i // par.tp
+        for c in layout.constraints:
+            if c.scope == "moe" and c.scheme is scheme:
+                size = 2 * i_rank if c.dim == "2I" else h
+                if size % c.multiple:
+                    findings.add("TGT001", layer.name, f"{c.dim} = {size}{at} is not a multiple of {c.multiple} "
+                                 f"(I = {i_rank}, H = {h})", hint=c.why)

@@ -1,0 +1,152 @@
+"""Tensor findings (SEMANTICS §1's table, per stored scheme): every quantized module holds its
+scheme's weight and scales with their dtypes and shapes (TNS001-TNS005, TNS007), MoE experts are
+complete and alike (TNS006), and experts calibration never reached are told apart (SCL003)."""
+
+from __future__ import annotations
+
+from mocli.census import Census, Kind, Module, MoELayer
+from mocli.findings import Findings, few
+from mocli.io.safetensors_file import TensorEntry
+from mocli.quant_config import QuantConfig
+from mocli.schemes import Scheme, by_algo
+from mocli.tables import INPUT_SCALE, SCALE_SUFFIXES, WEIGHT
+
+
+def check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool | None], findings: Findings) -> None:
+    no_input_scale: dict[str, list[Module]] = {}  # MoE layer -> experts' projections without one
+    static_under_dynamic: list[str] = []
+    for m in census.modules.values():
+        if m.scheme is None:
+            _check_unquantized(m, findings)
+            continue
+        w = _checked_weight(m, findings)
+        if w is None:
+            continue
+        if quant.dynamic_activations and m.scheme.static_input and INPUT_SCALE in m.tensors:
+            static_under_dynamic.append(m.name)
+        configured = quant.algo_for(m.name)
+        if declared.get(m.engine_name) and configured is not None and by_algo(configured) is not m.scheme:
+            findings.add("TNS005", m.name, f"stored as {m.scheme} but the config says {configured}",
+                         hint="the engine will build the wrong kernel for it")
+        missing = _check_scale_tensors(m, m.scheme, m.scheme.logical(w.shape), quant.dynamic_activations, findings)
+        if INPUT_SCALE in missing and m.kind is Kind.EXPERT:
+            no_input_scale.setdefault(m.engine_name, []).append(m)
+    for g in census.fused:
+        ks = {m.out_in[1] for m in g.shards if m.out_in}
+        if len(ks) > 1:
+            findings.add("TNS003", g.name, f"shards have different input sizes {sorted(ks)}",
+                         hint="fused shards must share K")
+    if static_under_dynamic:
+        # vLLM's Fp8LinearMethod builds no input_scale parameter for a dynamic scheme, so loading these
+        # tensors fails (convert refuses the file for the same reason).
+        findings.add("TNS007", f"{quant.origin}: quantization_config",
+                     f"activation_scheme is dynamic but {len(static_under_dynamic)} FP8 module(s) store a static "
+                     f"input_scale ({few(static_under_dynamic, 2)})",
+                     hint='set "activation_scheme": "static" (calibrated scales, as a ModelOpt FP8 export has), or '
+                          "drop the input_scale tensors to quantize activations per token")
+    for layer in census.moe:
+        _check_moe_layer(layer, findings)
+        _check_expert_input_scales(layer, no_input_scale.get(layer.name, []), findings)
+
+
+def _check_unquantized(m: Module, findings: Findings) -> None:
+    stray = sorted(set(m.tensors) & SCALE_SUFFIXES)
+    if stray and m.weight is None:
+        # scales without any weight: the weight is missing, not the scales stray
+        findings.add("TNS001", m.name, f"has {', '.join(stray)} but no weight",
+                     hint="the export is incomplete; re-export the checkpoint")
+    elif stray:
+        findings.add("TNS004", m.name, f"unquantized (weight {m.weight.dtype}) but has {', '.join(stray)}",
+                     hint="drop the scales or store the weight quantized")
+
+
+def _checked_weight(m: Module, findings: Findings) -> TensorEntry | None:
+    """A quantized module's weight entry when it has the scheme's dtype and a usable shape, else None."""
+    w, scheme = m.tensors.get(WEIGHT), m.scheme
+    if w is None or len(w.shape) != 2:
+        findings.add("TNS001", m.name, "has scales but no 2-D weight",
+                     hint="the export is incomplete; re-export the checkpoint")
+        return None
+    if w.dtype != scheme.weight_dtype:
+        findings.add("TNS002", f"{m.name}.weight", f"is {w.dtype}, {scheme} stores {scheme.weight_dtype}",
+                     hint="the export is broken; re-export the checkpoint")
+        return None
+    if 0 in w.shape:
+        findings.add("TNS003", f"{m.name}.weight", f"quantized weight {list(w.shape)} has no elements",
+                     hint="an empty layer cannot be quantized or served; re-export the checkpoint")
+        return None
+    return w
+
+
+def _check_scale_tensors(m: Module, scheme: Scheme, nk: tuple[int, int], dynamic: bool, findings: Findings) -> set[str]:
+    """The scheme's scale tensors' dtypes and shapes for a module of logical [N, K]; returns the
+    suffixes that are missing (an expert's missing input_scale is judged per layer, not here)."""
+    missing: set[str] = set()
+    n, k = nk
+    if not (scheme.rows_split(n) and scheme.cols_split(k)):
+        rows, cols = max(scheme.scale_rows, 1), max(scheme.scale_cols, 1)
+        findings.add("TNS003", f"{m.name}.weight", f"shape [{n}, {k}] is not a multiple of {rows}x{cols}",
+                     hint=f"{scheme} needs N % {rows} == K % {cols} == 0")
+        return missing
+    for suffix, (dtype, shape) in scheme.expected(n, k, dynamic).items():
+        t = m.tensors.get(suffix)
+        if t is None:
+            missing.add(suffix)
+            if not (suffix == INPUT_SCALE and m.kind is Kind.EXPERT):
+                findings.add("TNS001", m.name, f"{scheme} module has no {suffix}",
+                             hint="the export is incomplete; re-export the checkpoint")
+        elif t.dtype != dtype:
+            findings.add("TNS002", t.name, f"is {t.dtype}, {scheme} stores {dtype}",
+                         hint="the export is broken; re-export the checkpoint")
+        elif not scheme.same_shape(suffix, t.shape, n, k):
+            findings.add("TNS003", t.name, f"shape {list(t.shape)}, expected {list(shape)} for weight "
+                         f"{list(m.weight.shape)}", hint="the export is broken; re-export the checkpoint")
+    return missing
+
+
+def _check_expert_input_scales(layer: MoELayer, missing: list[Module], findings: Findings) -> None:
+    """SCL003: experts calibration never routed a token to. Repairable from the layer's other experts
+    (SEMANTICS §11.2), w1/w3 and w2 separately; where none of them has one, there is nothing to take."""
+    if not missing:
+        return
+    pools = {"gate/up": ("gate", "up"), "down": ("down",)}
+    for pool, projs in pools.items():
+        mods = [m for e in layer.experts.values() for p in projs if (m := getattr(e, p)) is not None]
+        lacking = [m for m in mods if m in missing]
+        if not lacking:
+            continue
+        if not any(INPUT_SCALE in m.tensors for m in mods):
+            findings.add("SCL003", layer.name, f"no expert of this layer has a {pool} input_scale",
+                         hint="not repairable: there is no calibrated value to take; re-run calibration "
+                              "(mocli never invents a scale)")
+            continue
+        for m in lacking:
+            findings.add("SCL003", m.name, "expert has no input_scale",
+                         hint="calibration never routed tokens to it; mocli repair fills it in (SEMANTICS §11)")
+
+
+def _check_moe_layer(layer: MoELayer, findings: Findings) -> None:
+    idx = sorted(layer.experts)
+    if idx != list(range(len(idx))):
+        missing = sorted(set(range(max(idx) + 1)) - set(idx))
+        findings.add("TNS006", layer.name, f"expert indices are not 0..{len(idx) - 1}: missing {few(missing)}",
+                     hint="the export is incomplete; re-export the checkpoint")
+    shapes: dict[str, dict[tuple, list[int]]] = {"gate": {}, "up": {}, "down": {}}
+    for e in idx:
+        for proj, m in layer.experts[e].projections():
+            if m is None:
+                name = getattr(layer.naming, proj)
+                findings.add("TNS006", f"{layer.name}.{e}", f"expert has no {name} projection",
+                             hint="the export is incomplete; re-export the checkpoint")
+            elif m.out_in:
+                shapes[proj].setdefault(m.out_in, []).append(e)
+    for proj, by_shape in shapes.items():
+        if len(by_shape) > 1:
+            common = max(by_shape, key=lambda s: len(by_shape[s]))
+            odd = [e for s, es in by_shape.items() if s != common for e in es]
+            findings.add("TNS006", layer.name, f"{proj} projections differ in shape: experts {few(odd)} are not "
+                         f"{list(common)}", hint="experts of one layer must share shapes")
+    gate, up = shapes["gate"], shapes["up"]
+    if len(gate) == 1 and len(up) == 1 and set(gate) != set(up):
+        findings.add("TNS006", layer.name, f"gate {list(next(iter(gate)))} and up {list(next(iter(up)))} "
+                     "projections differ in shape", hint="gate and up projections must share shapes")
