@@ -120,3 +120,20 @@ def test_expert_parallel_needs_moe_layers(cli):
     r = cli("convert", REAL_LLAMA, "-o", "/nonexistent-never-written", "--target", "flashinfer-cutlass", "--tp", "2",
             "--ep", "4")
     assert r.exit_code == 1 and "PAR002" in r.stderr
+
+
+def test_deep_scan_asks_the_scheme_for_nan_codes(cli, real_copy):
+    """MXFP8's U8 E8M0 scales have a NaN code (255) that no dtype rule knows; --deep finds it through the
+    module's scheme, on a real ModelOpt 0.47 export."""
+    from safetensors.torch import load_file, save_file
+
+    d = real_copy("llama-mxfp8")
+    name = "model.layers.1.self_attn.o_proj.weight_scale"
+    r = cli("--json", "validate", d, "--deep")
+    assert not [f for f in r.json["findings"] if f["code"] == "DAT001"], r.json["findings"]
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors[name][3, 2] = 255
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    r = cli("--json", "validate", d, "--deep")
+    dat = [f for f in r.json["findings"] if f["code"] == "DAT001"]
+    assert [f["location"] for f in dat] == [name] and "0xFF" in dat[0]["message"], dat

@@ -86,7 +86,8 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
     if deep:
         from mocli.deep_scan import scan
 
-        report.stats["deep"] = scan(ckpt, findings, skip=set(report.stats.get("scale_names", ())), progress=progress)
+        report.stats["deep"] = scan(ckpt, findings, skip=set(report.stats.get("scale_names", ())), progress=progress,
+                                    census=census)
     return report
 
 
