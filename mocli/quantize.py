@@ -25,9 +25,9 @@ from mocli.errors import InputError
 from mocli.formats import provenance_block
 from mocli.io.digests import SourceDigests
 from mocli.io.shard_writer import DEFAULT_MAX_SHARD_BYTES, group_layouts
+from mocli.ops.fp8 import FP8_MAX
 from mocli.tables import WEIGHT
 
-FP8_MAX = 448.0
 QUANTIZABLE_DTYPES = {"BF16", "F16", "F32"}
 # Routers stay in the source dtype (SEMANTICS §12).
 ROUTERS = ("mlp.gate", "block_sparse_moe.gate")

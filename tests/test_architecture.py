@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "mocli"
 LAYERS: list[list[str]] = [
     ["mocli", "mocli.errors", "mocli.progress", "mocli.trace", "mocli.findings", "mocli.tables", "mocli.io", "mocli.io.*",
      "mocli.ops", "mocli.ops.*", "mocli.parallel", "mocli.engine.dist", "mocli.targets.decode",
-     "mocli.verify.quant", "mocli.verify.numeric", "mocli.verify.expect", "mocli.verify.html", "mocli.verify.junit"],
+     "mocli.numerics", "mocli.numerics.*", "mocli.verify.expect", "mocli.verify.html", "mocli.verify.junit"],
     ["mocli.formats", "mocli.devices", "mocli.procenv"],
     ["mocli.quant_config", "mocli.schemes", "mocli.schemes.*", "mocli.kinds"],
     ["mocli.checkpoint", "mocli.census", "mocli.exclusions", "mocli.scales", "mocli.deep_scan", "mocli.targets",
@@ -91,6 +91,75 @@ def test_no_import_cycle(graph):
     for m in sorted(graph):
         if m not in state:
             visit(m, [])
+
+
+def _folder(module: str, modules: dict[str, Path]) -> str:
+    """A module's folder: its subpackage (``mocli.verify``), or itself for a top-level module."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or modules[module].name == "__init__.py" else module
+
+
+def test_no_import_cycle_between_folders(graph):
+    """Folders as units (a subpackage, or a top-level module): imports between them form no cycle,
+    function-level imports counted."""
+    modules = _modules()
+    folders: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        folders.setdefault(_folder(m, modules), set()).update(_folder(d, modules) for d in deps)
+    for f in folders:
+        folders[f].discard(f)
+    state: dict[str, int] = {}
+
+    def visit(f: str, path: list[str]) -> None:
+        state[f] = 1
+        for d in sorted(folders.get(f, ())):
+            assert state.get(d) != 1, "folder import cycle: " + " -> ".join(path[path.index(d):] + [f, d])
+            if d not in state:
+                visit(d, path + [f])
+        state[f] = 2
+
+    for f in sorted(folders):
+        if f not in state:
+            visit(f, [])
+
+
+def test_serving_stands_on_no_part_of_verify(graph):
+    """The runtime (``mocli.serve``) and the checker share number formats through ``mocli.numerics``."""
+    wrong = [f"{m} imports {d}" for m, deps in graph.items() if m.startswith("mocli.serve") for d in deps
+             if d.startswith("mocli.verify")]
+    assert not wrong, wrong
+
+
+def test_stored_schemes_are_asked_not_branched_on():
+    """``Algo.`` (a configured algorithm) is named outside ``mocli.schemes`` and ``quant_config`` at most a
+    few times: the rest of mocli asks a module's scheme (``mocli.schemes``) what differs."""
+    import re
+
+    refs = [f"{p.relative_to(ROOT.parent)}:{i}" for p in ROOT.rglob("*.py")
+            if "schemes" not in p.parts and p.name != "quant_config.py"
+            for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\bAlgo\.", line)]
+    assert len(refs) <= 5, refs
+
+
+def test_the_e4m3_maximum_is_defined_twice_at_most():
+    """Once for the converter (``mocli.ops.fp8``), once for verify and serving (``mocli.numerics``): kept
+    apart on purpose, so that an encoder cannot pass its own check; nowhere else as a number."""
+    defs = [f"{p.relative_to(ROOT.parent)}:{n.lineno}" for p in ROOT.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, ast.Constant) and type(n.value) in (int, float) and n.value == 448]
+    assert sorted(defs) == ["mocli/numerics/__init__.py:11", "mocli/ops/fp8.py:19"], defs
+
+
+def test_modules_and_functions_stay_small():
+    """No module over 500 lines; at most five functions over 60 (DEVELOPERS.md)."""
+    big, long = [], []
+    for p in ROOT.rglob("*.py"):
+        src = p.read_text()
+        if len(src.splitlines()) > 500:
+            big.append(str(p.relative_to(ROOT.parent)))
+        long += [f"{p.relative_to(ROOT.parent)}:{f.name}" for f in ast.walk(ast.parse(src))
+                 if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef) and f.end_lineno - f.lineno + 1 > 60]
+    assert not big, big
+    assert len(long) <= 5, long
 
 
 def test_verify_shares_no_code_with_what_it_checks(graph):

@@ -8,11 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mocli.numerics.in_torch import unpack_e2m1
 from mocli.ops import fp8, nvfp4
 from mocli.ops.rows import gated_act_row_indices, gated_shuffled_row_indices
 from mocli.ops.rows import shuffle_row_indices as _shuffle_np
 from mocli.targets import decode
-from mocli.verify.quant import unpack_e2m1
 from tests import reference as ref
 
 

@@ -2,7 +2,7 @@
 
 The reference is computed here from the *source* checkpoint (read with the safetensors library,
 dequantized with its own scales, sliced as SEMANTICS §10 says the rank holds it), with the activation
-model of verify's reference semantics (``mocli.verify.quant``: the same input quantization the kernels
+model of verify's reference semantics (``mocli.numerics.in_torch``: the same input quantization the kernels
 must apply, so only the weights' path differs). No vLLM needed; the ``gpu`` copies run the CUDA paths
 (torch._scaled_mm, torch._scaled_grouped_mm) and skip without CUDA.
 """
@@ -26,8 +26,8 @@ from fixtures.generate import make_checkpoint
 from mocli import serve
 from mocli.kinds import ModuleKind
 from mocli.loader import open_converted
+from mocli.numerics.in_torch import fp8_per_group_dequant, fp8_per_token, fp8_static, nvfp4_quant
 from mocli.verify.common import THRESHOLDS, rel_error
-from mocli.verify.quant import fp8_per_group_dequant, fp8_per_token, fp8_static, nvfp4_quant
 from tests.conftest import REAL_LLAMA, REAL_QWEN, run_cli
 from tests.reference import dequant_nvfp4, fp8_requant, unswizzle_by_offsets
 

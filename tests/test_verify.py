@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from fixtures.generate import make_checkpoint
 from mocli.kinds import ModuleKind
 from mocli.loader import load_converted
+from mocli.numerics.in_torch import e2m1_round, nvfp4_quant
 from mocli.verify import THRESHOLDS
 from mocli.verify.flashinfer_args import cutlass_fused_moe_fp8_args, cutlass_fused_moe_nvfp4_args, mm_fp4_args
-from mocli.verify.quant import e2m1_round, nvfp4_quant
 from tests import reference as ref
 from tests.conftest import REAL_LLAMA, REAL_QWEN
 

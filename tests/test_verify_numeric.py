@@ -1,4 +1,4 @@
-"""verify's numpy number formats and decoders (``mocli.verify.numeric``, ``mocli.targets.decode``) against
+"""verify's numpy number formats and decoders (``mocli.numerics.in_numpy``, ``mocli.targets.decode``) against
 torch's float8 cast, the torch activation model and the test suite's own reference decoders: the
 NVFP4 check runs without torch, so each numpy piece is held to an independent implementation here."""
 
@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mocli.numerics import in_numpy as N
+from mocli.numerics.in_torch import nvfp4_quant as torch_nvfp4_quant
 from mocli.targets import decode
-from mocli.verify import numeric as N
 from mocli.verify.expect import _byte_table, apply_table, bit_equal
-from mocli.verify.quant import nvfp4_quant as torch_nvfp4_quant
 from tests import reference as ref
 
 F8 = torch.float8_e4m3fn
@@ -68,8 +68,8 @@ def test_apply_table_gives_the_same_bytes_to_numpy_and_torch():
 def test_e2m1_round_is_the_serving_emulations_on_every_edge():
     """Every e2m1 value and midpoint (a midpoint goes to the lower value in both models), one ulp either
     side, signed zeros, saturation and infinities, and a million spread values: numpy's comparison
-    count against torch's bucketize (``mocli.verify.quant``), bit for bit."""
-    from mocli.verify.quant import e2m1_round as torch_e2m1_round
+    count against torch's bucketize (``mocli.numerics.in_torch``), bit for bit."""
+    from mocli.numerics.in_torch import e2m1_round as torch_e2m1_round
 
     mids = np.float32((N.E2M1[1:] + N.E2M1[:-1]) / 2)
     edges = np.concatenate([N.E2M1, mids, [0.0, 6.5, 1e9, np.inf, 1e-40]]).astype(np.float32)

@@ -2,7 +2,7 @@
 
 Each takes ``x`` [T, K] (BF16/FP16, the rank's K) and returns ``y`` [T, N] in ``x.dtype`` (the
 rank's N, padding cut off), with the activation quantization of verify's reference semantics
-(``mocli.verify.quant``; ``mocli/verify/dense.py`` is the same math as a check).
+(``mocli.numerics.in_torch``; ``mocli/verify/dense.py`` is the same math as a check).
 """
 
 from __future__ import annotations
@@ -10,9 +10,16 @@ from __future__ import annotations
 import torch
 
 from mocli.kinds import ModuleKind
+from mocli.numerics.in_torch import (
+    FP8,
+    fp8_per_group_dequant,
+    fp8_per_token,
+    fp8_static,
+    nvfp4_quant,
+    unpack_e2m1,
+)
 from mocli.ops import roundup
 from mocli.serve.common import F8, F32, U8, Kernel, ServeError, gemm_dtype, mm
-from mocli.verify.quant import FP8, fp8_per_group_dequant, fp8_per_token, fp8_static, nvfp4_quant, unpack_e2m1
 
 FP8_ALIGN = 16  # cuBLASLt FP8 GEMMs: N and K multiples of 16 (targets.base SHARED_CONSTRAINTS)
 

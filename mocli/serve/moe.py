@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from mocli.kinds import ModuleKind
+from mocli.numerics import FP8_MAX
+from mocli.numerics.in_torch import FP8, nvfp4_quant, unpack_e2m1
 from mocli.ops import roundup
 from mocli.serve.common import F8, F32, U8, Kernel, ServeError, gemm_dtype, mm, row_order
 from mocli.targets.decode import unswizzle
-from mocli.verify.quant import FP8, FP8_MAX, nvfp4_quant, unpack_e2m1
 
 # flashinfer-trtllm's extra per-expert output scales (LAYOUT.md), FP8 and NVFP4 spellings
 TRTLLM_SCALES = ("output1_scales_scalar", "output1_scales_gate_scalar", "output2_scales_scalar",

@@ -17,9 +17,9 @@ import torch
 
 from mocli.census import Census, Module
 from mocli.devices import Kernels
+from mocli.numerics.in_torch import dequant_fp8
 from mocli.tables import WEIGHT, WEIGHT_SCALE
 from mocli.targets import TargetLayout
-from mocli.verify.quant import dequant_fp8
 from mocli.verify.results import (  # noqa: F401 - the torch checks import these from here
     CPU_SAMPLE_EXPERTS,
     CUDA_SAMPLE_EXPERTS,

@@ -9,6 +9,8 @@ import torch
 from mocli.census import Module
 from mocli.kinds import ModuleKind
 from mocli.loader import ConvertedCheckpoint
+from mocli.numerics import FP8_MAX
+from mocli.numerics.in_torch import fp8_per_group_dequant, fp8_per_token, fp8_static
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE
 from mocli.verify.common import (
     THRESHOLDS,
@@ -24,7 +26,6 @@ from mocli.verify.common import (
 )
 from mocli.verify.cross import dense_cross
 from mocli.verify.expect import apply_table, to_numpy
-from mocli.verify.quant import fp8_per_group_dequant, fp8_per_token, fp8_static
 from mocli.verify.results import offsets_of, rank_check, rank_slices, sample_rows
 
 
@@ -61,7 +62,7 @@ class _Fp8Linear(_DenseKind):
         self.s = [src.scalar(m, WEIGHT_SCALE) for m in shards]
         self.big_s = torch.stack(self.s).max()
         self.big_a = torch.stack([src.scalar(m, INPUT_SCALE) for m in shards]).max()
-        self.x_scale = float(self.big_a) * 448 / 4
+        self.x_scale = float(self.big_a) * FP8_MAX / 4
 
     def quant(self, x):
         return fp8_static(x, self.big_a).float() * self.big_a.to(x.device)

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from mocli.numerics import FP8_MAX
+from mocli.numerics.in_numpy import E4M3, e4m3_encode
 from mocli.targets.decode import as_words
-from mocli.verify.numeric import E4M3, e4m3_encode
 
 # Arrays here are numpy arrays (NVFP4, verified without torch) or torch tensors (FP8) alike.
 
@@ -48,7 +49,7 @@ def _byte_table(kind: str, a: float, b: float) -> np.ndarray:
         vals = E4M3 * sa * (np.float32(1) / sb)
     else:  # fp8(float(bs) * s2 / S2)
         vals = E4M3 * sa / sb
-    return e4m3_encode(np.clip(vals, -448, 448))
+    return e4m3_encode(np.clip(vals, -FP8_MAX, FP8_MAX))
 
 
 @lru_cache(maxsize=256)

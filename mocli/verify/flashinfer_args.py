@@ -11,12 +11,13 @@ from typing import Any
 import torch
 
 from mocli.loader import Fp8MoE, Nvfp4Linear, Nvfp4MoE
+from mocli.numerics import FP8_MAX
 
 
 def cutlass_fused_moe_fp8_args(mod: Fp8MoE, x: torch.Tensor, topk_ids: torch.Tensor,
                                topk_weights: torch.Tensor) -> dict[str, Any]:
     """cutlass_fused_moe FP8 per-tensor: the input is pre-quantized with 1/a1; a1 folded into g1_alphas."""
-    xq = (x.float() * mod.w13_input_scale_inv.float()).clamp(-448, 448).to(torch.float8_e4m3fn)
+    xq = (x.float() * mod.w13_input_scale_inv.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return {
         "input": xq,
         "token_selected_experts": topk_ids.to(torch.int32),

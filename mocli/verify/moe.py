@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from mocli.errors import CorruptFileError
 from mocli.kinds import ModuleKind, Role
 from mocli.loader import ConvertedCheckpoint
+from mocli.numerics import FP8_MAX
+from mocli.numerics.in_torch import FP8, fp8_static
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE
 from mocli.targets.decode import LayoutError
 from mocli.verify import flashinfer_args
@@ -41,7 +43,6 @@ from mocli.verify.common import (
 )
 from mocli.verify.cross import moe_cross
 from mocli.verify.expect import apply_table, bit_equal, to_numpy
-from mocli.verify.quant import FP8, fp8_static
 from mocli.verify.results import Stages, rank_check, take_bytes
 
 
@@ -147,7 +148,7 @@ class _Experts:
 
 
 class _Fp8Experts(_Experts):
-    kind, scale, act_max = ModuleKind.FP8_MOE, WEIGHT_SCALE, 448.0
+    kind, scale, act_max = ModuleKind.FP8_MOE, WEIGHT_SCALE, FP8_MAX
 
     def quant_input(self, x, a):
         return fp8_static(x, a).float() * a
@@ -322,11 +323,11 @@ def _fp8_expert(mod, local: int, x: torch.Tensor, rt: Runtime):
     layout, i = rt.layout, mod.intermediate
     w13 = layout.moe_rows_decode(mod.w13_weight[local], gated=True)
     w2 = layout.moe_rows_decode(mod.w2_weight[local], gated=False)
-    xq = (x.float() * mod.w13_input_scale_inv.float()).clamp(-448, 448).to(FP8)
+    xq = (x.float() * mod.w13_input_scale_inv.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     one = torch.tensor(1.0, device=rt.device)
     o1 = scaled_mm(xq, w13, one, mod.g1_alphas[local].float())
     act = F.silu(o1[:, i:]) * o1[:, :i]
-    hq = (act * mod.w2_input_scale_inv.float()).clamp(-448, 448).to(FP8)
+    hq = (act * mod.w2_input_scale_inv.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     o2 = scaled_mm(hq, w2, one, mod.g2_alphas[local].float())
     return o1, o2, hq
 
@@ -337,7 +338,7 @@ def _fp8_grouped(mod, sample: list[int], x: torch.Tensor, rt: Runtime):
     e = len(sample)
     w13 = torch.stack([layout.moe_rows_decode(mod.w13_weight[s], gated=True) for s in sample])
     w2 = torch.stack([layout.moe_rows_decode(mod.w2_weight[s], gated=False) for s in sample])
-    xq = (x.float() * mod.w13_input_scale_inv.float()).clamp(-448, 448).to(FP8).repeat(e, 1)
+    xq = (x.float() * mod.w13_input_scale_inv.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8).repeat(e, 1)
     offs = torch.arange(1, e + 1, device=rt.device, dtype=torch.int32) * t
     ones = torch.ones(xq.shape[0], device=rt.device)
     g1 = mod.g1_alphas[sample].float()
@@ -345,7 +346,7 @@ def _fp8_grouped(mod, sample: list[int], x: torch.Tensor, rt: Runtime):
     o1 = torch._scaled_grouped_mm(xq, w13.transpose(-2, -1), ones, g1[:, None].expand(e, 2 * i).contiguous(),
                                   offs=offs, out_dtype=torch.bfloat16).float()
     act = F.silu(o1[:, i:]) * o1[:, :i]
-    hq = (act * mod.w2_input_scale_inv.float()).clamp(-448, 448).to(FP8)
+    hq = (act * mod.w2_input_scale_inv.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     o2 = torch._scaled_grouped_mm(hq, w2.transpose(-2, -1), ones, g2[:, None].expand(e, h).contiguous(),
                                   offs=offs, out_dtype=torch.bfloat16).float()
     return list(o1.split(t)), list(o2.split(t)), list(hq.split(t))

@@ -21,12 +21,13 @@ from mocli import trace
 from mocli.census import Module
 from mocli.errors import CorruptFileError
 from mocli.kinds import ModuleKind, Role
+from mocli.numerics import E2M1_MAX, FP8_MAX
+from mocli.numerics.in_numpy import E4M3, dequant_nvfp4, nvfp4_quant, scaled_matmul, silu
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.targets import TargetLayout
 from mocli.targets.decode import LayoutError, unswizzle
 from mocli.verify.cross import dense_cross, moe_cross
 from mocli.verify.expect import apply_table
-from mocli.verify.numeric import E4M3, dequant_nvfp4, nvfp4_quant, scaled_matmul, silu
 from mocli.verify.results import (
     CPU_SAMPLE_EXPERTS,
     FUSED_MOE_THRESHOLD,
@@ -150,7 +151,7 @@ def check_dense(name: str, infos: dict[int, dict], cks: dict, src: NpSource, lay
 
     k_full = shards[0].out_in[1]
     x = rng(opts.seed, name).standard_normal((opts.tokens, k_full), dtype=np.float32) * np.float32(
-        float(big_a) * 2688 / 4)
+        float(big_a) * FP8_MAX * E2M1_MAX / 4)
     offsets = offsets_of(shards)
     sample = sample_rows(shards, offsets, opts.seed, name)  # sorted full-layer rows
     w_sample = np.concatenate([src.dequant(m, local) for m, off in zip(shards, offsets, strict=True)
@@ -226,7 +227,7 @@ class _Layer:
         self.a13 = np.max([np.maximum(src.scalar(e.gate, INPUT_SCALE), src.scalar(e.up, INPUT_SCALE)) for e in every])
         self.a2 = np.max([src.scalar(e.down, INPUT_SCALE) for e in every])
         self.x = rng(opts.seed, name).standard_normal((opts.tokens, self.layer.hidden), dtype=np.float32) \
-            * np.float32(float(self.a13) * 448.0 * 6 / 4)
+            * np.float32(float(self.a13) * FP8_MAX * E2M1_MAX / 4)
         self.ref_in = self.quant(self.x, self.a13)
 
     @staticmethod

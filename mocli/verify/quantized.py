@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from mocli.census import Census, Module, build_census
 from mocli.checkpoint import Checkpoint, open_checkpoint
 from mocli.errors import InputError
+from mocli.numerics import FP8_MAX
+from mocli.numerics.in_torch import FP8, fp8_per_token
 from mocli.tables import WEIGHT, WEIGHT_SCALE
 from mocli.verify.common import (
     ModuleResult,
@@ -35,13 +37,11 @@ from mocli.verify.common import (
     single_rank_report,
 )
 from mocli.verify.files import Hashes, compare_bytes, open_source
-from mocli.verify.quant import FP8, fp8_per_token
 
 # Dynamic FP8: the weights (per tensor) and the activations (per token) are each rounded to e4m3
 # (3 mantissa bits: up to 2^-4 relative, rms about 2.6% each); measured 3.7% together on Gaussian
 # weights with outliers. A 2x scale error is 0.5-1.0 and a swapped shard about 1.4.
 THRESHOLDS = {"fp8_dynamic_linear": 0.08, "fp8_dynamic_moe_gemm1": 0.08, "fp8_dynamic_moe_gemm2": 0.08}
-FP8_MAX = 448.0
 
 
 @lru_cache(maxsize=64)

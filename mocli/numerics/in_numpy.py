@@ -1,5 +1,5 @@
-"""verify's number formats in numpy, without torch: e4m3 and e2m1 codes, the NVFP4 activation model
-and the source's dequantization.
+"""The number formats in numpy, without torch: e4m3 and e2m1 codes, the NVFP4 activation model and the
+source's dequantization (verify's NVFP4 checks).
 
 Written apart from the converter's encoder (``mocli.ops.nvfp4`` rounds by bit arithmetic): e4m3 codes
 are decoded from SEMANTICS §1's formula, and a value is encoded by searching the sorted table of
@@ -13,9 +13,9 @@ from functools import lru_cache
 
 import numpy as np
 
-FP8_MAX = 448.0
-E2M1_MAX = 6.0
-E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+from mocli.numerics import E2M1_MAX, E2M1_VALUES, FP8_MAX
+
+E2M1 = np.array(E2M1_VALUES, dtype=np.float32)
 # Midpoints between neighbouring e2m1 magnitudes: how many lie below |x| is its nearest code.
 _MIDS = (E2M1[1:] + E2M1[:-1]) / 2
 
@@ -73,7 +73,7 @@ def nvfp4_quant(x: np.ndarray, global_scale) -> np.ndarray:
 
     Per 16-element block: sf = fp8(amax / 6 * gs); values e2m1(x * gs / sf). Returns the exact
     product e2m1 * sf (float32, exactly representable in bf16); the true value is that / gs.
-    (The same model as ``mocli.verify.quant.nvfp4_quant``, which the serving emulation runs in torch;
+    (The same model as ``mocli.numerics.in_torch.nvfp4_quant``, which the serving emulation runs in torch;
     a test holds the two equal.)"""
     t, k = x.shape
     gs = np.float32(np.asarray(global_scale, dtype=np.float32).reshape(()))

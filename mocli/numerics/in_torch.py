@@ -1,6 +1,6 @@
-"""Activation quantization as the target kernels do it, in torch, and FP8 source-weight dequantization:
-what the FP8 checks and the serving emulation (``mocli.serve``) use. NVFP4 verify runs in numpy
-(``mocli.verify.numeric``, held bit-equal to ``nvfp4_quant`` here by a test).
+"""The number formats in torch: activation quantization as the target kernels do it, and FP8 and e2m1
+source-weight dequantization: what verify's FP8 checks and the serving emulation (``mocli.serve``) use.
+NVFP4 verify runs in numpy (``mocli.numerics.in_numpy``, held bit-equal to ``nvfp4_quant`` here by a test).
 
 Both the reference and the kernel side quantize activations with these functions (it is an input
 model, not what is being checked); the weights each side uses come from different files.
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from mocli.numerics import E2M1_MAX, E2M1_VALUES, FP8_MAX
+
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-E2M1_MAX = 6.0
-_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_E2M1 = torch.tensor(E2M1_VALUES)
 # Midpoints between neighbouring e2m1 magnitudes: bucketize gives the nearest code.
 _MIDS = (_E2M1[1:] + _E2M1[:-1]) / 2
 
