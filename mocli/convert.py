@@ -67,8 +67,9 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
         layout.write_layout(partial, ckpt.path, body, layouts, files, provenance)
 
     check_device(device)  # refused before anything is written (the driver answered while we planned)
-    job = engine.Job("convert", out, ckpt.path, plan, layouts, fp, finish, overwrite, device, progress, dist, digests,
-                     {"--target": target, "--tp": tp, "--ep": ep, "--max-shard-size": max_shard_bytes})
+    job = engine.Job("convert", out, ckpt.path, plan, layouts, fp, finish, overwrite=overwrite, device=device,
+                     progress=progress, dist=dist, source_digests=digests,
+                     args={"--target": target, "--tp": tp, "--ep": ep, "--max-shard-size": max_shard_bytes})
     result = engine.run(job)
     return {
         "output": str(out), "target": str(target), **result.device_fields(), "tensors": len(plan.tensors),

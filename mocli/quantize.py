@@ -198,8 +198,9 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
                                 output_shards=dict(sorted(files.items())))
         write_fp8(partial, ckpt.path, layouts[""], ignored, prov)
 
-    job = engine.Job("quantize", out, ckpt.path, plan, layouts, fp, finish, overwrite, str(dev), progress, dist, digests,
-                     {"--scheme": scheme, "--exclude": sorted(exclude or []), "--max-shard-size": max_shard_bytes})
+    job = engine.Job("quantize", out, ckpt.path, plan, layouts, fp, finish, overwrite=overwrite, device=str(dev),
+                     progress=progress, dist=dist, source_digests=digests,
+                     args={"--scheme": scheme, "--exclude": sorted(exclude or []), "--max-shard-size": max_shard_bytes})
     result = engine.run(job)
     online = ONLINE_QUANTIZED_ROUTERS.get(ckpt.architecture or "")
     deviations = [{"layer": n, "here": "kept in the source dtype (SEMANTICS §12)", "engine_online": online}

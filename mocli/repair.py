@@ -297,7 +297,7 @@ def repair(ckpt: Checkpoint, out: Path | None, dry_run: bool = False, overwrite:
                                       output_shards=dict(sorted(files.items())))
         write_modelopt(partial, ckpt.path, layouts[""], ckpt.sharded, plan.config_fields, provenance)
 
-    job = engine.Job("repair", Path(out), ckpt.path, job_plan, layouts, fp, finish, overwrite,
+    job = engine.Job("repair", Path(out), ckpt.path, job_plan, layouts, fp, finish, overwrite=overwrite,
                      progress=progress, dist=dist or engine.Dist(), source_digests=digests)
     result = engine.run(job)
     summary.update(bytes=result.bytes, tensors=len(job_plan.tensors), resumed_units=result.resumed_units,

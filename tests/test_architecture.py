@@ -27,7 +27,7 @@ LAYERS: list[list[str]] = [
     ["mocli.validate", "mocli.validate.*", "mocli.inspection", "mocli.engine", "mocli.engine.*", "mocli.loader"],
     ["mocli.plan", "mocli.plan.*", "mocli.verify", "mocli.verify.*", "mocli.serve", "mocli.serve.*"],
     ["mocli.convert", "mocli.repair", "mocli.quantize"],
-    ["mocli.output", "mocli.render", "mocli.cli", "mocli.__main__", "mocli.vllm_plugin", "mocli.vllm_plugin.*"],
+    ["mocli.output", "mocli.render", "mocli.cli", "mocli.cli.*", "mocli.__main__", "mocli.vllm_plugin", "mocli.vllm_plugin.*"],
 ]
 
 

@@ -11,7 +11,7 @@ import os
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,8 @@ from mocli.engine.outdir import (
     publish,
 )
 from mocli.engine.pool import BufferPool, UnitContext
-from mocli.engine.units import BadData, Key, Piece, Plan, Unit
+from mocli.engine.unit_runner import UNIT_WORKERS, compute_threads, ran_in_order, to_host
+from mocli.engine.units import BadData, Key, Plan, Unit
 from mocli.engine.writer import Writer, writer_lanes
 from mocli.errors import FindingsError, InputError, Interrupted, MocliError, os_error
 from mocli.findings import Findings
@@ -68,6 +69,7 @@ class Job:
     layouts: dict[str, ShardLayout]  # group ("" or "rank-N") -> its shards
     fingerprint: str
     finish: Callable[[Path, dict[str, str]], None]
+    _: KW_ONLY  # what follows is named at every call
     overwrite: bool = False
     # as asked (auto | cpu | cuda | cuda:N), resolved when a unit needs torch (``compute_device``)
     device: str = "cpu"
@@ -372,17 +374,17 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
                 used = (str(asked), str(ctx.device))
                 trace.mark(f"torch loaded: units run on {ctx.device}")
                 pool.pin = ctx.device.type == "cuda"
-                threads = _compute_threads(job, ctx.device)
+                threads = compute_threads(job, ctx.device)
             else:
                 used = (devices.requested_device(job.device), "cpu")
             recorded = job.source_digests is None or dist.rank != 0
             workers = UNIT_WORKERS if ctx.device is None else 1
-            for unit, pieces in _ran(units, ctx, workers):
+            for unit, pieces in ran_in_order(units, ctx, workers):
                 if not recorded and job.source_digests.done():
                     record_source(partial, job.source_digests.result())
                     recorded = True
                 if ctx.device is not None and ctx.device.type == "cuda":
-                    pieces = _to_host(pieces, ctx)
+                    pieces = to_host(pieces, ctx)
                 sink.put(unit, pieces, ctx.release(pieces))
                 job.progress.advance(unit.input_bytes, name=unit.id)
             if not recorded:  # publishing waits for the digests anyway
@@ -396,70 +398,6 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
 
             torch.set_num_threads(threads)
     return None, used
-
-
-# Torch-free units (every conversion's: FP8 NaN checks and table lookups, row gathers) run this many at
-# a time where there are cores for them (numpy drops the GIL in its loops and copies): one per four
-# cores, up to four. On the 2-core build machine one, as before: its second core writes and hashes.
-# Units still reach the writer in plan order.
-UNIT_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 4))
-
-
-def _ran(units: list[Unit], ctx: UnitContext, workers: int):
-    """(unit, its pieces) in plan order. ``workers`` > 1: up to that many units run at once ahead of the
-    writer, each thread with a reader of its own (a reader's descriptors are not shared across threads);
-    an error stops the units not yet started."""
-    if workers == 1:
-        for unit in units:
-            yield unit, unit.run(ctx)
-        return
-    import threading
-    from collections import deque
-
-    local = threading.local()
-    readers: list[TensorReader] = []
-    lock = threading.Lock()
-
-    def run(unit: Unit) -> list[Piece]:
-        own = getattr(local, "ctx", None)
-        if own is None:
-            with lock:
-                readers.append(TensorReader())
-                own = local.ctx = UnitContext(readers[-1], None, ctx.pool)
-        return unit.run(own)
-
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mocli-unit")
-    todo = iter(units)
-    window: deque = deque()
-    try:
-        for unit in todo:
-            window.append((unit, pool.submit(run, unit)))
-            if len(window) >= workers:
-                break
-        while window:
-            unit, fut = window.popleft()
-            pieces = fut.result()
-            nxt = next(todo, None)
-            if nxt is not None:
-                window.append((nxt, pool.submit(run, nxt)))
-            yield unit, pieces
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        for r in readers:
-            r.close()
-
-
-def _compute_threads(job: Job, device: torch.device) -> int:
-    """Set torch's intra-op threads for the units; returns the number to restore. The writer and hash
-    threads each keep a core busy; intra-op threads beyond the rest only contend with them (measured:
-    1 compute thread on 2 cores is 18% faster than 2). A plan with nothing to compute (``Plan.compute``)
-    only re-lays small scales: one thread, and no idle intra-op threads spinning against the writers."""
-    import torch
-
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 2) if job.plan.compute else 1)
-    return threads
 
 
 def _agree(dist: Dist, error: BaseException | None) -> BaseException | None:
@@ -494,19 +432,3 @@ def _publish(job: Job, partial: Path, digests: dict[str, str]) -> None:
     # Journals go only once OUT is in place: a refused publish leaves a partial a re-run resumes.
     for path in [*job.out.glob(f"{JOURNAL_NAME}*"), job.out / SOURCE_RECORD]:
         path.unlink(missing_ok=True)
-
-
-def _to_host(pieces: list[Piece], ctx: UnitContext) -> list[Piece]:
-    """Results leave the device through pooled pinned buffers, so the writer only touches CPU memory."""
-    import torch
-
-    out = []
-    for p in pieces:
-        if isinstance(p.data, torch.Tensor) and p.data.device.type != "cpu":
-            host = ctx.buffer(tuple(p.data.shape), p.data.dtype)
-            host.copy_(p.data, non_blocking=True)
-            out.append(Piece(p.key, p.offset, host))
-        else:
-            out.append(p)
-    torch.cuda.current_stream().synchronize()
-    return out

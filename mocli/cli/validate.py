@@ -1,0 +1,65 @@
+"""``mocli validate``: findings with codes, exit 1 on errors (``mocli.validate``)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from mocli.cli.app import (
+    EpOpt,
+    JsonOpt,
+    ModelArg,
+    OutputFormat,
+    QuietOpt,
+    TargetOpt,
+    TpOpt,
+    VerboseOpt,
+    command,
+    run,
+)
+from mocli.errors import EXIT_FINDINGS
+from mocli.output import Output
+
+
+@command("validate")
+def validate_cmd(
+    ctx: typer.Context,
+    model: ModelArg,
+    target: TargetOpt = None,
+    tp: TpOpt = 1,
+    ep: EpOpt = 1,
+    deep: Annotated[bool, typer.Option("--deep", metavar="", help="Also scan every weight and scale byte for NaN/Inf codes "
+                                       "(reads the whole checkpoint at disk speed).")] = False,
+    select: Annotated[list[str] | None, typer.Option("--select", metavar="CODE", help="Report only these codes "
+                                                     "(a prefix selects a family: EXC, SCL00); repeatable.")] = None,
+    ignore: Annotated[list[str] | None, typer.Option("--ignore", metavar="CODE", help="Do not report these codes "
+                                                     "(prefixes too); repeatable.")] = None,
+    warnings_as_errors: Annotated[bool, typer.Option("--warnings-as-errors", metavar="",
+                                                     help="Exit 1 on warnings too.")] = False,
+    output_format: Annotated[OutputFormat, typer.Option("--output-format", metavar="FORMAT", case_sensitive=False,
+                                                        help="full (a table) or concise (one line per finding: "
+                                                             "location: CODE severity: message (hint))."
+                                                        )] = OutputFormat.FULL,
+    json_: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Check config, exclusions, tensors, scales, a target's and a TP/EP layout's constraints; exit 1 on errors."""
+
+    def body(out: Output) -> int:
+        from mocli.checkpoint import open_checkpoint
+        from mocli.parallel import ParallelLayout
+        from mocli.render import render_validation, render_validation_concise
+        from mocli.validate import validate
+
+        ckpt = open_checkpoint(model)
+        with out.progress_bar("scanning") as progress:
+            report = validate(ckpt, target, parallel=ParallelLayout(tp, ep), deep=deep, progress=progress)
+        report.filter(select or [], ignore or [])
+        report.warnings_as_errors = warnings_as_errors
+        out.emit(report.to_dict(), render_validation_concise if output_format is OutputFormat.CONCISE
+                 else render_validation)
+        return 0 if report.ok else EXIT_FINDINGS
+
+    run(ctx, json_, body, quiet, verbose)
