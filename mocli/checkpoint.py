@@ -11,9 +11,8 @@ from typing import Any
 
 from mocli.errors import InputError
 from mocli.findings import Findings
-from mocli.formats import CONFIG_JSON, HF_QUANT_CONFIG, INDEX_NAME, SINGLE_NAME
+from mocli.formats import CONFIG_JSON, HF_QUANT_CONFIG, INDEX_NAME, SINGLE_NAME, DirKind, detect
 from mocli.formats.index import read_index
-from mocli.formats.layout import is_layout
 from mocli.io.bulk import paused_gc
 from mocli.io.jsonfile import read_json
 from mocli.io.safetensors_file import SafetensorsHeader, TensorEntry, TensorReader, read_header
@@ -71,7 +70,7 @@ def open_checkpoint(spec: str | Path) -> Checkpoint:
 def _open(spec: str | Path) -> Checkpoint:
     source = resolve_source(str(spec))
     root = source.path
-    if is_layout(root):
+    if detect(root) is DirKind.LAYOUT:
         raise InputError(f"{root}: this is a mocli-converted checkpoint (kernel layout), not a ModelOpt export",
                          hint="inspect/validate/convert its source; check it with mocli verify")
     if (root / INDEX_NAME).exists():

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mocli.errors import CorruptFileError
-from mocli.formats.layout import rank_entries, rank_view, read_manifest
+from mocli.formats.layout import Layout, read_layout
 from mocli.io.paths import open_regular
 from mocli.io.safetensors_file import TensorEntry, TensorReader, tensor_bytes_view, torch_dtypes
 from mocli.kinds import ModuleKind
@@ -184,6 +184,19 @@ class ConvertedCheckpoint:
     def parallel(self) -> dict[str, Any]:
         return self.manifest.get("parallel", {"tp": 1, "ep": 1, "ranks": 1})
 
+    @property
+    def module_names(self) -> list[str]:
+        """The rank's converted modules, in the manifest's order."""
+        return list(self._module_info)
+
+    def holds(self, name: str) -> bool:
+        return name in self._module_info
+
+    @property
+    def entries(self) -> dict[str, TensorEntry]:
+        """Every tensor of the rank (its shards and the shared ones), by name."""
+        return self._entries
+
     def module_info(self, name: str) -> dict[str, Any]:
         return self._module_info[name]
 
@@ -238,13 +251,13 @@ class ConvertedCheckpoint:
         self._reader.close()
 
 
-def open_converted(path: str | Path, rank: int | None = None) -> ConvertedCheckpoint:
-    """Manifest and headers of one rank, no tensor data yet."""
-    path = Path(path)
-    manifest = read_manifest(path)
-    _, modules, _ = rank_view(manifest, rank)
-    entries = rank_entries(path, manifest, rank)
-    return ConvertedCheckpoint(path, manifest, rank, {}, TensorReader(follow=False), entries, {m["name"]: m for m in modules})
+def open_converted(path: str | Path | Layout, rank: int | None = None) -> ConvertedCheckpoint:
+    """Manifest and headers of one rank, no tensor data yet (``path``: a directory, or a ``Layout`` whose
+    manifest was read already, as verify hands each rank)."""
+    layout = path if isinstance(path, Layout) else read_layout(path)
+    _, modules, _ = layout.view(rank)
+    return ConvertedCheckpoint(layout.path, layout.manifest, rank, {}, TensorReader(follow=False), layout.entries(rank),
+                               {m["name"]: m for m in modules})
 
 
 def load_converted(path: str | Path, device: str | torch.device = "cpu", modules: list[str] | None = None,

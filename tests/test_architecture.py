@@ -180,23 +180,24 @@ def test_header_only_commands_never_import_torch():
 
 
 def test_every_kind_table_covers_every_kind():
-    """A new module kind fails here, at every table that lacks it: scheme, planner, loader class,
-    verify check, threshold."""
+    """A new module kind fails here, at every table that lacks it: scheme, planner, loader class, serving
+    kernel, verify check, threshold."""
+    import importlib
+
     from mocli.loader import CLASSES
     from mocli.plan import PLANNERS
-    from mocli.verify.dense import DENSE
-    from mocli.verify.moe import MOE
-    from mocli.verify.nvfp4 import KINDS as NVFP4
+    from mocli.serve import KERNELS
+    from mocli.verify.kinds import CHECKS
     from mocli.verify.results import THRESHOLDS
 
     every = set(ModuleKind)
-    checks = {**DENSE, **MOE, **dict.fromkeys(NVFP4)}
-    tables = {"kinds.KINDS": KINDS, "plan.PLANNERS": PLANNERS, "loader.CLASSES": CLASSES,
-              "verify THRESHOLDS": THRESHOLDS, "verify DENSE | MOE | nvfp4.KINDS": checks}
+    tables = {"kinds.KINDS": KINDS, "plan.PLANNERS": PLANNERS, "loader.CLASSES": CLASSES, "serve.KERNELS": KERNELS,
+              "verify THRESHOLDS": THRESHOLDS, "verify.kinds.CHECKS": CHECKS}
     for name, table in tables.items():
         assert set(table) == every, f"{name} lacks {sorted(every - set(table))}"
-    assert len(checks) == len(DENSE) + len(MOE) + len(NVFP4)  # one check per kind
-    assert set(DENSE) | {k for k in NVFP4 if not KINDS[k].moe} == {k for k, s in KINDS.items() if not s.moe}
+    for kind, c in CHECKS.items():  # each names a module with a check; MoE kinds' share the MoE driver
+        module = importlib.import_module(f"mocli.verify.kinds.{c.module}")
+        assert callable(module.check) and (("moe" in c.module) == KINDS[kind].moe), (kind, c)
     assert all(THRESHOLDS[k].gemm2 is not None for k, s in KINDS.items() if s.moe)
 
 

@@ -406,7 +406,7 @@ def test_convert_and_verify_run_without_torch(cli, tmp_path, target, par):
     """``mocli convert`` and ``mocli verify`` in fresh processes where torch cannot be imported, under
     --device auto. Converting never loads it (``mocli.ops``): the real NVFP4 MoE export and the real
     FP8 export both convert and say they ran on the CPU. Verifying NVFP4 never loads it either
-    (``mocli.verify.nvfp4``): the output verifies, and a flipped bit in it fails. The FP8 output
+    (``mocli.verify.kinds``): the output verifies, and a flipped bit in it fails. The FP8 output
     verifies with torch (in this process) and fails without it - FP8 GEMMs are torch's - which shows
     torch really was unimportable there."""
     root = Path(__file__).resolve().parents[1]

@@ -229,14 +229,14 @@ def _flip_expert_byte(name: str, expert: int):
 def _force_stacked(monkeypatch, chunk_bytes: int | None = None) -> list:
     """Verify's stacked expert-bytes check of FP8 experts (CUDA's path) on the CPU too; returns the list
     of experts the expert-by-expert check was then called for."""
-    from mocli.verify import moe
+    from mocli.verify.kinds import fp8_moe
 
     calls = []
-    monkeypatch.setattr(moe, "STACKED_BYTES_ON", ("cpu", "cuda"))
+    monkeypatch.setattr(fp8_moe, "STACKED_BYTES_ON", ("cpu", "cuda"))
     if chunk_bytes is not None:
-        monkeypatch.setattr(moe, "STACKED_BYTES", chunk_bytes)
-    for cls in moe.MOE.values():
-        monkeypatch.setattr(cls, "expert_bytes", lambda self, *a, _f=cls.expert_bytes: calls.append(a[1]) or _f(self, *a))
+        monkeypatch.setattr(fp8_moe, "STACKED_BYTES", chunk_bytes)
+    cls = fp8_moe.Fp8Moe
+    monkeypatch.setattr(cls, "expert_bytes", lambda self, *a, _f=cls.expert_bytes: calls.append(a[1]) or _f(self, *a))
     return calls
 
 
@@ -285,12 +285,12 @@ def test_a_layout_fault_in_the_bytes_wins_over_the_gemms(cli, converted, monkeyp
     bytes find is reported as when the bytes ran first: the module is a layout failure, its numbers are
     not reported, and the fault the GEMMs hit on their own decoding comes second to it."""
     from mocli.targets.decode import LayoutError
-    from mocli.verify import nvfp4
+    from mocli.verify.kinds import nvfp4_moe
 
     def planted(t, rows, cols, what):
         raise LayoutError(f"planted: {what}")
 
-    monkeypatch.setattr(nvfp4, "unswizzle", planted)  # the bytes' decoding and the GEMMs' both
+    monkeypatch.setattr(nvfp4_moe, "unswizzle", planted)  # the bytes' decoding and the GEMMs' both
     code, mods = _verify(cli, converted["qwen", TRTLLM])
     m = mods[Q0]
     assert code == 1 and m["kernel"] == "layout check" and m["error"] is None, m
@@ -304,9 +304,9 @@ def test_differences_found_before_a_layout_fault_are_kept(cli, converted, tmp_pa
     byte in expert 0) is still reported, after the fault, and nothing after it (a flipped byte in the
     last expert)."""
     from mocli.targets.decode import LayoutError
-    from mocli.verify import nvfp4
+    from mocli.verify.kinds import nvfp4_moe
 
-    real = nvfp4.unswizzle
+    real = nvfp4_moe.unswizzle
 
     def planted(t, rows, cols, what):
         if what.endswith("w13_weight_scale[1]"):
@@ -316,7 +316,7 @@ def test_differences_found_before_a_layout_fault_are_kept(cli, converted, tmp_pa
     out = _copy(converted, "qwen", TRTLLM, tmp_path)
     _mutate(out, _flip_expert_byte(f"{Q0}.w13_weight", 0))
     _mutate(out, _flip_expert_byte(f"{Q0}.w13_weight", -1))
-    monkeypatch.setattr(nvfp4, "unswizzle", planted)
+    monkeypatch.setattr(nvfp4_moe, "unswizzle", planted)
     code, mods = _verify(cli, out)
     m = mods[Q0]
     assert code == 1 and m["kernel"] == "layout check", m
@@ -330,14 +330,14 @@ def test_differences_found_before_a_layout_fault_are_kept(cli, converted, tmp_pa
 def test_nvfp4_checks_run_on_the_cpu_and_say_so(cli, converted, monkeypatch):
     """NVFP4 checks run in numpy: where a GPU was asked for (or auto found one) the report says the
     checks ran on the CPU instead, and why; --device cuda on a machine without one is still refused."""
-    from mocli.verify import runner
+    from mocli.verify import modules, runner
 
     out = converted["qwen", TRTLLM]
     if not torch.cuda.is_available():
         r = cli("verify", out, "--device", "cuda")
         assert r.exit_code == 2 and "no CUDA device" in r.stderr, r.stderr
     monkeypatch.setattr(runner, "requested_device", lambda device: "cuda:0")
-    monkeypatch.setattr(runner, "check_device", lambda device: None)
+    monkeypatch.setattr(modules, "check_device", lambda device: None)
     r = cli("--json", "verify", out)
     assert r.exit_code == 0 and r.json["device"] == "cpu" and r.json["device_requested"] == "cuda:0"
     r = cli("verify", out)
@@ -636,19 +636,20 @@ def test_early_digests_are_the_ones_verify_checks(cli, tmp_path):
 
 
 def test_module_checks_side_by_side_agree_and_stop_at_an_error(cli, converted, monkeypatch):
-    """Several numpy module checks at once (``nvfp4.WORKERS``, one per 4 cores: 1 on the build machine,
+    """Several numpy module checks at once (``kinds.WORKERS``, one per 4 cores: 1 on the build machine,
     so forced here) give the report of one at a time, in the manifest's order, though the largest
     modules start first (an MoE layer started last would run alone at the end); a module whose check
     raises stops the run with that error, and the modules not started yet are not checked."""
-    from mocli.verify import nvfp4
+    from mocli.verify import modules
+    from mocli.verify.kinds import nvfp4_linear, nvfp4_moe
 
     out = converted["qwen", TRTLLM]
     one = cli("--json", "verify", out).json
-    monkeypatch.setattr(nvfp4, "WORKERS", 2)
+    monkeypatch.setattr(modules, "WORKERS", 2)
     started: list[str] = []
-    real_dense, real_moe = nvfp4.check_dense, nvfp4.check_moe
-    monkeypatch.setattr(nvfp4, "check_dense", lambda name, *a, **k: started.append(name) or real_dense(name, *a, **k))
-    monkeypatch.setattr(nvfp4, "check_moe", lambda name, *a, **k: started.append(name) or real_moe(name, *a, **k))
+    real_dense, real_moe = nvfp4_linear.check, nvfp4_moe.check
+    monkeypatch.setattr(nvfp4_linear, "check", lambda name, *a, **k: started.append(name) or real_dense(name, *a, **k))
+    monkeypatch.setattr(nvfp4_moe, "check", lambda name, *a, **k: started.append(name) or real_moe(name, *a, **k))
     many = cli("--json", "verify", out).json
     strip = lambda r: [{k: v for k, v in m.items() if k != "seconds"} for m in r["modules"]]  # noqa: E731
     assert many["ok"] and strip(many) == strip(one)
@@ -670,8 +671,8 @@ def test_module_checks_side_by_side_agree_and_stop_at_an_error(cli, converted, m
         time.sleep(1.5)
         return real_dense(name, *a, **k)
 
-    monkeypatch.setattr(nvfp4, "check_moe", first_fails)
-    monkeypatch.setattr(nvfp4, "check_dense", slow_dense)
+    monkeypatch.setattr(nvfp4_moe, "check", first_fails)
+    monkeypatch.setattr(nvfp4_linear, "check", slow_dense)
     with pytest.raises(RuntimeError, match="planted"):
         from mocli.verify import VerifyOptions, verify
 
@@ -688,16 +689,16 @@ def test_fp4_kernels_are_sought_only_on_sm100(monkeypatch):
     import importlib.util
 
     from mocli.targets import layout_of
-    from mocli.verify import VerifyOptions, runner
+    from mocli.verify import VerifyOptions, modules
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flashinfer" else None)
     cutlass, trtllm = layout_of(CUTLASS), layout_of(TRTLLM)
     for cc, want in (((9, 0), False), ((10, 0), True), (None, False)):
-        monkeypatch.setattr(runner, "capability", lambda device, cc=cc: cc)
-        assert runner._fp4_kernels_possible(cutlass, VerifyOptions()) is want
-        assert runner._fp4_kernels_possible(trtllm, VerifyOptions()) is False  # no FlashInfer NVFP4 kernel reads it
-        assert runner._fp4_kernels_possible(cutlass, VerifyOptions(device="cpu")) is False
-        assert runner._fp4_kernels_possible(cutlass, VerifyOptions(kernels="flashinfer")) is True
+        monkeypatch.setattr(modules, "capability", lambda device, cc=cc: cc)
+        assert modules._fp4_kernels_possible(cutlass, VerifyOptions()) is want
+        assert modules._fp4_kernels_possible(trtllm, VerifyOptions()) is False  # no FlashInfer NVFP4 kernel reads it
+        assert modules._fp4_kernels_possible(cutlass, VerifyOptions(device="cpu")) is False
+        assert modules._fp4_kernels_possible(cutlass, VerifyOptions(kernels="flashinfer")) is True
 
 
 @pytest.mark.parametrize("target", [CUTLASS, TRTLLM])
@@ -712,15 +713,17 @@ def test_nvfp4_fused_moe_reference_against_an_independent_decoder(converted, tar
     from mocli.loader import open_converted
     from mocli.tables import WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
     from mocli.targets import layout_of
-    from mocli.verify import nvfp4
+    from mocli.verify.kinds.context import CheckContext
+    from mocli.verify.kinds.nvfp4_moe import Nvfp4Moe
     from mocli.verify.results import VerifyOptions
+    from mocli.verify.source import SourceTensors
 
     src = open_checkpoint(str(REAL_QWEN))
     census = build_census(src.tensors)
     with src.reader() as reader:
-        np_src = nvfp4.NpSource(src, census, reader)
+        np_src = SourceTensors(src, census, reader)
         name = census.moe[0].name
-        case = nvfp4._Layer(name, np_src, layout_of(target), VerifyOptions())
+        case = Nvfp4Moe(name, CheckContext({}, np_src, layout_of(target), VerifyOptions(), 1, None))
         ck = open_converted(converted["qwen", target])
         mod = ck.module_arrays(name)
 

@@ -16,10 +16,33 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from mocli.io.hf_names import CONFIG_JSON, HF_QUANT_CONFIG, INDEX_NAME, SINGLE_NAME  # noqa: F401 - re-exported
+
+
+class DirKind(StrEnum):
+    """What a directory is, to mocli (``detect``)."""
+
+    LAYOUT = "mocli convert output"  # ``layout``: a manifest
+    QUANTIZED = "mocli quantize output"  # ``fp8``: config.json's quantization_config carries mocli's provenance
+    REPAIRED = "mocli repair output"  # ``modelopt``: a ``mocli_repair`` provenance block
+    CHECKPOINT = "checkpoint"  # anything else: a source to read
+
+
+def detect(path: Path) -> DirKind:
+    """The one answer to "what is this directory?", from its small files only."""
+    from mocli.formats import fp8, layout, modelopt
+
+    if layout.is_layout(path):
+        return DirKind.LAYOUT
+    if fp8.provenance_of(path) is not None:
+        return DirKind.QUANTIZED
+    if modelopt.provenance_of(path) is not None:
+        return DirKind.REPAIRED
+    return DirKind.CHECKPOINT
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -8,6 +8,7 @@ the vLLM plugin all read a rank through it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,35 @@ def write_layout(directory: Path, source_dir: Path, body: dict[str, Any], layout
 
 def is_layout(path: Path) -> bool:
     return (Path(path) / MANIFEST_NAME).exists()
+
+
+@dataclass
+class Layout:
+    """A converted directory with its manifest read and checked once (``read_layout``), handed to whatever
+    reads its ranks; the tensors every rank shares (the top-level shards' headers) are read once too."""
+
+    path: Path
+    manifest: dict[str, Any]
+    _shared: dict | None = field(default=None, repr=False)
+
+    @property
+    def ranks(self) -> list[int | None]:
+        """The ranks to read: 0..R-1, or [None] for a one-rank output (the top level)."""
+        return list(range(len(self.manifest["ranks"]))) if self.manifest.get("ranks") else [None]
+
+    def view(self, rank: int | None) -> tuple[str, list[dict], dict[str, Any]]:
+        return rank_view(self.manifest, rank)
+
+    def entries(self, rank: int | None) -> dict:
+        """``rank_entries``, with the shared top-level headers read once for every rank."""
+        if self._shared is None:
+            index = self.path / INDEX_NAME
+            self._shared = group_entries(self.path, "") if index.exists() or index.is_symlink() else {}
+        return _with_own(self.path, dict(self._shared), self.view(rank)[0])
+
+
+def read_layout(path: Path) -> Layout:
+    return Layout(Path(path), read_manifest(path))
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -265,6 +295,12 @@ def rank_entries(path: Path, manifest: dict[str, Any], rank: int | None) -> dict
     group, _, _ = rank_view(manifest, rank)
     path = Path(path)
     entries = group_entries(path, "") if (path / INDEX_NAME).exists() or (path / INDEX_NAME).is_symlink() else {}
+    return _with_own(path, entries, group)
+
+
+def _with_own(path: Path, entries: dict, group: str) -> dict:
+    """The shared ``entries`` plus the rank directory ``group``'s own (none for ""); a name in both is
+    refused."""
     if group:
         own = group_entries(path, group)
         twice = sorted(set(own) & set(entries))

@@ -2,7 +2,7 @@
 
 Each takes ``x`` [T, K] (BF16/FP16, the rank's K) and returns ``y`` [T, N] in ``x.dtype`` (the
 rank's N, padding cut off), with the activation quantization of verify's reference semantics
-(``mocli.numerics.in_torch``; ``mocli/verify/dense.py`` is the same math as a check).
+(``mocli.numerics.in_torch``; ``mocli/verify/kinds/`` checks the same math).
 """
 
 from __future__ import annotations

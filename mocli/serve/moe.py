@@ -6,7 +6,7 @@ experts)`` (expert parallel) or all of them with ``I / tp`` of the intermediate 
 parallel); ``expert_map`` (global id -> local slot, -1 elsewhere) may say the same. The result is
 this rank's **unreduced** [T, H]: the engine sums the ranks.
 
-Per expert (SEMANTICS §4, §7; ``mocli/verify/moe.py`` is the same math as a check): fc1 rows are
+Per expert (SEMANTICS §4, §7; ``mocli/verify/kinds/`` checks the same math): fc1 rows are
 [w3; w1], so ``act = silu(second half) * first half``; the input is quantized with the layer's a1,
 the intermediate with a2.
 """

@@ -1,9 +1,12 @@
-"""Verification of converted checkpoints: bytes, scales and kernels against the source.
+"""Verification of mocli's outputs: bytes, scales and kernels against the source.
 
-``runner`` drives the checks; ``common`` holds what they share; ``dense`` and ``moe`` check the
-modules of a ``mocli convert`` output (mirroring ``mocli.plan``), ``quantized`` a ``mocli quantize``
-output; ``files`` checks whole files and verbatim tensors; ``expect`` derives what the bytes must be;
-``early`` starts the digests before torch is imported.
+``runner`` asks what the directory is (``mocli.formats.detect``) and runs that format's verifier:
+a ``mocli convert`` output module by module through ``kinds`` (one check module per converted module
+kind, numpy or torch as the kind needs; ``modules`` schedules them), ``quantized`` for a ``mocli
+quantize`` output, ``repaired`` for a ``mocli repair`` one. ``source`` reads the source's tensors for
+every check, ``expect`` derives what the bytes must be, ``cross`` the cross-rank properties,
+``complete`` what must be there, ``files`` whole files and verbatim tensors; ``early`` starts the
+digests before torch is imported.
 
 The names below load on first use, so ``mocli.verify.early`` is importable without torch.
 """

@@ -1,24 +1,19 @@
-"""What the torch checks share: the runtime (device, kernels, target layout), the source on demand,
-and the GEMM helpers (real kernels, or exact emulation). The torch-free pieces (options, thresholds,
-results, problem lists) are ``mocli.verify.results``, re-exported here.
+"""What the torch checks share: the runtime (device, kernels, target layout) and the GEMM helpers (real
+kernels, or exact emulation). The torch-free pieces (options, thresholds, results, problem lists) are
+``mocli.verify.results``, re-exported here; the source is ``mocli.verify.source``.
 
-The checks themselves mirror ``mocli.plan``: ``dense`` and ``moe`` (FP8 converted modules, per kind),
-``nvfp4`` (NVFP4 ones, in numpy), ``quantized`` (``mocli quantize`` output); ``runner`` drives them.
+The module checks are ``mocli.verify.kinds`` (one module per converted module kind), ``quantized`` and
+``repaired`` check the outputs of ``mocli quantize`` and ``mocli repair``; ``runner`` drives them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mocli.census import Census, Module
 from mocli.devices import Kernels
-from mocli.numerics.in_torch import dequant_fp8
-from mocli.tables import WEIGHT, WEIGHT_SCALE
 from mocli.targets import TargetLayout
 from mocli.verify.results import (  # noqa: F401 - the torch checks import these from here
     CPU_SAMPLE_EXPERTS,
@@ -75,72 +70,6 @@ def runtime(opts: VerifyOptions, layout: TargetLayout | None) -> Runtime:
         raise InputError("--kernels flashinfer needs flashinfer-python and a CUDA device",
                          hint="pip install 'mocli[flashinfer]' on a GPU machine, or use --kernels torch")
     return rt
-
-
-class Source:
-    """Source tensors on demand, on the verify device."""
-
-    def __init__(self, ckpt, census: Census, reader, device: torch.device) -> None:
-        self.ckpt, self.census, self.reader, self.device = ckpt, census, reader, device
-        self.layers = {layer.name: layer for layer in census.moe}
-        self.fetched: dict[str, torch.Tensor] = {}  # on the verify device, inside on_device()
-
-    def t(self, name: str, device: torch.device | None = None) -> torch.Tensor:
-        return self.near(name).to(device or self.device)
-
-    def cpu(self, name: str) -> torch.Tensor:
-        """A copy-free view of the source tensor's bytes (page cache)."""
-        return self.reader.view(self.ckpt.tensors[name])
-
-    def near(self, name: str) -> torch.Tensor:
-        """The tensor on the verify device if on_device() put it there, else the page-cache view."""
-        t = self.fetched.get(name)
-        return t if t is not None else self.cpu(name)
-
-    @contextmanager
-    def on_device(self, names: list[str]) -> Iterator[None]:
-        """CUDA: these tensors (a MoE layer's expert weights and block scales) on the device while the
-        block runs, read in one span per file through pinned staging (mocli.loader.load_tensors) instead
-        of one pageable copy per tensor and use; ``near`` hands them out. Files where the names are
-        scattered (span over twice their bytes) are left to the per-tensor path."""
-        if self.device.type != "cuda":
-            yield
-            return
-        from mocli.loader import load_tensors
-
-        by_file: dict = {}
-        for n in names:
-            e = self.ckpt.tensors[n]
-            by_file.setdefault(e.file, []).append(e)
-        bulk = [e for es in by_file.values()
-                if max(e.start + e.nbytes for e in es) - min(e.start for e in es) <= 2 * sum(e.nbytes for e in es)
-                for e in es]
-        self.fetched = load_tensors(bulk, self.device, follow=True)
-        try:
-            yield
-        finally:
-            self.fetched = {}  # one layer's source bytes on the device at a time
-
-    def module(self, name: str) -> Module:
-        return self.census.modules[name]
-
-    def scalar(self, m: Module, suffix: str) -> torch.Tensor:
-        return self.cpu(m.tensors[suffix].name).float().reshape(())
-
-    def dequant(self, m: Module, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 [N, K] of one source linear (or its ``rows``), from its own scales."""
-        w = self.near(m.tensors[WEIGHT].name)
-        scale = self.near(m.tensors[WEIGHT_SCALE].name)
-        if rows is not None:
-            w = w.view(torch.uint8)[rows].view(w.dtype)
-        if rows is not None and scale.dim() > 0:
-            n = m.out_in[0]
-            if scale.numel() == n:  # per channel
-                scale = scale.reshape(-1)[rows]
-            else:  # 128x128 blocks: the block row of each selected row, as a per-row block vector
-                blocks = scale.reshape(n // 128, -1)[rows // 128]
-                return (w.float() * blocks.repeat_interleave(128, dim=1)).to(self.device)
-        return dequant_fp8(w.to(self.device), scale.to(self.device))
 
 
 def gen(seed: int, name: str) -> torch.Generator:

@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 
 from mocli.errors import MocliError
-from mocli.formats import source_spec
-from mocli.formats.layout import file_path, is_layout, read_manifest
+from mocli.formats import DirKind, detect, source_spec
+from mocli.formats.layout import file_path, read_manifest
 from mocli.io.digests import BackgroundDigests, as_record
 
 
@@ -23,7 +23,7 @@ def start_digests(out: Path, source: str | None, rank: int | None) -> Background
         return None
     try:
         out = Path(out)
-        if not is_layout(out):
+        if detect(out) is not DirKind.LAYOUT:
             return None
         manifest = read_manifest(out)
         jobs: list[tuple[Path, str, bool]] = []

@@ -1,6 +1,6 @@
 """What every verify check shares without torch: options, thresholds, results, problem lists and the
 seeds of the activations each check draws. NVFP4 outputs are verified with numpy alone
-(``mocli.verify.nvfp4``); the torch checks (``dense``, ``moe``, ``quantized``, ``repaired``) use the
+(``mocli.verify.kinds``); the torch checks (FP8 kinds, ``quantized``, ``repaired``) use the
 same pieces. Arrays are numpy arrays or torch tensors alike here."""
 
 from __future__ import annotations

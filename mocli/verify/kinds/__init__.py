@@ -1,0 +1,44 @@
+"""verify's module checks, one module per converted module kind, in one registry.
+
+``CHECKS[kind]`` names the module whose ``check(name, infos, ctx)`` verifies a module of that kind on
+every given rank, and whether it needs torch (FP8: its kernels; NVFP4 runs in numpy, torch only for
+FlashInfer's sm_100 kernels). Modules load on first use, so an NVFP4 verify never imports torch.
+What the dense kinds share is ``dense.check_dense``, what the MoE kinds share ``moe.check_moe``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mocli.kinds import ModuleKind
+
+
+@dataclass(frozen=True)
+class KindCheck:
+    module: str  # under mocli.verify.kinds
+    torch: bool  # whether the check needs torch (else numpy alone)
+
+    @property
+    def check(self) -> Callable:
+        return importlib.import_module(f"mocli.verify.kinds.{self.module}").check
+
+
+CHECKS: dict[ModuleKind, KindCheck] = {
+    ModuleKind.FP8_LINEAR: KindCheck("fp8_linear", torch=True),
+    ModuleKind.FP8_CHANNEL_LINEAR: KindCheck("fp8_linear", torch=True),
+    ModuleKind.FP8_BLOCK_LINEAR: KindCheck("fp8_linear", torch=True),
+    ModuleKind.NVFP4_LINEAR: KindCheck("nvfp4_linear", torch=False),
+    ModuleKind.FP8_MOE: KindCheck("fp8_moe", torch=True),
+    ModuleKind.NVFP4_MOE: KindCheck("nvfp4_moe", torch=False),
+}
+
+# Modules checked at once where every check runs in numpy (numpy drops the GIL in its loops, copies and
+# GEMMs): one on the 2-core build machine, whose second core hashes and checks bytes; up to four on
+# larger machines (torch checks: one at a time). Each NVFP4 MoE check's expert bytes go to a thread of
+# their own beside its GEMMs, up to as many.
+WORKERS = max(1, min(4, (os.cpu_count() or 1) // 4))
+
+__all__ = ["CHECKS", "WORKERS", "KindCheck"]
