@@ -75,7 +75,9 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
         "output": str(out), "target": str(target), **result.device_fields(), "tensors": len(plan.tensors),
         "parallel": parallel.to_dict(), "bytes": result.bytes, "shards": len(result.files),
         "units": result.units, "resumed_units": result.resumed_units, "modules": len(plan.modules),
-        "seconds": round(time.perf_counter() - t0, 3), "repairs": plan.unified_scales,
+        "seconds": round(time.perf_counter() - t0, 3), "unified_scales": plan.unified_scales,
+        # the key's name before this release (repair's own "repairs" is a list of another shape): kept one release
+        "repairs": plan.unified_scales,
         "warnings": [f.to_dict() for f in report.findings.warnings],
         "discarded_partial_bytes": result.discarded_partial,
     }

@@ -111,7 +111,7 @@ def _validation_verdict(report: dict[str, Any], out: Output) -> None:
 
 
 def render_convert(summary: dict[str, Any], out: Output) -> None:
-    r = summary["repairs"]
+    r = summary["unified_scales"]
     out.stdout.print(
         f"[bold green]converted[/] {summary['tensors']} tensors ({human_bytes(summary['bytes'])}, "
         f"{summary['shards']} shard(s)) for {summary['target']} on {summary['device']} in "

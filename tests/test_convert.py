@@ -59,7 +59,8 @@ def test_real_fp8_llama_dense(cli, tmp_path, target):
             assert out[p + fused + ".input_scale"] == max(src[p + x + ".input_scale"] for x in shards)
         assert same(out[f"model.layers.{layer}.mlp.down_proj.weight"], src[f"model.layers.{layer}.mlp.down_proj.weight"])
     # q/k/v and gate/up scales differ in the real export: all but the max shard get requantized
-    assert summary["repairs"]["fp8_requantized_shards"] == 2 * (2 + 1)
+    assert summary["unified_scales"]["fp8_requantized_shards"] == 2 * (2 + 1)
+    assert summary["repairs"] == summary["unified_scales"]  # the old key, kept one release (README)
     for name in ("lm_head.weight", "model.norm.weight", "model.layers.1.self_attn.k_proj.k_scale",
                  "model.layers.0.self_attn.v_proj.v_scale"):
         assert same(out[name], src[name])
@@ -115,7 +116,7 @@ def test_real_nvfp4_qwen3_moe(cli, tmp_path, target):
 def test_nvfp4_scale_2_mismatch_is_rescaled_and_dequantizes_close(cli, tmp_path):
     path, _ = make_broken("SCL005", tmp_path / "src")  # w1/w3 and q/k/v weight_scale_2 differ
     summary = convert(cli, path, tmp_path / "o", "flashinfer-cutlass")
-    r = summary["repairs"]
+    r = summary["unified_scales"]
     assert r["nvfp4_rescaled_experts"] == 8 and r["nvfp4_rescaled_shards"] > 0 and r["nvfp4_worst_scale_2_ratio"] > 1
     src, out = load_file(str(path / "model.safetensors")), load_out(tmp_path / "o")
     p, i, h = "model.layers.0.mlp.experts", 128, 128

@@ -66,7 +66,7 @@ class DenseKernel(Kernel):
         return self.n % FP8_ALIGN == 0 and self.k % FP8_ALIGN == 0
 
 
-class Fp8Linear(DenseKernel):
+class Fp8LinearKernel(DenseKernel):
     """FP8 per-tensor: y = (fp8(x / input_scale) @ weight.T) * input_scale * weight_scale."""
 
     kind = ModuleKind.FP8_LINEAR
@@ -92,7 +92,7 @@ class Fp8Linear(DenseKernel):
         return self.t["weight"].float()
 
 
-class Fp8ChannelLinear(DenseKernel):
+class Fp8ChannelLinearKernel(DenseKernel):
     """FP8 per-channel weights [N] scales, dynamic per-token activations."""
 
     kind = ModuleKind.FP8_CHANNEL_LINEAR
@@ -119,7 +119,7 @@ class Fp8ChannelLinear(DenseKernel):
         return self.t["weight"].float()
 
 
-class Fp8BlockLinear(DenseKernel):
+class Fp8BlockLinearKernel(DenseKernel):
     """FP8 128x128 block weights, dynamic 1x128 activation groups. No tensor-core path here (SEMANTICS
     §9 lists none on sm_90): always emulated, the weights dequantized once."""
 
@@ -142,7 +142,7 @@ class Fp8BlockLinear(DenseKernel):
         return self.t["weight"].float() * blocks
 
 
-class Nvfp4Linear(DenseKernel):
+class Nvfp4LinearKernel(DenseKernel):
     """NVFP4: y = (nvfp4(x, input_scale_inv) @ (e2m1 x block scale).T) * alpha. FlashInfer's mm_fp4 on
     sm_100+ for the layout it reads; elsewhere the layout decoded once (exact in BF16)."""
 
@@ -189,6 +189,6 @@ class Nvfp4Linear(DenseKernel):
 
 
 DENSE: dict[ModuleKind, type[DenseKernel]] = {
-    ModuleKind.FP8_LINEAR: Fp8Linear, ModuleKind.FP8_CHANNEL_LINEAR: Fp8ChannelLinear,
-    ModuleKind.FP8_BLOCK_LINEAR: Fp8BlockLinear, ModuleKind.NVFP4_LINEAR: Nvfp4Linear,
+    ModuleKind.FP8_LINEAR: Fp8LinearKernel, ModuleKind.FP8_CHANNEL_LINEAR: Fp8ChannelLinearKernel,
+    ModuleKind.FP8_BLOCK_LINEAR: Fp8BlockLinearKernel, ModuleKind.NVFP4_LINEAR: Nvfp4LinearKernel,
 }

@@ -99,7 +99,7 @@ def _fp8(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
     return (x.float() * inv_scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-class Fp8Moe(MoeKernel):
+class Fp8MoeKernel(MoeKernel):
     """FP8 per-tensor experts: torch._scaled_grouped_mm on sm_90+ (SEMANTICS §9), emulated elsewhere."""
 
     kind = ModuleKind.FP8_MOE
@@ -174,7 +174,7 @@ class Fp8Moe(MoeKernel):
         return self._c
 
 
-class Nvfp4Moe(MoeKernel):
+class Nvfp4MoeKernel(MoeKernel):
     """NVFP4 experts: FlashInfer's cutlass_fused_moe on sm_100+ for the layout it reads; elsewhere
     emulated (layout decoded once, exact in BF16; sm_90 has no NVFP4 tensor cores, SEMANTICS §9)."""
 
@@ -236,4 +236,4 @@ class Nvfp4Moe(MoeKernel):
         return (out[0] if isinstance(out, list | tuple) else out).float()
 
 
-MOE: dict[ModuleKind, type[MoeKernel]] = {ModuleKind.FP8_MOE: Fp8Moe, ModuleKind.NVFP4_MOE: Nvfp4Moe}
+MOE: dict[ModuleKind, type[MoeKernel]] = {ModuleKind.FP8_MOE: Fp8MoeKernel, ModuleKind.NVFP4_MOE: Nvfp4MoeKernel}
