@@ -163,10 +163,18 @@ def test_modules_and_functions_stay_small():
 
 
 def test_verify_shares_no_code_with_what_it_checks(graph):
-    """verify decodes with its own inverses and tables: a wrong forward transform cannot cancel out."""
+    """verify decodes with its own inverses and tables: a wrong forward transform cannot cancel out. It
+    reads the stored schemes (``mocli.schemes``) as data, never the converter's, repair's or the serving
+    kernels' code."""
     shared = [f"{m} imports {d}" for m, deps in graph.items() if m.startswith("mocli.verify") for d in deps
-              if d.startswith(("mocli.plan", "mocli.ops", "mocli.engine", "mocli.convert", "mocli.quantize"))]
+              if d.startswith(("mocli.plan", "mocli.ops", "mocli.engine", "mocli.convert", "mocli.quantize",
+                               "mocli.repair", "mocli.serve"))]
     assert not shared, shared
+    # and the schemes hold no transform: data and predicates over headers only (no numpy, no torch)
+    for m in graph:
+        if m.startswith("mocli.schemes"):
+            src = _modules()[m].read_text()
+            assert "import numpy" not in src and "import torch" not in src, m
 
 
 def test_header_only_commands_never_import_torch():
