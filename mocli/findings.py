@@ -35,6 +35,14 @@ CODES: dict[str, tuple[Severity, str]] = {
     "TNS005": (Severity.ERROR, "stored scheme differs from the configured algorithm"),
     "TNS006": (Severity.ERROR, "MoE experts inconsistent (missing expert or mismatched shapes)"),
     "TNS007": (Severity.ERROR, "static input_scale stored under a dynamic activation scheme"),
+    # SGLang 0.5.23's reading (validate --engine sglang|all; mocli.engines.sglang)
+    "SGL001": (Severity.ERROR, "SGLang builds a module quantized that is stored unquantized"),
+    "SGL002": (Severity.ERROR, "SGLang builds a module unquantized that is stored quantized"),
+    "SGL003": (Severity.ERROR, "SGLang refuses a fused group its exclusion rule splits"),
+    "SGL004": (Severity.ERROR, "SGLang does not load this quantization algorithm"),
+    "SGL005": (Severity.ERROR, "SGLang builds MIXED_PRECISION layers of this algorithm unquantized"),
+    "SGL006": (Severity.WARNING, "SGLang does not apply the NVFP4 KV cache by default"),
+    "SGL007": (Severity.WARNING, "exclude entry is a live regular expression in SGLang"),
     # scale health
     "SCL001": (Severity.ERROR, "scale is NaN or infinite"),
     "SCL002": (Severity.ERROR, "scale is zero or negative"),

@@ -40,6 +40,7 @@ NVFP4_GROUP_SIZE = 16
 class LayerQuant:
     algo: Algo
     group_size: int | None = None
+    raw_algo: str = field(default="", compare=False)  # as the file spells it (SGLang matches case-sensitively)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class QuantConfig:
     # ignored_layers are matched by the exact, fused-aware rule only (vllm quant_utils.is_layer_skipped)
     method: str = "modelopt"
     dynamic_activations: bool = False  # fp8 with activation_scheme "dynamic": no input scales
+    raw_algo: str | None = None  # quant_algo as the file spells it (SGLang matches case-sensitively)
 
     def algo_for(self, module: str) -> Algo | None:
         """The configured algorithm of one checkpoint module (None: unquantized under MIXED_PRECISION)."""
@@ -139,7 +141,7 @@ def _parse_layers(value: Any, where: str, findings: Findings) -> dict[str, Layer
         if algo is Algo.NVFP4 and gs is None:
             findings.add("CFG001", loc, "NVFP4 layer entry has no group_size",
                          hint=f"add \"group_size\": {NVFP4_GROUP_SIZE}")
-        layers[module] = LayerQuant(algo, gs)
+        layers[module] = LayerQuant(algo, gs, spec["quant_algo"])
     return layers
 
 
@@ -153,6 +155,7 @@ def _with_algo(cfg: QuantConfig, q: dict, where: str, key: str, findings: Findin
         findings.add("CFG001", where, f"{key} is missing")
     else:
         cfg.algo = _parse_algo(q["quant_algo"], where, "quant_algo", findings)
+        cfg.raw_algo = q["quant_algo"] if isinstance(q["quant_algo"], str) else None
     return cfg
 
 

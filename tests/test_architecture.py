@@ -22,7 +22,7 @@ LAYERS: list[list[str]] = [
      "mocli.numerics", "mocli.numerics.*", "mocli.verify.expect", "mocli.verify.html", "mocli.verify.junit"],
     ["mocli.formats", "mocli.devices", "mocli.procenv"],
     ["mocli.quant_config", "mocli.schemes", "mocli.schemes.*", "mocli.kinds"],
-    ["mocli.checkpoint", "mocli.census", "mocli.exclusions", "mocli.scales", "mocli.deep_scan", "mocli.targets",
+    ["mocli.checkpoint", "mocli.census", "mocli.exclusions", "mocli.engines", "mocli.engines.*", "mocli.scales", "mocli.deep_scan", "mocli.targets",
      "mocli.targets.*", "mocli.formats.*"],
     ["mocli.validate", "mocli.validate.*", "mocli.inspection", "mocli.engine", "mocli.engine.*", "mocli.loader"],
     ["mocli.plan", "mocli.plan.*", "mocli.verify", "mocli.verify.*", "mocli.serve", "mocli.serve.*"],

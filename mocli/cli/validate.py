@@ -18,6 +18,7 @@ from mocli.cli.app import (
     command,
     run,
 )
+from mocli.engines import Engine
 from mocli.errors import EXIT_FINDINGS
 from mocli.output import Output
 
@@ -35,6 +36,9 @@ def validate_cmd(
                                                      "(a prefix selects a family: EXC, SCL00); repeatable.")] = None,
     ignore: Annotated[list[str] | None, typer.Option("--ignore", metavar="CODE", help="Do not report these codes "
                                                      "(prefixes too); repeatable.")] = None,
+    engine: Annotated[Engine, typer.Option("--engine", metavar="ENGINE", case_sensitive=False,
+                                           help="Whose reading of exclusions and algorithms to check: vllm "
+                                                "(0.32-0.33), sglang (0.5.23) or all.")] = Engine.VLLM,
     warnings_as_errors: Annotated[bool, typer.Option("--warnings-as-errors", metavar="",
                                                      help="Exit 1 on warnings too.")] = False,
     output_format: Annotated[OutputFormat, typer.Option("--output-format", metavar="FORMAT", case_sensitive=False,
@@ -55,7 +59,8 @@ def validate_cmd(
 
         ckpt = open_checkpoint(model)
         with out.progress_bar("scanning") as progress:
-            report = validate(ckpt, target, parallel=ParallelLayout(tp, ep), deep=deep, progress=progress)
+            report = validate(ckpt, target, parallel=ParallelLayout(tp, ep), deep=deep, progress=progress,
+                              engine=engine)
         report.filter(select or [], ignore or [])
         report.warnings_as_errors = warnings_as_errors
         out.emit(report.to_dict(), render_validation_concise if output_format is OutputFormat.CONCISE

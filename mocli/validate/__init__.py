@@ -17,6 +17,7 @@ import numpy as np
 
 from mocli.census import Census, build_census
 from mocli.checkpoint import Checkpoint
+from mocli.engines import ENGINES, Engine
 from mocli.findings import Findings
 from mocli.parallel import Heads, ParallelLayout
 from mocli.scales import read_scales
@@ -63,8 +64,9 @@ class ValidationReport:
 
 def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | None = None,
              scales: dict[str, np.ndarray] | None = None, parallel: ParallelLayout | None = None,
-             deep: bool = False, progress: Any = None) -> ValidationReport:
-    """All checks; ``census``/``scales`` may be passed in when the caller already has them."""
+             deep: bool = False, progress: Any = None, engine: Engine = Engine.VLLM) -> ValidationReport:
+    """All checks; ``census``/``scales`` may be passed in when the caller already has them. ``engine``:
+    whose reading of exclusions and algorithms is checked (``mocli.engines``; vLLM's by default)."""
     findings = Findings(ckpt.config_findings)
     census = census or build_census(ckpt.tensors)
     report = ValidationReport(findings, census)
@@ -72,9 +74,16 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
     if quant is None or quant.algo is None:
         return report  # CFG00x already says why; nothing else can be judged
     parallel = parallel or ParallelLayout()
-    declared = declared_quantized(quant, census, findings)
-    check_mixed_layers(quant, census, findings)
-    check_exclusions(quant, census, declared, findings)
+    engines = ENGINES[engine]
+    # vLLM's exclusion reading also tells the tensor checks which modules an engine quantizes
+    declared = declared_quantized(quant, census, findings if "vllm" in engines else Findings())
+    if "vllm" in engines:
+        check_mixed_layers(quant, census, findings)
+        check_exclusions(quant, census, declared, findings)
+    if "sglang" in engines:
+        from mocli.engines import sglang
+
+        sglang.check(sglang_config(ckpt), census, ckpt.architecture, findings)
     check_tensors(quant, census, declared, findings)
     scales = scales if scales is not None else read_scales(census)
     report.stats["scales"] = check_scales(scales, census, findings)
@@ -91,4 +100,19 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
     return report
 
 
-__all__ = ["ValidationReport", "validate"]
+def sglang_config(ckpt: Checkpoint):
+    """The settings as SGLang reads them: config.json's ``quantization_config`` first (vLLM reads
+    hf_quant_config.json first), its quantized_layers from hf_quant_config.json where config.json has none."""
+    from dataclasses import replace
+
+    cj, hf = ckpt.config_quant, ckpt.hf_quant_config
+    if cj is None or cj.algo is None:
+        return hf if hf is not None and hf.algo is not None else ckpt.quant
+    if hf is not None and not cj.quantized_layers and hf.quantized_layers:
+        cj = replace(cj, quantized_layers=hf.quantized_layers)
+    if hf is not None and cj.kv_cache_algo is None and hf.kv_cache_algo:  # a spelling mocli's parser did not take
+        cj = replace(cj, kv_cache_algo=hf.kv_cache_algo)
+    return cj
+
+
+__all__ = ["ValidationReport", "sglang_config", "validate"]
