@@ -8,7 +8,7 @@ HAVE_TORCH = $(PYTHON) -c "import torch" >/dev/null 2>&1
 DEMO_MODEL ?= fixtures/real/qwen3_moe-nvfp4_kv
 DEMO_OUT ?= demo-out
 
-.PHONY: install install-flashinfer install-vllm demo test test-fast test-gpu test-vllm lint bench bench-gpu scale clean
+.PHONY: install install-flashinfer install-vllm demo test test-fast test-gpu test-vllm test-vllm-compat lint bench bench-gpu scale clean
 
 install:
 	$(HAVE_TORCH) || $(PYTHON) -m pip install -qq "$(TORCH_SPEC)"
@@ -32,6 +32,12 @@ install-vllm:
 # The plugin's engine tests (tests/test_vllm.py, marker vllm): about 7 minutes on 2 cores.
 test-vllm:
 	$(VLLM_VENV)/bin/python -m pytest -m vllm tests/test_vllm.py
+
+# The plugin against the released source of every vLLM it supports (0.32.0, 0.33.0): each name and
+# signature it uses, read with ast, no vLLM installed and no CUDA. Downloads the two wheels once (~660 MB)
+# into .whl/ (MOCLI_VLLM_WHEELS elsewhere); skipped without a network.
+test-vllm-compat: install
+	$(PYTHON) -m pytest -m vllm_compat tests/test_vllm_compat.py
 
 demo: install
 	$(PYTHON) -m mocli inspect $(DEMO_MODEL)

@@ -58,7 +58,7 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
     fp = engine.fingerprint("convert", ckpt.files, layouts, {
         "layout_version": layout.LAYOUT_VERSION, "target": str(target), "parallel": parallel.to_dict(),
         "tensors": {f"{g}/{n}": t.to_dict() for (g, n), t in plan.tensors.items()}})
-    body = layout.manifest_body(plan, target, parallel)
+    body = layout.manifest_body(plan, target, parallel, ckpt.quant.kv_cache_algo if ckpt.quant else None)
 
     def finish(partial: Path, files: dict[str, str]) -> None:
         provenance = provenance_block(ckpt.source, digests.result(), target=str(target),

@@ -587,3 +587,15 @@ def test_numpy_units_wait_for_the_pool_behind_a_slow_disk(tmp_path, monkeypatch)
     assert live["handed"] >= 16  # enough units to fill the queues
     assert live["most"] <= 3, live
     assert pools and all(p.out == 0 for p in pools)
+
+
+def test_the_manifest_says_which_engine_rules_it_was_written_for(cli, tmp_path):
+    """``serving``: the vLLM releases, the KV-cache dtype --kv-cache-dtype auto gives the source's KV-cache
+    algorithm there (vLLM's ModelOpt map), and that mocli's kernels run MoE layers (LAYOUT.md)."""
+    out = tmp_path / "fp8kv"
+    assert cli("convert", REAL_LLAMA, "-o", out, "-t", "flashinfer-cutlass").exit_code == 0
+    serving = json.loads((out / "mocli-layout.json").read_text())["serving"]["vllm"]
+    assert serving["releases"] == ["0.32", "0.33"] and serving["kv_cache_dtype"] == "fp8_e4m3"
+    src = make_checkpoint(tmp_path / "nokv", kv_cache=False)
+    assert cli("convert", src, "-o", tmp_path / "o2", "-t", "flashinfer-cutlass").exit_code == 0
+    assert json.loads((tmp_path / "o2" / "mocli-layout.json").read_text())["serving"]["vllm"]["kv_cache_dtype"] == "auto"

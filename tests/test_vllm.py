@@ -282,18 +282,59 @@ def test_engine_parallelism_differs_from_layout(models, layout, engine, fits):
     assert f"mocli convert {models.source(label)} -o " in line and f"--target {CUTLASS} {fits}" in line, line
 
 
-def test_unsupported_vllm_version_names_the_supported_ones(models, monkeypatch):
-    """On a vLLM the plugin does not support, a mocli directory fails with the supported versions named
-    (here: this vLLM's registry given the refusal the plugin registers on other versions)."""
+def test_an_untested_vllm_is_refused_unless_asked_to_try_it(models, monkeypatch):
+    """A release outside the tested range (here this vLLM reporting 0.99.0) that has every name the plugin
+    uses: a mocli directory is refused naming the tested releases and the opt-in variable; with
+    MOCLI_VLLM_UNTESTED=1 the plugin registers and the directory serves."""
     from vllm.model_executor.layers.quantization import _CUSTOMIZED_METHOD_TO_QUANT_CONFIG
 
-    from mocli.vllm_plugin import unsupported_message
-    from mocli.vllm_plugin.refuse import register_refusal
+    import mocli.vllm_plugin as plugin
 
     monkeypatch.setitem(_CUSTOMIZED_METHOD_TO_QUANT_CONFIG, "mocli", _CUSTOMIZED_METHOD_TO_QUANT_CONFIG["mocli"])
-    register_refusal(unsupported_message("0.99.0"))
-    msg = _engine_error(models.converted("real-llama-fp8"))
-    assert "vLLM 0.32.x" in msg and "this is vLLM 0.99.0" in msg, msg
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.delenv(plugin.UNTESTED_ENV, raising=False)
+    out = models.converted("real-llama-fp8")
+    plugin.register()
+    msg = _engine_error(out)
+    assert "this is vLLM 0.99.0" in msg and "(0.32.x, 0.33.x)" in msg and "MOCLI_VLLM_UNTESTED=1" in msg, msg
+    monkeypatch.setenv(plugin.UNTESTED_ENV, "1")
+    plugin.register()
+    assert torch_finite(run_engine(out).logprobs)
+
+
+def test_a_vllm_without_a_name_the_plugin_uses_is_refused_naming_it(models, monkeypatch):
+    """Capability, not version: a (tested) vLLM that lacks one of the plugin's names refuses a mocli
+    directory naming that name; a name the plugin has a fallback for is a warning, and it still serves."""
+    import importlib
+
+    import vllm.utils.torch_utils as tu
+    from vllm.model_executor.layers.quantization import _CUSTOMIZED_METHOD_TO_QUANT_CONFIG
+    from vllm.model_executor.model_loader import base_loader
+
+    import mocli.vllm_plugin as plugin
+
+    monkeypatch.setitem(_CUSTOMIZED_METHOD_TO_QUANT_CONFIG, "mocli", _CUSTOMIZED_METHOD_TO_QUANT_CONFIG["mocli"])
+    out = models.converted("real-llama-fp8")
+    monkeypatch.delattr(base_loader.BaseModelLoader, "load_weights")
+    plugin.register()
+    msg = _engine_error(out)
+    assert "lacks what mocli's plugin uses" in msg and "BaseModelLoader: no attribute load_weights" in msg, msg
+    monkeypatch.undo()
+    monkeypatch.setitem(_CUSTOMIZED_METHOD_TO_QUANT_CONFIG, "mocli", _CUSTOMIZED_METHOD_TO_QUANT_CONFIG["mocli"])
+    plugin.register()  # this vLLM again, whole: the plugin's own config is back
+    assert torch_finite(run_engine(out).logprobs)
+    # the one name with a fallback (the KV-cache dtype patch): missing, it is reported apart, not refused
+    from mocli.vllm_plugin.requirements import probe_split
+
+    monkeypatch.delattr(tu, "get_kv_cache_quant_algo_string")
+    hard, soft = probe_split(importlib.import_module)
+    assert not hard and [r.path for r, _ in soft] == ["vllm.utils.torch_utils.get_kv_cache_quant_algo_string"]
+
+
+def torch_finite(t) -> bool:
+    import torch
+
+    return bool(torch.isfinite(t).all())
 
 
 def _rewrite_shard(out: Path, fn) -> None:
@@ -522,6 +563,9 @@ def test_openai_server_recipe(models, tmp_path):
         log.close()
     served = (tmp_path / "server.log").read_text()
     assert "mocli: rank 0 loaded" in served and "Attempted to load weight" not in served, served[-3000:]
+    # the release-dependent rules, as the manifest records them and as this engine resolved them
+    assert f"mocli: vLLM {vllm.__version__} (the plugin is tested with 0.32.x, 0.33.x): KV cache fp8_e4m3 (the layout " \
+           "was written for fp8_e4m3); MoE layers run on mocli's kernels" in served, served[-3000:]
     assert curl_text == openai_text and len(lps) == 8 and all(x <= 0 for x in lps), (curl_text, openai_text)
     # vLLM's offline LLM in a process set up as the server's (the same threads: this random-weight model's
     # logits are nearly flat, and another summation order can flip a greedy pick)

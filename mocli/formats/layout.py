@@ -34,8 +34,24 @@ def rank_dir(parallel, rank: int) -> str:
 
 # --- writing ---------------------------------------------------------------------------------------
 
-def manifest_body(plan, target: str, parallel) -> dict[str, Any]:
-    """The manifest without ``files`` and ``provenance``: modules and tensors per rank, shared ones once."""
+# What the vLLM plugin does where vLLM's behaviour depends on its release, per release series it is tested
+# with: the KV-cache dtype ``--kv-cache-dtype auto`` gives a source's ModelOpt KV-cache algorithm (vLLM's
+# MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP, the same in 0.32 and 0.33), and who runs MoE layers (mocli's own
+# kernels: vLLM's MoE backends, and --moe-backend, do not touch a converted layer).
+VLLM_RELEASES = ("0.32", "0.33")
+VLLM_KV_CACHE_DTYPES = {"FP8": "fp8_e4m3", "NVFP4": "nvfp4"}
+
+
+def serving_rules(kv_cache_algo: str | None) -> dict[str, Any]:
+    """The manifest's ``serving`` block: which engine rules the output was written for (LAYOUT.md)."""
+    return {"vllm": {"releases": list(VLLM_RELEASES),
+                     "kv_cache_dtype": VLLM_KV_CACHE_DTYPES.get((kv_cache_algo or "").upper(), "auto"),
+                     "moe": "mocli kernels (vLLM's MoE backends and --moe-backend are not used)"}}
+
+
+def manifest_body(plan, target: str, parallel, kv_cache_algo: str | None = None) -> dict[str, Any]:
+    """The manifest without ``files`` and ``provenance``: modules and tensors per rank, shared ones once,
+    and the engine rules it was written for (``serving``)."""
 
     def tensors(group: str) -> dict[str, Any]:
         return {t.name: t.to_dict() for t in plan.tensors.values() if t.group == group}
@@ -44,7 +60,8 @@ def manifest_body(plan, target: str, parallel) -> dict[str, Any]:
         return [m.to_dict() for m in plan.modules if m.group == group]
 
     body: dict[str, Any] = {"format": FORMAT, "layout_version": LAYOUT_VERSION, "target": str(target),
-                            "parallel": parallel.to_dict(), "modules": modules(""), "tensors": tensors("")}
+                            "parallel": parallel.to_dict(), "serving": serving_rules(kv_cache_algo),
+                            "modules": modules(""), "tensors": tensors("")}
     if not parallel.single:
         body["ranks"] = [{"rank": r, "tp_rank": parallel.tp_rank(r), "dir": rank_dir(parallel, r),
                           "modules": modules(rank_dir(parallel, r)), "tensors": tensors(rank_dir(parallel, r))}
@@ -260,6 +277,8 @@ def _check_manifest(m: dict[str, Any], where: Path) -> None:
                 raise _bad(f"{at}: files[{name!r}]", "must be {size, blake3} (or {size, sha256})")
     if not isinstance(m.get("provenance", {}), dict):
         raise _bad(at, "provenance must be an object")
+    if not isinstance(m.get("serving", {}), dict):
+        raise _bad(at, "serving must be an object")
 
 
 def rank_view(manifest: dict[str, Any], rank: int | None) -> tuple[str, list[dict], dict[str, Any]]:

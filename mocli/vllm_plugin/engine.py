@@ -1,4 +1,4 @@
-"""Registration into vLLM 0.32, and the two places where a mocli directory needs the engine's settings.
+"""Registration into vLLM (0.32 and 0.33), and the two places where a mocli directory needs the engine's settings.
 
 - ``EngineArgs.create_engine_config`` (the vllm-bnb-plugin pattern): before vLLM reads a local
   directory that holds a layout manifest, check its files (``precheck``: a layout_version 1 output,
@@ -25,22 +25,30 @@ from mocli.vllm_plugin.precheck import local_directory, precheck
 
 LOAD_FORMAT = QUANT_METHOD
 _PATCHED = "_mocli_patched"
+KV_CACHE_DTYPE = "vllm.utils.torch_utils.get_kv_cache_quant_algo_string"  # patched where this vLLM has it
 
 
-def register_all() -> None:
+_loader_registered = False  # per process: vLLM's own registry is private (_LOAD_FORMAT_TO_MODEL_LOADER)
+
+
+def register_all(missing: frozenset[str] | set[str] = frozenset()) -> None:
     """Quantization method, load format and the engine patches. Each step checks what is already there,
-    so a second call, or a call in a worker that unpickled the config first, changes nothing."""
+    so a second call, or a call in a worker that unpickled the config first, changes nothing. ``missing``:
+    the optional vLLM names this vLLM lacks (``requirements.probe_split``): their patches are skipped."""
+    global _loader_registered
     from vllm.model_executor.layers.quantization import register_quantization_config
-    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
+    from vllm.model_executor.model_loader import register_model_loader
 
     from mocli.vllm_plugin.config import MocliConfig
     from mocli.vllm_plugin.loader import MocliModelLoader
 
     register_quantization_config(QUANT_METHOD)(MocliConfig)
-    if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not MocliModelLoader:
+    if not _loader_registered:
         register_model_loader(LOAD_FORMAT)(MocliModelLoader)
+        _loader_registered = True
     _patch_engine_args()
-    _patch_kv_cache_dtype()
+    if KV_CACHE_DTYPE not in missing:
+        _patch_kv_cache_dtype()
 
 
 def _patch_engine_args() -> None:
@@ -93,6 +101,22 @@ def prepare(config) -> None:
     check_engine(qc.qc, getattr(qc, "model_dir", None) or config.model_config.model,
                  tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size, dp=par.data_parallel_size,
                  enable_ep=bool(par.enable_expert_parallel), has_moe=has_moe)
+    _log_rules(config, manifest, has_moe)
+
+
+def _log_rules(config, manifest: dict[str, Any], has_moe: bool) -> None:
+    """One line saying which release-dependent rules apply here: the KV-cache dtype the engine resolved
+    against the one the layout was written for (``serving`` in the manifest), and who runs MoE layers."""
+    import vllm
+    from vllm.logger import init_logger
+
+    written = ((manifest.get("serving") or {}).get("vllm") or {})
+    dtype = getattr(getattr(config, "cache_config", None), "cache_dtype", "?")
+    init_logger(f"vllm.{__name__}").info(
+        "mocli: vLLM %s (the plugin is tested with %s): KV cache %s (the layout was written for %s)%s",
+        getattr(vllm, "__version__", "?"), ", ".join(f"{r}.x" for r in written.get("releases", [])) or "?", dtype,
+        written.get("kv_cache_dtype", "auto"),
+        "; MoE layers run on mocli's kernels (--moe-backend does not apply)" if has_moe else "")
 
 
 def _all_modules(manifest: dict[str, Any]) -> list[dict[str, Any]]:

@@ -154,10 +154,8 @@ class _Passthrough:
     returns is the only way to tell which."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from vllm.model_executor.models.utils import _get_tied_embedding_params
-
         self.model = model
-        self.tied = _get_tied_embedding_params(model)  # e.g. lm_head.weight when tied: vLLM loads the embedding once
+        self.tied = tied_aliases(model)  # e.g. lm_head.weight when tied: vLLM loads the embedding once
         # vLLM keeps KV-cache scales in parameters of the model dtype (BF16) and casts the stored float32
         # on copy, with a warning per tensor that reads like an error; the same cast done here first
         # gives the same bits (round to nearest even either way) and no warning.
@@ -184,6 +182,18 @@ class _Passthrough:
         if self.dropped:
             raise LayoutMismatch(f"vLLM's model took no parameter for {_few(sorted(self.dropped))}; this directory "
                                  "does not match the architecture vLLM built from its config.json")
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Each parameter name that aliases another's tensor (a tied lm_head: vLLM loads the embedding once) ->
+    the first name of that tensor. What vLLM's private ``_get_tied_embedding_params`` gives for embeddings,
+    written here over every parameter so the plugin does not depend on it."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if (seen := first.setdefault(id(param), name)) != name:
+            aliases[name] = seen
+    return aliases
 
 
 def _check_filled(model: torch.nn.Module, layers: dict[str, _Layer], loaded: set[str] | None) -> None:
