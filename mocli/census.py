@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from mocli.io.bulk import paused_gc
 from mocli.io.safetensors_file import TensorEntry
-from mocli.schemes import MODELOPT, Scheme, Spelling, detect
+from mocli.quant_config import Algo
+from mocli.schemes import MODELOPT, Scheme, Spelling, bind, detect
 from mocli.tables import (
     EXPERT_NAMINGS,
     FUSED_GROUPS,
@@ -153,11 +155,14 @@ class Census:
         return [{"kind": str(k), **dict(c)} for k, c in sorted(rows.items(), key=lambda kv: list(Kind).index(kv[0]))]
 
 
-def build_census(tensors: dict[str, TensorEntry], spelling: Spelling = MODELOPT) -> Census:
+def build_census(tensors: dict[str, TensorEntry], spelling: Spelling = MODELOPT,
+                 configured: Callable[[str], Algo | None] | None = None) -> Census:
     """Modules by name (their tensors under the canonical suffixes ``spelling`` maps the file's to),
-    each bound to the scheme it is stored in; fused groups, MoE layers, KV-cache scales."""
+    each bound to the scheme it is stored in (``configured``: a module's algorithm by the config, for the
+    schemes that store their tensors like another: ``mocli.schemes.bind``); fused groups, MoE layers,
+    KV-cache scales. ``Checkpoint.census`` passes the checkpoint's own config."""
     with paused_gc():
-        return _build(tensors, spelling)
+        return _build(tensors, spelling, configured)
 
 
 def _group(tensors: dict[str, TensorEntry], spelling: Spelling) -> tuple[dict[str, dict[str, TensorEntry]],
@@ -177,7 +182,7 @@ def _group(tensors: dict[str, TensorEntry], spelling: Spelling) -> tuple[dict[st
     return by_module, kv_scales, kv_modules, len(layers)
 
 
-def _build(tensors: dict[str, TensorEntry], spelling: Spelling) -> Census:
+def _build(tensors: dict[str, TensorEntry], spelling: Spelling, configured) -> Census:
     by_module, kv_scales, kv_modules, num_layers = _group(tensors, spelling)
     modules: dict[str, Module] = {}
     moe: dict[str, MoELayer] = {}
@@ -190,6 +195,9 @@ def _build(tensors: dict[str, TensorEntry], spelling: Spelling) -> Census:
         mod.engine_name = name
         modules[name] = mod
         _place(mod, moe, fused)
+        if configured is not None and mod.scheme is not None:
+            # MIXED_PRECISION lists MoE layers by their container name (ModelOpt 0.47)
+            mod.scheme = bind(mod.scheme, configured(mod.name) or configured(mod.engine_name))
     _complete_fused(fused, modules)
     return Census(
         modules=modules,

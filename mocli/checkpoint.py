@@ -53,6 +53,13 @@ class Checkpoint:
     def reader(self) -> TensorReader:
         return TensorReader()
 
+    def census(self):
+        """The census of this checkpoint's tensors, each module bound to its scheme with the config's
+        help where the tensors alone do not tell (``mocli.schemes.bind``)."""
+        from mocli.census import build_census
+
+        return build_census(self.tensors, configured=self.quant.algo_for if self.quant is not None else None)
+
     def require_modelopt(self, verb: str) -> None:
         """convert and repair read ModelOpt exports; vLLM's fp8 format (mocli quantize's output) is served as is."""
         if self.quant is not None and self.quant.method != "modelopt":

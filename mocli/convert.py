@@ -29,7 +29,6 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
     shards requantized and NVFP4 block scales rescaled through 256-entry tables, in numpy on the CPU),
     so it runs on the CPU whatever ``device`` says, and the summary says so where a GPU was asked for."""
     from mocli import engine
-    from mocli.census import build_census
     from mocli.devices import check_device
     from mocli.formats import layout
     from mocli.plan import build_plan
@@ -47,7 +46,7 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
     ckpt.require_modelopt("convert")
     engine.check_output(out, overwrite, ckpt.path)
     progress.phase("planning")
-    census = build_census(ckpt.tensors)
+    census = ckpt.census()
     scales = read_scales(census)
     report = validate(ckpt, target, census, scales, parallel=parallel)
     if report.findings.errors:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from mocli.census import Census, build_census
+from mocli.census import Census
 from mocli.checkpoint import Checkpoint
 from mocli.exclusions import pattern_reports
 
 
 def inspect_checkpoint(ckpt: Checkpoint, census: Census | None = None) -> dict[str, Any]:
-    census = census or build_census(ckpt.tensors)
+    census = census or ckpt.census()
     quant = ckpt.quant
     dtypes = Counter(t.dtype for t in ckpt.tensors.values())
     dtype_bytes = Counter()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, NVFP4, Scheme
+from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, NVFP4, W4A16_NVFP4, Scheme
 
 
 class ModuleKind(StrEnum):
@@ -19,6 +19,9 @@ class ModuleKind(StrEnum):
     NVFP4_LINEAR = "nvfp4_linear"
     FP8_MOE = "fp8_moe"
     NVFP4_MOE = "nvfp4_moe"
+    # vLLM's Marlin layout of NVFP4 weights (weight-only GEMMs, BF16/FP16 activations: SEMANTICS §13)
+    NVFP4_MARLIN_LINEAR = "nvfp4_marlin_linear"
+    NVFP4_MARLIN_MOE = "nvfp4_marlin_moe"
 
 
 class Role(StrEnum):
@@ -52,14 +55,23 @@ class Role(StrEnum):
     OUTPUT1_SCALE_SCALAR = "output1_scale_scalar"
     OUTPUT1_SCALE_GATE_SCALAR = "output1_scale_gate_scalar"
     OUTPUT2_SCALE_SCALAR = "output2_scale_scalar"
+    # marlin (vLLM's names after process_weights_after_loading)
+    WEIGHT_GLOBAL_SCALE = "weight_global_scale"
+    INPUT_GLOBAL_SCALE = "input_global_scale"
 
 
 @dataclass(frozen=True)
 class KindSpec:
     kind: ModuleKind
-    scheme: Scheme  # the stored scheme it converts (``mocli.schemes``)
+    scheme: Scheme  # the stored scheme it converts (``mocli.schemes``); also ``also``'s
     moe: bool
     roles: frozenset[Role]  # the tensors every target writes for it (LAYOUT.md), a bias aside
+    also: tuple[Scheme, ...] = ()  # other stored schemes that convert to it
+    optional: frozenset[Role] = frozenset()  # roles some sources give it (an NVFP4 source's input scales)
+
+    @property
+    def schemes(self) -> tuple[Scheme, ...]:
+        return (self.scheme, *self.also)
 
 
 _FP8_MOE_ROLES = (Role.W13_WEIGHT, Role.W2_WEIGHT, Role.W13_WEIGHT_SCALE, Role.W2_WEIGHT_SCALE, Role.W13_INPUT_SCALE,
@@ -81,9 +93,19 @@ KINDS: dict[ModuleKind, KindSpec] = {k.kind: k for k in (
           Role.INPUT_SCALE, Role.ALPHA, Role.INPUT_SCALE_INV),
     _spec(ModuleKind.FP8_MOE, FP8, True, *_FP8_MOE_ROLES),
     _spec(ModuleKind.NVFP4_MOE, NVFP4, True, *_NVFP4_MOE_ROLES),
+    KindSpec(ModuleKind.NVFP4_MARLIN_LINEAR, NVFP4, False,
+             frozenset({Role.WEIGHT, Role.WEIGHT_SCALE, Role.WEIGHT_GLOBAL_SCALE}), also=(W4A16_NVFP4,),
+             optional=frozenset({Role.INPUT_GLOBAL_SCALE})),
+    KindSpec(ModuleKind.NVFP4_MARLIN_MOE, NVFP4, True,
+             frozenset({Role.W13_WEIGHT, Role.W2_WEIGHT, Role.W13_WEIGHT_SCALE, Role.W2_WEIGHT_SCALE,
+                        Role.W13_WEIGHT_SCALE_2, Role.W2_WEIGHT_SCALE_2}), also=(W4A16_NVFP4,),
+             optional=frozenset({Role.W13_INPUT_SCALE, Role.W2_INPUT_SCALE})),
 )}
+# The kinds the FlashInfer targets write (marlin writes its own: ``targets.marlin``)
+FLASHINFER_KINDS = frozenset({ModuleKind.FP8_LINEAR, ModuleKind.FP8_CHANNEL_LINEAR, ModuleKind.FP8_BLOCK_LINEAR,
+                              ModuleKind.NVFP4_LINEAR, ModuleKind.FP8_MOE, ModuleKind.NVFP4_MOE})
 
 
-def kind_for(scheme: Scheme, moe: bool) -> ModuleKind | None:
-    """The module kind a stored scheme converts to (None: no kernel path)."""
-    return next((k for k, s in KINDS.items() if s.scheme is scheme and s.moe is moe), None)
+def kind_for(scheme: Scheme, moe: bool, among: frozenset[ModuleKind] = FLASHINFER_KINDS) -> ModuleKind | None:
+    """The module kind (of those ``among``: a target's) a stored scheme converts to (None: no kernel path)."""
+    return next((k for k, s in KINDS.items() if k in among and scheme in s.schemes and s.moe is moe), None)

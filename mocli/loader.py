@@ -151,12 +151,58 @@ class Nvfp4MoE:
                 self.a2_gscale, self.w2_weight_scale.view(torch.int32), self.g2_alphas]
 
 
+@dataclass
+class MarlinLinear:
+    """NVFP4 weights in vLLM's Marlin layout, BF16 activations (SEMANTICS §13.5): what vLLM's
+    ``apply_fp4_marlin_linear(x, weight, weight_scale, weight_global_scale, workspace, n, k, bias)`` takes."""
+
+    name: str
+    weight: torch.Tensor  # I32 [padded_k/16, 2 padded_n], gptq_marlin_repack
+    weight_scale: torch.Tensor  # F8 [padded_k/16, padded_n]: permuted, E5M3 bytes of scale * scale_factor
+    weight_global_scale: torch.Tensor  # F32 []: S2 * 2^119 / scale_factor
+    n: int
+    k: int
+    shard_rows: list[int]
+    padded_n: int
+    padded_k: int
+    scale_factor: float
+    act_dtype: str
+    input_global_scale: torch.Tensor | None = None  # a W4A4 source's input scale (Marlin does not use it)
+    bias: torch.Tensor | None = None  # [padded_n], permuted (marlin_permute_bias)
+
+
+@dataclass
+class MarlinMoE:
+    """NVFP4 experts in vLLM's Marlin layout (SEMANTICS §13.6): w13 rows [w1; w3], each half padded to
+    padded_intermediate; what ``fused_marlin_moe`` takes as w1/w2, their scales and global scales."""
+
+    name: str
+    w13_weight: torch.Tensor  # I32 [E, H/16, 4 Ip]
+    w13_weight_scale: torch.Tensor  # F8 [E, H/16, 2 Ip]
+    w13_weight_scale_2: torch.Tensor  # F32 [E]: max(w1, w3) * 2^119 / scale_factor_w13
+    w2_weight: torch.Tensor  # I32 [E, Ip/16, 2H]
+    w2_weight_scale: torch.Tensor  # F8 [E, Ip/16, H]
+    w2_weight_scale_2: torch.Tensor  # F32 [E]
+    experts: int
+    intermediate: int
+    hidden: int
+    naming: str
+    padded_intermediate: int
+    scale_factor_w13: float
+    scale_factor_w2: float
+    act_dtype: str
+    w13_input_scale: torch.Tensor | None = None  # [E], a W4A4 source's (unused by Marlin)
+    w2_input_scale: torch.Tensor | None = None
+    expert_offset: int = 0
+
+
 CLASSES: dict[ModuleKind, type] = {
     ModuleKind.FP8_LINEAR: Fp8Linear, ModuleKind.FP8_CHANNEL_LINEAR: Fp8ChannelLinear,
     ModuleKind.FP8_BLOCK_LINEAR: Fp8BlockLinear, ModuleKind.NVFP4_LINEAR: Nvfp4Linear,
     ModuleKind.FP8_MOE: Fp8MoE, ModuleKind.NVFP4_MOE: Nvfp4MoE,
+    ModuleKind.NVFP4_MARLIN_LINEAR: MarlinLinear, ModuleKind.NVFP4_MARLIN_MOE: MarlinMoE,
 }
-ConvertedModule = Fp8Linear | Fp8ChannelLinear | Fp8BlockLinear | Nvfp4Linear | Fp8MoE | Nvfp4MoE
+ConvertedModule = Fp8Linear | Fp8ChannelLinear | Fp8BlockLinear | Nvfp4Linear | Fp8MoE | Nvfp4MoE | MarlinLinear | MarlinMoE
 
 
 @dataclass

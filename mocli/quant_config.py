@@ -21,6 +21,7 @@ class Algo(StrEnum):
     FP8_PER_CHANNEL_PER_TOKEN = "FP8_PER_CHANNEL_PER_TOKEN"
     FP8_PB_WO = "FP8_PB_WO"
     NVFP4 = "NVFP4"
+    W4A16_NVFP4 = "W4A16_NVFP4"
     MXFP8 = "MXFP8"
     MIXED_PRECISION = "MIXED_PRECISION"
 
@@ -138,7 +139,7 @@ def _parse_layers(value: Any, where: str, findings: Findings) -> dict[str, Layer
             findings.add("CFG003", loc, "a layer cannot itself be MIXED_PRECISION")
             continue
         gs = _parse_group_size(spec.get("group_size"), loc, findings)
-        if algo is Algo.NVFP4 and gs is None:
+        if algo in (Algo.NVFP4, Algo.W4A16_NVFP4) and gs is None:
             findings.add("CFG001", loc, "NVFP4 layer entry has no group_size",
                          hint=f"add \"group_size\": {NVFP4_GROUP_SIZE}")
         layers[module] = LayerQuant(algo, gs, spec["quant_algo"])
@@ -180,7 +181,7 @@ def parse_hf_quant_config(raw: Any, findings: Findings) -> QuantConfig | None:
         cfg.kv_cache_algo = kv.upper() if kv else None
     cfg.group_size = _parse_group_size(q.get("group_size"), where, findings)
     cfg.exclude_modules = _parse_exclude(q.get("exclude_modules"), where, "exclude_modules", findings)
-    if cfg.algo is Algo.NVFP4:
+    if cfg.algo in (Algo.NVFP4, Algo.W4A16_NVFP4):
         # vLLM's ModelOptNvFp4Config.from_config refuses the checkpoint without these keys.
         for key in ("group_size", "kv_cache_quant_algo", "exclude_modules"):
             if key not in q:
@@ -232,8 +233,12 @@ def parse_config_json(raw: Any, findings: Findings) -> QuantConfig | None:
     else:
         cfg.kv_cache_algo = _kv_from_scheme(q.get("kv_cache_scheme"), where, findings)
     cfg.exclude_modules = _parse_exclude(q.get("ignore"), where, "ignore", findings)
-    if cfg.algo is Algo.NVFP4:
+    if cfg.algo in (Algo.NVFP4, Algo.W4A16_NVFP4):
         cfg.group_size = _config_groups_group_size(q.get("config_groups"), where, findings)
+    if cfg.algo is Algo.NVFP4 and _weight_only(q.get("config_groups")):
+        # vLLM 0.33 ModelOptNvFp4Config._from_config: NVFP4 whose every group quantizes no input
+        # activations is served weight-only (SEMANTICS §13.1)
+        cfg.algo = Algo.W4A16_NVFP4
     if cfg.algo is Algo.MIXED_PRECISION and "quantized_layers" in q:
         cfg.quantized_layers = _parse_layers(q["quantized_layers"], where, findings)
     return cfg
@@ -257,6 +262,13 @@ def _parse_fp8(q: dict, where: str, findings: Findings) -> QuantConfig:
     prov = q.get("mocli")
     cfg.producer = {"name": "mocli quantize", "version": prov.get("version")} if isinstance(prov, dict) else None
     return cfg
+
+
+def _weight_only(groups: Any) -> bool:
+    """config_groups present, and not one of them quantizes input activations."""
+    if not isinstance(groups, dict) or not groups:
+        return False
+    return all(isinstance(g, dict) and g.get("input_activations") is None for g in groups.values())
 
 
 def _config_groups_group_size(groups: Any, where: str, findings: Findings) -> int:
@@ -285,7 +297,7 @@ def reconcile(hf: QuantConfig | None, cj: QuantConfig | None, findings: Findings
             # Engines test membership, so order and repeated entries do not change what is excluded.
             ("exclude_modules / ignore", sorted(set(hf.exclude_modules)), sorted(set(cj.exclude_modules))),
         ]
-        if hf.algo is Algo.NVFP4 and hf.group_size is not None:
+        if hf.algo in (Algo.NVFP4, Algo.W4A16_NVFP4) and hf.group_size is not None:
             pairs.append(("group_size", hf.group_size, cj.group_size))
         if hf.algo is Algo.MIXED_PRECISION and cj.quantized_layers:
             pairs.append(("quantized_layers", hf.quantized_layers, cj.quantized_layers))

@@ -19,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from mocli.census import Census, Kind, Module, build_census
+from mocli.census import Census, Kind, Module
 from mocli.checkpoint import Checkpoint
 from mocli.errors import InputError
 from mocli.formats import provenance_block
@@ -182,7 +182,7 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
     out = Path(out)
     engine.check_output(out, overwrite, ckpt.path)
     progress.phase("planning")
-    census = build_census(ckpt.tensors)
+    census = ckpt.census()
     qp = plan_groups(census, exclude or [])
     digests = digests or SourceDigests([h.path for h in ckpt.files])
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mocli.census import Census, Module, build_census
+from mocli.census import Census, Module
 from mocli.checkpoint import Checkpoint
 from mocli.errors import InputError, Refused
 from mocli.exclusions import reconcile_exclusions
@@ -78,7 +78,7 @@ def plan_repair(ckpt: Checkpoint, progress=None) -> RepairPlan:
     if ckpt.quant is None:
         raise Refused(_only(ckpt.config_findings) or _no_config(ckpt), verb="repair")
     ckpt.require_modelopt("repair")
-    census = build_census(ckpt.tensors)
+    census = ckpt.census()
     scales = read_scales(census)
     report = validate(ckpt, None, census, scales, deep=True, progress=progress)
     plan = RepairPlan()

@@ -71,15 +71,20 @@ def unknown_target(out: Path) -> None:
     _save_config(out, cfg, record=True)
 
 
-def relabelled_target(out: Path) -> None:
-    """A flashinfer-cutlass output relabelled flashinfer-trtllm in config.json and the manifest, the
-    manifest's digest of config.json updated: every record agrees; the roles and transforms do not."""
-    m = _manifest(out)
-    m["target"] = "flashinfer-trtllm"
-    _save_manifest(out, m)
-    cfg = _qc(out)
-    cfg["quantization_config"]["target"] = "flashinfer-trtllm"
-    _save_config(out, cfg, record=True)
+def relabelled_as(target: str) -> Callable[[Path], None]:
+    """An output relabelled ``target`` in config.json and the manifest, the manifest's digest of config.json
+    updated: every record agrees; the kinds, roles and transforms do not."""
+    def edit(out: Path) -> None:
+        m = _manifest(out)
+        m["target"] = target
+        _save_manifest(out, m)
+        cfg = _qc(out)
+        cfg["quantization_config"]["target"] = target
+        _save_config(out, cfg, record=True)
+    return edit
+
+
+relabelled_target = relabelled_as("flashinfer-trtllm")  # a flashinfer-cutlass output
 
 
 def config_edited(out: Path) -> None:
@@ -129,7 +134,7 @@ class Damage:
     exit_code: int = 1  # verify's
 
 
-CUTLASS, TRTLLM = "flashinfer-cutlass", "flashinfer-trtllm"
+CUTLASS, TRTLLM, MARLIN = "flashinfer-cutlass", "flashinfer-trtllm", "marlin"
 DAMAGES: dict[str, Damage] = {
     "manifest-shape": Damage(manifest_shape, "llama-fp8", CUTLASS, f"{O_PROJ}: F8_E4M3 [256, 256] in its shard, "
                              "F8_E4M3 [256, 128] in the manifest"),
@@ -143,4 +148,8 @@ DAMAGES: dict[str, Damage] = {
     "undescribed-tensor": Damage(undescribed_tensor, "llama-fp8", CUTLASS,
                                  f"names tensor {O_PROJ}_gone (weight), which the manifest does not describe"),
     "layout-v1": Damage(layout_v1, "llama-fp8", CUTLASS, "layout_version 1"),
+    # the marlin layout's shapes are its own, but a relabelled one must be named before any shape is read
+    "marlin-as-cutlass": Damage(relabelled_as(CUTLASS), "qwen3moe-nvfp4", MARLIN,
+                                "flashinfer-cutlass writes no nvfp4_marlin_linear module"),
+    "cutlass-as-marlin": Damage(relabelled_as(MARLIN), "qwen3moe-nvfp4", CUTLASS, "marlin writes no nvfp4_linear module"),
 }

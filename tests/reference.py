@@ -99,3 +99,51 @@ def pad_bytes(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     out = torch.zeros(rows, cols, dtype=torch.uint8)
     out[: t.shape[0], : t.shape[1]] = t.view(torch.uint8)
     return out
+
+
+# --- Marlin (SEMANTICS §13.5): vLLM's python reference restated step by step -------------------------
+
+def marlin_weight_perm() -> torch.Tensor:
+    """SEMANTICS §13.5 / vLLM marlin_utils_test.get_weight_perm(4): per run of 1024 codes."""
+    perm = []
+    for i in range(32):
+        col, perm1 = i // 4, []
+        for block in (0, 1):
+            for row in (2 * (i % 4), 2 * (i % 4) + 1, 2 * (i % 4 + 4), 2 * (i % 4 + 4) + 1):
+                perm1.append(16 * row + col + 8 * block)
+        for j in range(4):
+            perm += [p + 256 * j for p in perm1]
+    perm = torch.tensor(perm).reshape(-1, 8)[:, [0, 2, 4, 6, 1, 3, 5, 7]]
+    return perm.reshape(-1)
+
+
+def marlin_repack(packed: torch.Tensor, n_pad: int, k_pad: int) -> torch.Tensor:
+    """uint8 [N, K/2] NVFP4 -> int32 [Kp/16, 2 Np]: unpack the codes (low nibble first), pad, transpose to
+    [K, N], 16x16 tiles laid row after row, each run of 1024 permuted, 8 codes per int32 (code t at 4t)."""
+    n, half = packed.shape
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, 2 * half).int()
+    c = torch.zeros(n_pad, k_pad, dtype=torch.int32)
+    c[:n, :2 * half] = codes
+    c = c.T.reshape(k_pad // 16, 16, n_pad // 16, 16).permute(0, 2, 1, 3).reshape(k_pad // 16, 16 * n_pad)
+    c = c.reshape(-1, 1024)[:, marlin_weight_perm()].reshape(k_pad // 16, 16 * n_pad)
+    out = torch.zeros(k_pad // 16, 2 * n_pad, dtype=torch.int64)
+    for t in range(8):
+        out |= c[:, t::8].long() << (4 * t)
+    return out.to(torch.int32) if out.max() < 2**31 else (out - (out >= 2**31).long() * 2**32).to(torch.int32)
+
+
+def marlin_scales(codes: torch.Tensor, n_pad: int, k_pad: int, sf: float) -> torch.Tensor:
+    """uint8 e4m3 codes [N, K/16] -> Marlin's uint8 [Kp/16, Np], as vLLM computes it in torch: transpose,
+    pad, marlin_permute_scales (an 8x8 transpose per 64), to half, [0, 2, 1, 3], * sf, * 2^7, < 2 -> 0,
+    int16 << 1, high byte."""
+    s = codes.view(torch.float8_e4m3fn).T.to(torch.bfloat16)
+    padded = torch.zeros(k_pad // 16, n_pad, dtype=torch.bfloat16)
+    padded[:s.shape[0], :s.shape[1]] = s
+    perm = [i + 8 * j for i in range(8) for j in range(8)]
+    s = padded.reshape(-1, 64)[:, perm].reshape(k_pad // 16, n_pad).to(torch.half)
+    s = s.view(-1, 4)[:, [0, 2, 1, 3]].reshape(k_pad // 16, n_pad)
+    if sf > 1:
+        s = (s.float() * sf).half()
+    s = s * 128
+    s[s < 2] = 0
+    return (s.view(torch.int16) << 1).view(torch.uint8).reshape(k_pad // 16, n_pad, 2)[..., 1].contiguous()

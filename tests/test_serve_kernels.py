@@ -28,7 +28,7 @@ from mocli.kinds import ModuleKind
 from mocli.loader import open_converted
 from mocli.numerics.in_torch import fp8_per_group_dequant, fp8_per_token, fp8_static, nvfp4_quant
 from mocli.verify.common import THRESHOLDS, rel_error
-from tests.conftest import REAL_LLAMA, REAL_QWEN, run_cli
+from tests.conftest import REAL, REAL_LLAMA, REAL_QWEN, run_cli
 from tests.reference import dequant_nvfp4, fp8_requant, unswizzle_by_offsets
 
 TOKENS = 48
@@ -38,7 +38,8 @@ TOKENS = 48
 # The FP8 reference models the requantization itself (dequant_unified), so FP8 modules are held to the
 # "kept" bound; NVFP4 MoE with rescaled w1/w3 block scales (not modelled) end to end, where the
 # intermediate is re-quantized from GEMM1 outputs that carry that rounding: measured 0.066-0.082.
-MOE_UNIFIED = {"nvfp4_moe": 0.15}
+MOE_UNIFIED = {"nvfp4_moe": 0.15, "nvfp4_marlin_moe": 0.15}
+MARLIN_KINDS = ("nvfp4_marlin_linear", "nvfp4_marlin_moe")
 NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen": ("gate_proj", "up_proj", "down_proj")}
 
 
@@ -75,6 +76,8 @@ def activations(kind: str, x: torch.Tensor, a: torch.Tensor | None) -> torch.Ten
         return q.float() * s
     if kind == "fp8_block_linear":
         return fp8_per_group_dequant(x)
+    if kind in MARLIN_KINDS:  # weight-only: the BF16 activations themselves
+        return x.bfloat16().float()
     return nvfp4_quant(x, torch.reciprocal(a)) * a
 
 
@@ -101,7 +104,7 @@ def dense_case(src, info, g: torch.Generator, device: str = "cpu"):
     w = torch.cat([dequant_unified(src, m, shards)[r0:r1, c0:c1]
                    for m, (r0, r1, c0, c1) in zip(shards, slices, strict=True)])
     a = input_scale(src, shards)
-    scale = {"fp8_linear": 448 / 4, "nvfp4_linear": 2688 / 4}.get(kind)
+    scale = {"fp8_linear": 448 / 4, "nvfp4_linear": 2688 / 4}.get(kind)  # marlin: weight-only, BF16 x as drawn
     x = torch.randn(TOKENS, full_k, generator=g) * (float(a) * scale if scale else 1.0)
     x = x[:, slices[0][2]:slices[0][3]].bfloat16().to(device)  # the kernel sees BF16: quantize the same values
     limits = THRESHOLDS[ModuleKind(kind)]
@@ -118,8 +121,8 @@ def moe_case(src, info, g: torch.Generator, device: str = "cpu"):
     every = [f"{layer}.{e}." for e in range(total)]
     a1 = input_scale(src, [p + gate for p in every] + [p + up for p in every])
     a2 = input_scale(src, [p + down for p in every])
-    fp8 = info["kind"] == "fp8_moe"
-    x = (torch.randn(TOKENS, meta["hidden"], generator=g) * (float(a1) * (448 if fp8 else 2688) / 4)).bfloat16()
+    fp8, marlin = info["kind"] == "fp8_moe", info["kind"] in MARLIN_KINDS
+    x = (torch.randn(TOKENS, meta["hidden"], generator=g) * (1.0 if marlin else float(a1) * (448 if fp8 else 2688) / 4)).bfloat16()
     ids = torch.stack([torch.randperm(total, generator=g)[:2] for _ in range(TOKENS)]).to(torch.int32)
     weights = torch.softmax(torch.randn(TOKENS, 2, generator=g), dim=-1)
     x, ids, weights = x.to(device), ids.to(device), weights.to(device)
@@ -198,12 +201,22 @@ SOURCES = {
     "qwen3moe-nvfp4-rescaled": dict(arch="qwen3_moe", algo="NVFP4", unify_scale_2=False),
     "mixtral-fp8": dict(arch="mixtral", algo="FP8"),
     "mixtral-nvfp4": dict(arch="mixtral", algo="NVFP4"),
+    # the marlin target's padding on every side (N, K, I to 64 / 128 with H % 128 != 0) and a bias
+    "qwen3moe-nvfp4-odd": dict(arch="qwen3_moe", algo="NVFP4", hidden=192, heads=4, kv_heads=2, head_dim=48,
+                               moe_intermediate=96, qkv_bias=True),
 }
+REAL_SOURCES = {"real-llama": REAL_LLAMA, "real-qwen": REAL_QWEN, "real-llama-w4a16": REAL / "llama-w4a16_nvfp4",
+                "real-qwen-w4a16": REAL / "qwen3_moe-w4a16_nvfp4"}
 MOE = {"qwen3moe-fp8", "qwen3moe-nvfp4-rescaled", "mixtral-fp8", "mixtral-nvfp4", "real-qwen"}
 # (source, target, tp, ep): every kind on both targets at tp 1, then tensor and expert parallel ranks
-CASES = ([(s, t, 1, 1) for s in [*SOURCES, "real-llama", "real-qwen"] for t in ("flashinfer-cutlass", "flashinfer-trtllm")]
+FLASHINFER_SOURCES = [s for s in SOURCES if s != "qwen3moe-nvfp4-odd"]  # both refuse 2I = 192 (TGT001)
+CASES = ([(s, t, 1, 1) for s in [*FLASHINFER_SOURCES, "real-llama", "real-qwen"]
+          for t in ("flashinfer-cutlass", "flashinfer-trtllm")]
          + [(s, "flashinfer-cutlass", 2, 1) for s in ("llama-fp8", "llama-nvfp4", "qwen3moe-fp8", "mixtral-nvfp4")]
-         + [(s, t, 2, 2) for s in ("qwen3moe-fp8", "real-qwen") for t in ("flashinfer-cutlass", "flashinfer-trtllm")])
+         + [(s, t, 2, 2) for s in ("qwen3moe-fp8", "real-qwen") for t in ("flashinfer-cutlass", "flashinfer-trtllm")]
+         + [(s, "marlin", 1, 1) for s in ("llama-nvfp4", "qwen3moe-nvfp4-rescaled", "real-llama-w4a16", "real-qwen-w4a16")]
+         + [(s, "marlin", 2, 1) for s in ("mixtral-nvfp4", "qwen3moe-nvfp4-odd", "real-llama-w4a16")]
+         + [(s, "marlin", 2, 2) for s in ("real-qwen", "real-qwen-w4a16", "qwen3moe-nvfp4-odd")])
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +226,7 @@ def converted(tmp_path_factory):
 
     def get(label: str, target: str, tp: int, ep: int):
         if label not in made:
-            made[label] = {"real-llama": REAL_LLAMA, "real-qwen": REAL_QWEN}.get(label) or make_checkpoint(
+            made[label] = REAL_SOURCES.get(label) or make_checkpoint(
                 root / label, **SOURCES[label])
         out = root / f"{label}-{target}-{tp}-{ep}"
         if not out.exists():
@@ -335,6 +348,39 @@ def test_planted_fault_is_caught(converted, label, module, role, fault):
     tensors[role] = fault(tensors[role])
     k = serve.kernel(info["kind"], tensors, info["meta"], ck.target, module)
     g = torch.Generator().manual_seed(0)
+    if isinstance(k, serve.MoeKernel):
+        x, w, ids, ref, limit = moe_case(src, info, g)
+        err = rel_error(k(x, w, ids).float(), ref)
+    else:
+        x, ref, limit = dense_case(src, info, g)
+        err = rel_error(k(x).float(), ref)
+    assert err > 2 * limit, (err, limit)
+
+
+def _swap_last_halves(t):
+    """Marlin's [w1; w3] halves (columns of the repacked words and of the scales) as [w3; w1]."""
+    half = t.shape[-1] // 2
+    return torch.cat([t[..., half:], t[..., :half]], dim=-1)
+
+
+@pytest.mark.parametrize("label,module,faults", [
+    ("mixtral-nvfp4", "model.layers.0.block_sparse_moe.experts",
+     {"w13_weight": _swap_last_halves, "w13_weight_scale": _swap_last_halves}),
+    ("llama-nvfp4", "model.layers.0.self_attn.qkv_proj", {"weight_global_scale": lambda t: t * 2}),
+    ("llama-nvfp4", "model.layers.0.mlp.down_proj", {"weight": lambda t: torch.roll(t, 1, dims=1)}),
+    ("llama-nvfp4", "model.layers.0.mlp.gate_up_proj", {"weight_scale": lambda t: torch.roll(t.view(torch.uint8), 1, dims=1)
+                                                        .view(t.dtype)}),
+], ids=["marlin-swapped-w1-w3", "marlin-global-2x", "marlin-words-shifted", "marlin-scales-shifted"])
+def test_planted_marlin_fault_is_caught(converted, label, module, faults):
+    """The marlin kernels read what is stored: a fault in the words' order, the scales' permutation, the
+    [w1; w3] halves or the global scale moves the output past twice the threshold."""
+    source, out = converted(label, "marlin", 1, 1)
+    ck = open_converted(out)
+    info = ck.module_info(module)
+    tensors = {r: ck.tensor(t).clone() for r, t in info["tensors"].items()}
+    tensors |= {role: fault(tensors[role]) for role, fault in faults.items()}
+    k = serve.kernel(info["kind"], tensors, info["meta"], ck.target, module)
+    src, g = load_file(str(source / "model.safetensors")), torch.Generator().manual_seed(0)
     if isinstance(k, serve.MoeKernel):
         x, w, ids, ref, limit = moe_case(src, info, g)
         err = rel_error(k(x, w, ids).float(), ref)

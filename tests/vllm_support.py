@@ -252,8 +252,10 @@ def amplify_experts(factor: float):
 #   0.032, FP8 MoE 0.045-0.048; NVFP4 dense 0.13, NVFP4 MoE 0.12-0.19
 #   flashinfer-cutlass vs flashinfer-trtllm, same parallel layout: 0.0 (bit-identical)
 #   tp 2 and tp 2 x ep 2 vs tp 1: FP8 0.020-0.034, NVFP4 0.046-0.090
-FORMAT_TOLERANCE = {"fp8": 0.10, "nvfp4": 0.30}
-PARALLEL_TOLERANCE = {"fp8": 0.08, "nvfp4": 0.20}
+#   marlin (weight-only: BF16 activations on both sides) vs BF16 source reference 0.006-0.008 at tp 1, tp 2
+#   and tp 2 x ep 2, W4A16 and NVFP4 sources alike
+FORMAT_TOLERANCE = {"fp8": 0.10, "nvfp4": 0.30, "w4a16": 0.03}
+PARALLEL_TOLERANCE = {"fp8": 0.08, "nvfp4": 0.20, "w4a16": 0.03}
 TIE_MARGIN = 0.1  # greedy steps whose top-2 logprobs are closer than this may legitimately differ
 
 

@@ -121,9 +121,9 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="Only 
                                         "warnings.")]
 VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True, metavar="",
                                          help="Timing on stderr; -vv also prints tracebacks of internal errors.")]
+TARGETS = ", ".join(t.value for t in Target)  # every registered target, as --help lists them
 TargetOpt = Annotated[Target | None, typer.Option("--target", "-t", metavar="TARGET", case_sensitive=False,
-                                                  help="Also check this target's constraints: flashinfer-cutlass or "
-                                                       "flashinfer-trtllm.")]
+                                                  help=f"Also check this target's constraints: {TARGETS}.")]
 
 
 def _version(value: bool) -> None:

@@ -8,6 +8,7 @@ import typer
 
 from mocli import trace
 from mocli.cli.app import (
+    TARGETS,
     ConvertDeviceOpt,
     EpOpt,
     JsonOpt,
@@ -34,7 +35,8 @@ def convert_cmd(
     model: ModelArg,
     output: OutputOpt,
     target: Annotated[Target, typer.Option("--target", "-t", metavar="TARGET", case_sensitive=False,
-                                           help="Kernel layout to write: flashinfer-cutlass or flashinfer-trtllm.",
+                                           help=f"Kernel layout to write: {TARGETS} (marlin: NVFP4 weight-only, "
+                                                "for vLLM's Marlin kernels on sm_75-sm_90).",
                                            show_default=False)],
     tp: TpOpt = 1,
     ep: EpOpt = 1,

@@ -8,6 +8,7 @@ the vLLM plugin all read a rank through it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,7 +188,8 @@ def _str_list(value: Any, where: str, what: str) -> None:
 
 # meta keys the loader and verify read, with their types
 _META_INTS = {"experts", "intermediate", "hidden", "n", "k", "padded_n", "padded_k", "expert_offset", "tp_rank",
-              "experts_total", "intermediate_total"}
+              "experts_total", "intermediate_total", "padded_intermediate"}
+_META_POWERS_OF_TWO = {"scale_factor", "scale_factor_w13", "scale_factor_w2"}  # the marlin target's
 _META_INT_LISTS = {"shard_rows", "intermediate_slice"}
 
 
@@ -215,6 +217,10 @@ def _check_module(m: Any, where: str) -> None:
             raise _bad(at, "meta.slices must be [row0, row1, col0, col1] per shard")
         if key == "full" and not (isinstance(v, dict) and all(_is_int(v.get(d)) for d in ("n", "k"))):
             raise _bad(at, "meta.full must be {n, k}")
+        if key in _META_POWERS_OF_TWO and not (isinstance(v, float) and 1 <= v <= 2.0**127 and math.frexp(v)[0] == 0.5):
+            raise _bad(at, f"meta.{key} must be a power of two >= 1")
+        if key == "act_dtype" and v not in ("bfloat16", "float16"):
+            raise _bad(at, "meta.act_dtype must be bfloat16 or float16")
         if key in ("naming", "split") and not isinstance(v, str):
             raise _bad(at, f"meta.{key} must be a string")
 

@@ -7,8 +7,9 @@ bytes can prove (a layout relabelled with every record edited to match) is verif
 
 - ``config_problems``: config.json against the manifest: its recorded digest, and the layout fields
   both files carry;
-- ``module_problems``: each module's roles and row transforms are the ones its target writes
-  (``TargetLayout.roles``, ``row_shuffled_kinds``), and every tensor a module names is described;
+- ``module_problems``: each module's kind, roles and weight transforms are the ones its target writes
+  (``TargetLayout.kinds``, ``roles``, ``row_shuffled_kinds``, ``weight_transform``), and every tensor a
+  module names is described;
 - ``tensor_problems``: a rank's shards hold exactly the manifest's tensors, with its dtypes and shapes;
 - ``size_problems``: module sizes against config.json's hidden size and expert count.
 """
@@ -21,7 +22,7 @@ from typing import Any
 from mocli.formats import CONFIG_JSON
 from mocli.formats.layout import file_path, rank_view
 from mocli.io.digests import as_record, digest_or_error
-from mocli.kinds import ModuleKind
+from mocli.kinds import KINDS, ModuleKind
 from mocli.targets import layout_of
 from mocli.targets.base import ROW_SHUFFLE
 
@@ -59,8 +60,9 @@ def config_problems(root: Path, manifest: dict[str, Any]) -> list[str]:
 
 
 def module_problems(manifest: dict[str, Any]) -> list[str]:
-    """Every module of every rank holds its target's roles for its kind, its row transforms are the
-    target's, and each tensor it names is in the manifest's tensors."""
+    """Every module of every rank is of a kind its target writes and holds that kind's roles (its
+    optional ones aside), its weight transforms are the target's, and each tensor it names is in the
+    manifest's tensors."""
     layout = layout_of(manifest["target"])
     problems: list[str] = []
     for rank in _ranks(manifest):
@@ -69,21 +71,37 @@ def module_problems(manifest: dict[str, Any]) -> list[str]:
         where = "" if rank is None else f" (rank {rank})"
         for m in modules:
             kind = ModuleKind(m["kind"])
-            roles = set(m["tensors"]) - {"bias"}
-            want = {str(r) for r in layout.roles(kind)}
-            if roles != want:
-                problems.append(f"{m['name']}{where}: a {kind} module of {layout.target} holds {_names(want)}, this "
-                                f"one {_names(roles)}")
+            if kind not in layout.kinds:
+                problems.append(f"{m['name']}{where}: {layout.target} writes no {kind} module")
+                continue
+            problems += _role_problems(m, kind, layout, where)
             for role, tname in m["tensors"].items():
                 if tname not in described:
                     problems.append(f"{m['name']}{where}: names tensor {tname} ({role}), which the manifest does not "
                                     "describe")
-                elif role in ROW_ROLES and (ROW_SHUFFLE in described[tname].get("transforms", [])) != (
-                        kind in layout.row_shuffled_kinds):
-                    problems.append(f"{tname}{where}: its transforms {described[tname].get('transforms')} are not "
-                                    f"those of {layout.target} (rows {'' if kind in layout.row_shuffled_kinds else 'not '}"
-                                    f"shuffled by {ROW_SHUFFLE})")
+                elif role in ROW_ROLES:
+                    problems += _transform_problems(tname, described[tname].get("transforms", []), kind, layout, where)
     return problems
+
+
+def _role_problems(m: dict[str, Any], kind: ModuleKind, layout, where: str) -> list[str]:
+    roles = set(m["tensors"]) - {"bias"}
+    want, may = {str(r) for r in layout.roles(kind)}, {str(r) for r in KINDS[kind].optional}
+    if want <= roles <= want | may:
+        return []
+    return [f"{m['name']}{where}: a {kind} module of {layout.target} holds {_names(want)}"
+            + (f" (and may hold {_names(may)})" if may else "") + f", this one {_names(roles)}"]
+
+
+def _transform_problems(tname: str, transforms: list, kind: ModuleKind, layout, where: str) -> list[str]:
+    shuffled = kind in layout.row_shuffled_kinds
+    if (ROW_SHUFFLE in transforms) != shuffled:
+        return [f"{tname}{where}: its transforms {transforms} are not those of {layout.target} (rows "
+                f"{'' if shuffled else 'not '}shuffled by {ROW_SHUFFLE})"]
+    if layout.weight_transform is not None and layout.weight_transform not in transforms:
+        return [f"{tname}{where}: its transforms {transforms} lack {layout.weight_transform}, which every "
+                f"{layout.target} weight records"]
+    return []
 
 
 def tensor_problems(manifest: dict[str, Any], rank: int | None, entries: dict) -> list[str]:

@@ -153,3 +153,11 @@ def silu(x: np.ndarray) -> np.ndarray:
     output is quantized)."""
     half = x * np.float32(0.5)
     return half * (np.float32(1) + np.tanh(half))
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest BF16 (ties to even), as float32: an activation as a BF16
+    model hands it to a weight-only kernel. NaN stays NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)).view(np.float32)
+    return np.where(np.isnan(x), x, r).astype(np.float32)

@@ -13,17 +13,18 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mocli.census import Census, Kind
-from mocli.kinds import ModuleKind, kind_for
+from mocli.census import Census
+from mocli.kinds import ModuleKind
 from mocli.parallel import Heads, ParallelLayout
 from mocli.plan.context import PlanContext
 from mocli.plan.core import ConvertedModule, ConvertPlan
 from mocli.plan.dense import DENSE_PLANNERS
+from mocli.plan.marlin import MARLIN_PLANNERS
 from mocli.plan.moe import MOE_PLANNERS
 from mocli.targets import Target, layout_of
 
 # Module kind -> its planner, called as PLANNERS[kind](context, kind, name, modules or MoE layer).plan().
-PLANNERS: dict[ModuleKind, Callable] = {**DENSE_PLANNERS, **MOE_PLANNERS}
+PLANNERS: dict[ModuleKind, Callable] = {**DENSE_PLANNERS, **MOE_PLANNERS, **MARLIN_PLANNERS}
 
 __all__ = ["PLANNERS", "ConvertPlan", "ConvertedModule", "build_plan"]
 
@@ -33,17 +34,11 @@ def build_plan(census: Census, scales: dict[str, np.ndarray], target: Target,
     """The whole conversion: quantized dense modules and MoE layers through their kind's planner,
     everything else passed through unchanged at the top level (SEMANTICS §10: not sliced)."""
     pc = PlanContext(census, scales, layout_of(target), parallel or ParallelLayout(), heads)
-    for g in census.fused:
-        schemes = {m.scheme for m in g.shards}
-        if len(schemes) == 1 and None not in schemes:
-            _plan(pc, kind_for(schemes.pop(), moe=False), g.name, list(g.shards))
-    for m in census.modules.values():
-        if m.scheme is not None and m.kind is Kind.LINEAR:
-            _plan(pc, kind_for(m.scheme, moe=False), m.name, [m])
-    for layer in census.moe:
-        schemes = layer.schemes
-        if len(schemes) == 1 and None not in schemes:
-            _plan(pc, kind_for(next(iter(schemes)), moe=True), layer.name, layer)
+    with pc.reader:
+        for name, shards, scheme in census.dense_units():
+            _plan(pc, pc.layout.kind_for(scheme, moe=False), name, shards)
+        for layer, scheme in census.moe_units():
+            _plan(pc, pc.layout.kind_for(scheme, moe=True), layer.name, layer)
     rest = [e for m in census.modules.values() for e in m.tensors.values() if e.name not in pc.consumed]
     pc.plan.copy_units(sorted(rest + census.kv_scales, key=lambda e: (str(e.file), e.start)))
     return pc.plan

@@ -13,7 +13,7 @@ import numpy as np
 from mocli.census import Module
 from mocli.engine.units import BadData, OutTensor, Piece, SourceRange, Unit, concat_pieces
 from mocli.io.safetensors_file import TensorEntry
-from mocli.kinds import KINDS, ModuleKind, Role
+from mocli.kinds import ModuleKind, Role
 from mocli.ops import fp8, nvfp4, swizzled_shape
 from mocli.parallel import RankSlice, Split, rank_slices, split_of
 from mocli.plan.context import PlanContext
@@ -74,7 +74,7 @@ class _Dense:
             if not self.pc.parallel.single:
                 meta |= {"split": str(self.split), "tp_rank": s.tp_rank, "slices": s.meta(),
                          "full": {"n": self.n_full, "k": self.k_full}}
-            self.pc.plan.modules.append(ConvertedModule(self.prefix, str(self.kind), str(KINDS[self.kind].scheme),
+            self.pc.plan.modules.append(ConvertedModule(self.prefix, str(self.kind), str(self.shards[0].scheme),
                                                         self.tensors[r], [m.name for m in self.shards], meta,
                                                         self.pc.parallel.group(r)))
         self._plan_bias()

@@ -15,7 +15,7 @@ import numpy as np
 from mocli.census import Module, MoELayer
 from mocli.engine.units import BadData, OutTensor, Piece, Unit, concat_pieces
 from mocli.io.safetensors_file import TensorEntry
-from mocli.kinds import KINDS, ModuleKind, Role
+from mocli.kinds import ModuleKind, Role
 from mocli.ops import fp8, nvfp4, swizzled_shape
 from mocli.parallel import expert_range, intermediate_range
 from mocli.plan.context import PlanContext
@@ -129,7 +129,7 @@ class _Moe:
         if not self.pc.parallel.single:
             meta |= {"expert_offset": e0, "experts_total": self.e_count, "intermediate_slice": list(self.inter[r]),
                      "intermediate_total": self.i}
-        self.pc.plan.modules.append(ConvertedModule(self.p, str(self.kind), str(KINDS[self.kind].scheme), self.tensors[r],
+        self.pc.plan.modules.append(ConvertedModule(self.p, str(self.kind), str(next(iter(self.layer.schemes))), self.tensors[r],
                                                     [self.layer.name], meta, self.group(r)))
 
 

@@ -16,14 +16,15 @@ from mocli.schemes.fp8 import FP8
 from mocli.schemes.fp8_block import FP8_BLOCK
 from mocli.schemes.fp8_channel import FP8_CHANNEL
 from mocli.schemes.mxfp8 import MXFP8
-from mocli.schemes.nvfp4 import NVFP4
+from mocli.schemes.nvfp4 import NVFP4, W4A16_NVFP4
 from mocli.schemes.spelling import COMPRESSED_TENSORS, MODELOPT, Spelling
 
 if TYPE_CHECKING:
     from mocli.io.safetensors_file import TensorEntry
 
-# detection order: the narrower shape rules first (per-tensor, block), per channel last among FP8
-SCHEMES: tuple[Scheme, ...] = (NVFP4, MXFP8, FP8, FP8_BLOCK, FP8_CHANNEL)
+# detection order: the narrower shape rules first (per-tensor, block), per channel last among FP8;
+# W4A16_NVFP4 is never detected, only bound (``bind``)
+SCHEMES: tuple[Scheme, ...] = (NVFP4, MXFP8, FP8, FP8_BLOCK, FP8_CHANNEL, W4A16_NVFP4)
 _BY_ALGO: dict[Algo, Scheme] = {s.algo: s for s in SCHEMES}
 
 
@@ -32,10 +33,19 @@ def detect(tensors: dict[str, TensorEntry]) -> Scheme | None:
     return next((s for s in SCHEMES if s.detect(tensors)), None)
 
 
+def bind(detected: Scheme | None, configured: Algo | None) -> Scheme | None:
+    """The scheme a module is in: the one its tensors show, or the configured one where that stores its
+    tensors like the detected one (``Scheme.stores_like``: NVFP4 tensors configured W4A16_NVFP4)."""
+    wanted = by_algo(configured)
+    if detected is not None and wanted is not None and wanted.stores_like is detected.algo:
+        return wanted
+    return detected
+
+
 def by_algo(algo: Algo | None) -> Scheme | None:
     """The stored scheme a configured ``quant_algo`` means (None: none, or MIXED_PRECISION)."""
     return _BY_ALGO.get(algo) if algo is not None else None
 
 
-__all__ = ["COMPRESSED_TENSORS", "FP8", "FP8_BLOCK", "FP8_CHANNEL", "MODELOPT", "MXFP8", "NVFP4", "SCHEMES", "Merge",
-           "ScaleSpec", "Scheme", "Spelling", "by_algo", "detect"]
+__all__ = ["COMPRESSED_TENSORS", "FP8", "FP8_BLOCK", "FP8_CHANNEL", "MODELOPT", "MXFP8", "NVFP4", "SCHEMES",
+           "W4A16_NVFP4", "Merge", "ScaleSpec", "Scheme", "Spelling", "bind", "by_algo", "detect"]

@@ -58,6 +58,9 @@ class Scheme:
     merge: Merge = Merge.NONE
     merged_scale: str | None = None  # the per-tensor scale engines merge (``merge``)
     group_size: int | None = None  # the config's ``group_size`` for it (hf_quant_config.json, quantized_layers)
+    # the scheme whose stored tensors this one's are (less the ones it lacks): a module detected as that
+    # one is bound to this one where its configured algorithm says so (W4A16_NVFP4 is NVFP4's weights)
+    stores_like: Algo | None = None
     # NaN codes of 1-byte tensors beyond their dtype's own (deep scan, convert): suffix -> codes
     nan_codes: tuple[tuple[str, tuple[int, ...]], ...] = ()
     detect: Callable[[dict[str, TensorEntry]], bool] = lambda tensors: False

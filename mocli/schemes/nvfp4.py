@@ -17,3 +17,13 @@ NVFP4 = Scheme(Algo.NVFP4, "U8",
                pack=2, scale_rows=1, scale_cols=NVFP4_GROUP_SIZE, merge=Merge.RESCALE, merged_scale=WEIGHT_SCALE_2,
                group_size=NVFP4_GROUP_SIZE,
                nan_codes=((WEIGHT_SCALE, (0x7F, 0xFF)),), detect=lambda t: _detect(t) and WEIGHT in t)
+
+
+# W4A16_NVFP4: the NVFP4 weights without an input scale, activations left in BF16/FP16 (SEMANTICS §13.1).
+# Its tensors are NVFP4's less one, so the stored tensors alone do not tell it from an NVFP4 module missing
+# its input scale: a module is bound to it where the config says so (``mocli.schemes.bind``).
+W4A16_NVFP4 = Scheme(Algo.W4A16_NVFP4, "U8",
+                     (ScaleSpec(WEIGHT_SCALE, "F8_E4M3", lambda n, k: (n, k // NVFP4_GROUP_SIZE)),
+                      ScaleSpec(WEIGHT_SCALE_2, "F32", scalar)),
+                     pack=2, scale_rows=1, scale_cols=NVFP4_GROUP_SIZE, merge=Merge.RESCALE, merged_scale=WEIGHT_SCALE_2,
+                     group_size=NVFP4_GROUP_SIZE, nan_codes=((WEIGHT_SCALE, (0x7F, 0xFF)),), stores_like=Algo.NVFP4)

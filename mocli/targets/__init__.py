@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from mocli.targets.base import Constraint, Target, TargetLayout
 from mocli.targets.cutlass import CutlassLayout
+from mocli.targets.marlin import MarlinLayout
 from mocli.targets.trtllm import TrtllmLayout
 
 REGISTRY: dict[Target, TargetLayout] = {
     Target.FLASHINFER_CUTLASS: CutlassLayout(),
     Target.FLASHINFER_TRTLLM: TrtllmLayout(),
+    Target.MARLIN: MarlinLayout(),
 }
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from mocli.kinds import ModuleKind, Role
+from mocli.kinds import FLASHINFER_KINDS, ModuleKind, Role
 from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, NVFP4, Scheme
 
 if TYPE_CHECKING:  # transforms import torch when they run, so validate and inspect never load it
@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # transforms import torch when they run, so validate and insp
 class Target(StrEnum):
     FLASHINFER_CUTLASS = "flashinfer-cutlass"
     FLASHINFER_TRTLLM = "flashinfer-trtllm"
+    MARLIN = "marlin"
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,23 @@ class TargetLayout:
     row_shuffled_kinds: frozenset[ModuleKind] = frozenset()
     # Roles this target's kernels take beyond the kind's own (``KINDS[kind].roles``)
     extra_roles: dict[ModuleKind, frozenset[Role]] = {}
+    # The module kinds this target writes (a stored scheme converts to one of them: ``kind_for``)
+    kinds: frozenset[ModuleKind] = FLASHINFER_KINDS
+    # The transform every weight of this target's kinds records (None: none in common), which tells a
+    # layout from another that shares its shapes
+    weight_transform: str | None = None
 
     def roles(self, kind: ModuleKind) -> frozenset[Role]:
-        """Every role a module of ``kind`` holds in this layout, a bias aside."""
+        """Every role a module of ``kind`` always holds in this layout, a bias aside."""
         from mocli.kinds import KINDS
 
         return KINDS[kind].roles | self.extra_roles.get(kind, frozenset())
+
+    def kind_for(self, scheme, moe: bool) -> ModuleKind | None:
+        """The module kind this target converts a stored scheme to (None: it has no path for it)."""
+        from mocli.kinds import kind_for
+
+        return kind_for(scheme, moe, self.kinds) if scheme in self.supported["moe" if moe else "linear"] else None
 
     # --- dense NVFP4 (SEMANTICS §6) ---------------------------------------------------------------
 

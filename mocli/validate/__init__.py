@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from mocli.census import Census, build_census
+from mocli.census import Census
 from mocli.checkpoint import Checkpoint
 from mocli.engines import ENGINES, Engine
 from mocli.findings import Findings
@@ -68,7 +68,7 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
     """All checks; ``census``/``scales`` may be passed in when the caller already has them. ``engine``:
     whose reading of exclusions and algorithms is checked (``mocli.engines``; vLLM's by default)."""
     findings = Findings(ckpt.config_findings)
-    census = census or build_census(ckpt.tensors)
+    census = census or ckpt.census()
     report = ValidationReport(findings, census)
     quant = ckpt.quant
     if quant is None or quant.algo is None:

@@ -16,8 +16,7 @@ def check_target(target: Target, par: ParallelLayout, heads: Heads | None, censu
     at = "" if par.single else f" per rank at tp {par.tp}" + (f", ep {par.ep}" if par.ep > 1 else "")
     for name, shards, scheme in sliceable_units(census):
         if scheme not in layout.supported["linear"]:
-            findings.add("TGT002", name, f"{target} does not take {scheme} linears",
-                         hint="convert for another target, or re-export in a supported scheme")
+            findings.add("TGT002", name, f"{target} does not take {scheme} linears", hint=_elsewhere(scheme, "linear"))
             continue
         if name not in sliceable:
             continue
@@ -45,7 +44,7 @@ def _check_moe(target: Target, par: ParallelLayout, census: Census, findings: Fi
         scheme = schemes.pop()
         if scheme not in layout.supported["moe"]:
             findings.add("TGT002", layer.name, f"{target} has no fused-MoE path for {scheme} experts",
-                         hint="convert for another target, or re-export the experts in a scheme it takes")
+                         hint=_elsewhere(scheme, "moe"))
             continue
         i, h = layer.intermediate, layer.hidden
         if i is None or h is None:
@@ -57,3 +56,11 @@ def _check_moe(target: Target, par: ParallelLayout, census: Census, findings: Fi
                 if size % c.multiple:
                     findings.add("TGT001", layer.name, f"{c.dim} = {size}{at} is not a multiple of {c.multiple} "
                                  f"(I = {i_rank}, H = {h})", hint=c.why)
+
+
+def _elsewhere(scheme, scope: str) -> str:
+    """The hint of a scheme a target does not take: the targets that do, else a re-export."""
+    takers = [str(t) for t in Target if scheme in layout_of(t).supported[scope]]
+    if takers:
+        return f"convert with --target {' or --target '.join(takers)}, which take{'s' if len(takers) == 1 else ''} {scheme}"
+    return "no mocli target takes it: re-export in a scheme one takes (mocli validate --target T lists them)"

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mocli.census import Census, Module, build_census
+from mocli.census import Census, Module
 from mocli.checkpoint import Checkpoint, open_checkpoint
 from mocli.errors import InputError
 from mocli.numerics import FP8_MAX
@@ -83,7 +83,7 @@ def verify_quantized(out: Path, opts, progress) -> dict[str, Any]:
     wanted = dict(shards) if isinstance(shards, dict) else None
     hashes = Hashes(out, wanted, prov.get("source_shards") or {}, src, opts, record_name="config.json")
     rt = runtime(opts, None)
-    out_census = build_census(ckpt.tensors)
+    out_census = ckpt.census()
     groups = [g for g in _groups(out_census) if opts.layers is None or any(_match(n, opts.layers) for n in g)]
     moe = {layer.name: layer for layer in out_census.moe}
     results: list[ModuleResult] = []

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mocli.census import Census, build_census
+from mocli.census import Census
 from mocli.checkpoint import open_checkpoint
 from mocli.formats.modelopt import provenance_of
 from mocli.tables import INPUT_SCALE, WEIGHT_SCALE, WEIGHT_SCALE_2
@@ -54,7 +54,7 @@ def verify_repaired(out: Path, opts, progress) -> dict[str, Any]:
     wanted = dict(shards) if isinstance(shards, dict) else None
     hashes = Hashes(out, wanted, prov.get("source_shards") or {}, src, opts, record_name="config.json")
     rt = runtime(opts, None)
-    census = build_census(src.tensors)
+    census = src.census()
     groups = _groups(census)
     repairs = [r for r in prov.get("repairs") or [] if isinstance(r, dict)]
     by_code: dict[str, list[dict]] = {}

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from mocli import trace
-from mocli.census import build_census
 from mocli.checkpoint import Checkpoint
 from mocli.devices import requested_device
 from mocli.errors import InputError
@@ -75,7 +74,7 @@ def verify_layout(layout: Layout, opts: VerifyOptions, progress: Progress) -> di
     src = open_source(out, manifest.get("provenance") or {}, opts)
     hashes = Hashes(out, inv.wanted, (manifest.get("provenance") or {}).get("source_shards") or {}, src, opts,
                     record_name="")
-    census = build_census(src.tensors)
+    census = src.census()
     found: dict[str, Any] = {"completeness": completeness(manifest, census, ranks)}
     cks = {r: open_converted(layout, rank=r if manifest.get("ranks") else None)
            for r in ranks if r not in inv.broken_ranks}

@@ -89,11 +89,25 @@ class _LayoutParams:
         except serve.ServeError as e:
             raise LayoutMismatch(f"{e}; the manifest is damaged, convert again") from None
         for role, tname in self.roles().items():
-            dtype, shape = shapes[role]
-            p = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-            p.weight_loader = _refuse_loader
-            p.mocli_name = tname
-            layer.register_parameter(role, p)
+            self._param(layer, role, tname, *shapes[role])
+        self._stored_bias(layer, dtypes)
+
+    def _param(self, layer: torch.nn.Module, role: str, tname: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        p = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        p.weight_loader = _refuse_loader
+        p.mocli_name = tname
+        layer.register_parameter(role, p)
+
+    def _stored_bias(self, layer: torch.nn.Module, dtypes: dict) -> None:
+        """A layout that stores the bias in its kernel's form (marlin: padded to Np and permuted) gets a
+        parameter of that shape in place of vLLM's [N] one; the layer still hands it to ``apply``."""
+        tname = self.entry["tensors"].get("bias")
+        bias = getattr(layer, "bias", None)
+        if tname is None or not isinstance(bias, torch.nn.Parameter):
+            return
+        info = self.config.tensor_info(tname)
+        if tuple(info["shape"]) != tuple(bias.shape):
+            self._param(layer, "bias", tname, dtypes[info["dtype"]], tuple(info["shape"]))
 
     @property
     def key(self) -> str:

@@ -33,6 +33,8 @@ CHECKS: dict[ModuleKind, KindCheck] = {
     ModuleKind.NVFP4_LINEAR: KindCheck("nvfp4_linear", torch=False),
     ModuleKind.FP8_MOE: KindCheck("fp8_moe", torch=True),
     ModuleKind.NVFP4_MOE: KindCheck("nvfp4_moe", torch=False),
+    ModuleKind.NVFP4_MARLIN_LINEAR: KindCheck("marlin_linear", torch=False),
+    ModuleKind.NVFP4_MARLIN_MOE: KindCheck("marlin_moe", torch=False),
 }
 
 # Modules checked at once where every check runs in numpy (numpy drops the GIL in its loops, copies and

@@ -41,6 +41,7 @@ class Nvfp4Moe(MoeCase):
     """One NVFP4 MoE layer: source scales, activations, dequantized experts on demand (numpy)."""
 
     kind = ModuleKind.NVFP4_MOE
+    label = EMULATED_MOE  # what the emulated stages report as their kernel
 
     def __init__(self, name: str, ctx: CheckContext) -> None:
         super().__init__(name, ctx)
@@ -180,7 +181,7 @@ class Nvfp4Moe(MoeCase):
             stages.add("gemm1", rel_error(o1, ref1), t1)
             stages.add("gemm2", rel_error(o2, ref2), self.limits.gemm2)
             outs[gid] = (o1, o2, h_true)
-        return EMULATED_MOE, True, stages.errors, stages.result(), outs
+        return self.label, True, stages.errors, stages.result(), outs
 
     def fused(self, fp4, ck, mod):  # pragma: no cover - FlashInfer's fused kernel, sm_100+
         """FlashInfer's fused kernel gives only the layer output: one end-to-end check with routing."""

@@ -1,0 +1,127 @@
+"""vLLM's Marlin layout of NVFP4 weights (SEMANTICS §13.5-§13.6), on raw bytes in numpy.
+
+What ``gptq_marlin_repack(num_bits=4)``, ``marlin_permute_scales`` and ``nvfp4_marlin_process_scales``
+compute at every start of a Marlin NVFP4 layer, written as byte moves. The repack's permutation
+(vLLM's python reference: ``marlin_utils_test.py :: marlin_weights, get_weight_perm``) factors into
+axes of the code indices: with k = 16kt + 8h + 2b + l and n = 64c + 16j + 8blk + a, output row kt holds
+the 32-bit words (c, a, b, j), and word nibble 4l + 2blk + h is code (k, n). An input byte of the
+[N, K/2] weight holds codes (n, 2m) and (n, 2m + 1): l is the nibble of the input byte and h the nibble of
+the output byte, so the repack is a transpose of bytes with nibbles swapped between pairs of them.
+
+Block scales: an 8x8 transpose in every run of 64 (``marlin_permute_scales``), a swap of the middle two
+of every 4 (``view(-1, 4)[:, [0, 2, 1, 3]]``), and a per-code rewrite to unsigned E5M3 (fp16 bits of
+``scale * sf * 2^7``, shifted; under 2 flushed to 0): a 256-entry table per ``sf``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from math import lcm
+
+import numpy as np
+
+from mocli.ops import roundup
+from mocli.ops.fp8 import FP8_MAX, decode_fp8
+
+GROUP = 16  # NVFP4 block size along K
+TILE_N, TILE_K = 64, 128  # Marlin's thread-tile families: (n % 64, k % 128) or (n % 128, k % 64)
+# exponent bias of the scales' unsigned E5M3 form for each activation dtype (nvfp4_marlin_process_global_scale):
+# the global scale is multiplied by 2^(bias - 7)
+EXPONENT_BIAS = {"bfloat16": 126, "float16": 14}
+
+
+def padded_nk(n: int, k: int) -> tuple[int, int]:
+    """(Np, Kp): the cheaper of Marlin's two tile families by (Np * Kp, Np + Kp), the first on a tie
+    (vLLM ``marlin_padded_nk``; K stays a multiple of the 16-element group)."""
+    candidates = ((roundup(n, TILE_N), roundup(k, lcm(TILE_K, GROUP))),
+                  (roundup(n, TILE_K), roundup(k, lcm(TILE_N, GROUP))))
+    return min(candidates, key=lambda nk: (nk[0] * nk[1], nk[0] + nk[1]))
+
+
+def moe_padded_i(i: int, h: int) -> int:
+    """The rank's padded intermediate size of a Marlin MoE layer (``prepare_nvfp4_moe_layer_for_marlin``)."""
+    return roundup(i, 64) if h % 128 == 0 else roundup(i, 128)
+
+
+def repack(w: np.ndarray, np_: int, kp: int) -> np.ndarray:
+    """A packed NVFP4 weight, uint8 [N, K/2] (low nibble first), in Marlin's tile order: uint8
+    [Kp/16, 8 Np] (the bytes of int32 [Kp/16, 2 Np]), zero-padded to [Np, Kp] first."""
+    n, half = w.shape
+    if (n, 2 * half) != (np_, kp):
+        padded = np.zeros((np_, kp // 2), dtype=np.uint8)
+        padded[:n, :half] = w
+        w = padded
+    # w[n, k/2] as [c, j, blk, a, kt, h, b]: n = 64c + 16j + 8blk + a, k/2 = 8kt + 4h + b
+    v = w.reshape(np_ // 64, 4, 2, 8, kp // 16, 2, 4)
+    low, high = v[:, :, :, :, :, 0, :], v[:, :, :, :, :, 1, :]  # h = 0 / 1
+    out = np.empty((np_ // 64, 4, 2, 8, kp // 16, 4, 2), dtype=np.uint8)  # [..., b, l]
+    np.bitwise_or(low & 0x0F, (high & 0x0F) << 4, out=out[..., 0])  # l = 0: low nibbles
+    np.bitwise_or(low >> 4, high & 0xF0, out=out[..., 1])  # l = 1: high nibbles
+    # to [kt, c, a, b, j, l, blk]
+    return np.ascontiguousarray(out.transpose(4, 0, 3, 5, 1, 6, 2)).reshape(kp // 16, 8 * np_)
+
+
+@lru_cache(maxsize=1)
+def _scale_positions() -> np.ndarray:
+    """Source position of each of a run of 64 scales: the 8x8 transpose, then the [0, 2, 1, 3] swap."""
+    out = np.empty(64, dtype=np.int64)
+    for p in range(64):
+        q = 4 * (p // 4) + (0, 2, 1, 3)[p % 4]  # where the swap reads from
+        i, j = divmod(q, 8)  # the transpose: out[8i + j] = in[i + 8j]
+        out[p] = i + 8 * j
+    return out
+
+
+def scale_factor(codes: np.ndarray, a_dtype: str = "bfloat16") -> float:
+    """vLLM ``_nvfp4_compute_scale_factor`` over e4m3 block-scale codes: the power of two that lifts the
+    largest nonzero scale towards 448 (1 for fp16 activations, or where it is 448 already)."""
+    if a_dtype == "float16":
+        return 1.0
+    present = np.bincount(codes.reshape(-1), minlength=256).astype(bool)
+    values = decode_fp8(np.flatnonzero(present).astype(np.uint8))
+    values = values[np.isfinite(values) & (values > 0)]
+    if not len(values) or values.max() >= FP8_MAX:
+        return 1.0
+    return float(2.0 ** np.floor(np.log2(FP8_MAX * np.float32(128) / (values.max() * np.float32(128)))))
+
+
+@lru_cache(maxsize=64)
+def scale_table(sf: float) -> np.ndarray:
+    """uint8 [256]: an e4m3 block-scale code -> its Marlin byte (``nvfp4_marlin_process_scales``): the fp16
+    bits of ``scale * sf * 2^7`` shifted right by 7, 0 where that is under 2 (the block reads as zero)."""
+    half = decode_fp8(np.arange(256, dtype=np.uint8)).astype(np.float16)  # e4m3 -> fp16 is exact
+    with np.errstate(invalid="ignore", over="ignore"):
+        if sf > 1.0:
+            half = (half.astype(np.float32) * np.float32(sf)).astype(np.float16)
+        half = half * np.float16(128)
+        half[~(half >= 2)] = 0  # NaN codes too: a NaN scale never gets this far (DAT001)
+    return ((half.view(np.uint16) >> 7) & 0xFF).astype(np.uint8)
+
+
+def permute_scales(codes: np.ndarray, np_: int, kp: int, table: np.ndarray) -> np.ndarray:
+    """Block-scale codes uint8 [N, K/16] -> Marlin's uint8 [Kp/16, Np]: transposed, zero-padded, permuted
+    in runs of 64, each code rewritten through ``table`` (``scale_table``)."""
+    n, kb = codes.shape
+    s = np.zeros((kp // GROUP, np_), dtype=np.uint8)
+    s[:kb, :n] = table[codes].T
+    return np.ascontiguousarray(s.reshape(-1, 64)[:, _scale_positions()]).reshape(kp // GROUP, np_)
+
+
+def global_scale(s2: np.floating, sf: float, a_dtype: str = "bfloat16") -> np.float32:
+    """``weight_scale_2 * 2^(bias - 7) / sf`` in float32 (``nvfp4_marlin_process_global_scale``): exact,
+    both factors being powers of two."""
+    return np.float32(s2) * np.float32(2.0 ** (EXPONENT_BIAS[a_dtype] - 7)) / np.float32(sf)
+
+
+@lru_cache(maxsize=1)
+def _bias_positions() -> np.ndarray:
+    """``marlin_permute_bias``: each run of 32 read at [2i + j for i in 0..3 for j in (0, 1, 8, 9, 16, 17, 24, 25)]."""
+    return np.array([2 * i + j for i in range(4) for j in (0, 1, 8, 9, 16, 17, 24, 25)], dtype=np.int64)
+
+
+def permute_bias(b: np.ndarray, np_: int) -> np.ndarray:
+    """A bias [N] (any element size, as [N, bytes]) zero-padded to Np and permuted in runs of 32."""
+    n = b.shape[0]
+    out = np.zeros((np_, *b.shape[1:]), dtype=b.dtype)
+    out[:n] = b
+    return np.ascontiguousarray(out.reshape(-1, 32, *b.shape[1:])[:, _bias_positions()]).reshape(out.shape)

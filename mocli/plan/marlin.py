@@ -1,0 +1,247 @@
+"""The marlin target's planners: NVFP4 and W4A16_NVFP4 linears and MoE layers in vLLM's Marlin layout,
+per rank (SEMANTICS §13.5-§13.6, §10 slicing first, then padding and repack per rank).
+
+As vLLM's preparation, with mocli's policy where shards or an expert's w1/w3 disagree on their global
+scale (the max, the others' block scales rescaled: §6/§7, reported). The power-of-two ``scale_factor``
+of each Marlin scale tensor depends on its largest block scale, so planning reads the block scales
+once (their maxima, per rank) before any unit runs; the units then move bytes in numpy
+(``mocli.ops.marlin``), without torch. Activations are BF16 (``ACT_DTYPE``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from mocli.census import Module
+from mocli.engine.units import OutTensor, Piece, Unit, concat_pieces
+from mocli.kinds import ModuleKind, Role
+from mocli.ops import fp8, marlin
+from mocli.plan.context import PlanContext
+from mocli.plan.core import F32, ConvertedModule
+from mocli.plan.dense import QUANT_SUFFIXES, _Dense, check_fp8
+from mocli.plan.moe import _Moe
+from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+from mocli.targets.marlin import REPACK
+
+if TYPE_CHECKING:
+    from mocli.engine.pool import UnitContext
+
+ACT_DTYPE = "bfloat16"  # the activation dtype the scales are built for (fp16 gives other bytes)
+
+
+def _top_code(pc: PlanContext, m: Module, rows: tuple[int, int] | None = None,
+              cols: tuple[int, int] | None = None) -> int:
+    """The largest non-negative, non-NaN e4m3 code of a block-scale slice (codes 0..0x7E order as their
+    values do): read at plan time, for the scale factor."""
+    a = pc.reader.array(m.tensors[WEIGHT_SCALE])
+    a = a[rows[0]:rows[1]] if rows else a
+    a = a[:, cols[0]:cols[1]] if cols else a
+    top = int(a.max()) if a.size else 0
+    return top if top < 0x7F else int(np.where(a < 0x7F, a, 0).max())
+
+
+def _rescaled_top(pc: PlanContext, m: Module, s2, big, **where) -> int:
+    return int(fp8.rescale_block_scales(np.array([[_top_code(pc, m, **where)]], dtype=np.uint8), s2, big)[0, 0])
+
+
+def _unify(pc: PlanContext, s2: list, what: str) -> np.float32:
+    """S2 = max (mocli policy, SEMANTICS §6/§7); the ones below it are counted (``what``: shards or experts)."""
+    big = np.stack(s2).max()
+    rescaled = sum(bool(x != big) for x in s2)
+    counts = pc.plan.unified_scales
+    counts[f"nvfp4_rescaled_{what}"] += rescaled
+    if rescaled:
+        counts["nvfp4_worst_scale_2_ratio"] = max(counts["nvfp4_worst_scale_2_ratio"], float(big / np.stack(s2).min()))
+    return big
+
+
+class _MarlinDense(_Dense):
+    """A linear (a fused group or alone): weight repacked, block scales permuted and rewritten, the
+    global scale ×2^119/sf, per tp rank; a W4A4 source's input scale kept as metadata."""
+
+    def plan(self) -> None:
+        pc, shards = self.pc, self.shards
+        s2 = [pc.scale(m, WEIGHT_SCALE_2) for m in shards]
+        big = _unify(pc, s2, "shards")
+        w4a4 = all(INPUT_SCALE in m.tensors for m in shards)
+        big_a = np.stack([pc.scale(m, INPUT_SCALE) for m in shards]).max() if w4a4 else None
+        weights, bscales = [m.tensors[WEIGHT] for m in shards], [m.tensors[WEIGHT_SCALE] for m in shards]
+        shape, sf = {}, {}
+        for t, sl in self.slices.items():
+            shape[t] = marlin.padded_nk(sl.n, sl.k)
+            sf[t] = marlin.scale_factor(np.array([max(
+                _rescaled_top(pc, m, si, big, rows=(a, b), cols=(sl.cols[0] // 16, sl.cols[1] // 16))
+                for m, si, (a, b) in zip(shards, s2, sl.rows, strict=True))], dtype=np.uint8), ACT_DTYPE)
+        for r in self.ranks:
+            (np_, kp), rows = shape[self.slice_of(r).tp_rank], self.slice_transforms()
+            self.add(r, Role.WEIGHT, "I32", (kp // 16, 2 * np_), [w.name for w in weights],
+                     self.fused + rows + ["marlin_pad", REPACK])
+            self.add(r, Role.WEIGHT_SCALE, "F8_E4M3", (kp // 16, np_), [b.name for b in bscales], self.fused + rows + (
+                ["rescale_to_max_scale_2"] if any(x != big for x in s2) else []) + ["marlin_pad", "marlin_permute_scales",
+                                                                                    "nvfp4_marlin_process_scales"])
+            self.add(r, Role.WEIGHT_GLOBAL_SCALE, "F32", (), self.sources(WEIGHT_SCALE_2), ["max", "* 2^119 / sf"])
+            if w4a4:
+                self.add(r, Role.INPUT_GLOBAL_SCALE, "F32", (), self.sources(INPUT_SCALE), ["max (unused by Marlin)"])
+
+        def run(ctx: UnitContext) -> list[Piece]:
+            bs = [fp8.rescale_block_scales(_checked(ctx, b), si, big) for b, si in zip(bscales, s2, strict=True)]
+            pieces: list[Piece] = []
+            for t, sl in self.slices.items():
+                (np_, kp), (c0, c1) = shape[t], sl.cols
+                w = np.concatenate([ctx.array(e)[a:b, c0 // 2:c1 // 2] for e, (a, b) in zip(weights, sl.rows, strict=True)])
+                codes = np.concatenate([x[a:b, c0 // 16:c1 // 16] for x, (a, b) in zip(bs, sl.rows, strict=True)])
+                out = {Role.WEIGHT: marlin.repack(w, np_, kp),
+                       Role.WEIGHT_SCALE: marlin.permute_scales(codes, np_, kp, marlin.scale_table(sf[t])),
+                       Role.WEIGHT_GLOBAL_SCALE: np.array(marlin.global_scale(big, sf[t], ACT_DTYPE), dtype=F32)}
+                if w4a4:
+                    out[Role.INPUT_GLOBAL_SCALE] = np.array(big_a, dtype=F32)
+                for r in (r for r in self.ranks if self.pc.parallel.tp_rank(r) == t):
+                    pieces += [Piece(self.key(r, role), 0, v) for role, v in out.items()]
+            return pieces + self._bias(ctx, shape)
+
+        self.finish(lambda r: {"padded_n": shape[self.slice_of(r).tp_rank][0], "padded_k": shape[self.slice_of(r).tp_rank][1],
+                               "scale_factor": sf[self.slice_of(r).tp_rank], "act_dtype": ACT_DTYPE},
+                    weights + bscales, run)
+
+    def _plan_bias(self) -> None:
+        """A Marlin bias is padded to Np and permuted (``marlin_permute_bias``)."""
+        biases = self._bias_entries()
+        if not biases:
+            return
+        for r in self.ranks:
+            sl = self.slice_of(r)
+            np_, _ = marlin.padded_nk(sl.n, sl.k)
+            self.add(r, Role.BIAS, biases[0].dtype, (np_,), [b.name for b in biases],
+                     self.fused + self.slice_transforms() + ["marlin_pad", "marlin_permute_bias"])
+            for m in self.pc.plan.modules[-len(self.ranks):]:
+                if m.group == self.pc.parallel.group(r):
+                    m.tensors[str(Role.BIAS)] = f"{self.prefix}.{Role.BIAS}"
+
+    def _bias(self, ctx: UnitContext, shape: dict) -> list[Piece]:
+        biases = self._bias_entries()
+        if not biases:
+            return []
+        whole = [ctx.array(b) for b in biases]  # bytes, one row per element
+        pieces = []
+        for r in self.ranks:
+            sl = self.slice_of(r)
+            rows = np.concatenate([w[a:b] for w, (a, b) in zip(whole, sl.rows, strict=True)])
+            pieces.append(Piece(self.key(r, Role.BIAS), 0, marlin.permute_bias(rows, shape[sl.tp_rank][0])))
+        return pieces
+
+
+def _checked(ctx: UnitContext, entry) -> np.ndarray:
+    raw = ctx.array(entry)
+    check_fp8(raw, entry)
+    return raw
+
+
+class _MarlinMoe(_Moe):
+    """An MoE layer: per expert w13 ([w1; w3], each half padded to Ip: no swap for Marlin) and w2 repacked,
+    their block scales permuted and rewritten with one scale factor per tensor and rank (over the rank's
+    experts, as vLLM computes it over a layer's), the global scales ×2^119/sf per expert."""
+
+    def plan(self) -> None:
+        pc, h = self.pc, self.h
+        s2_1, s2_3, s2_2 = self.per_expert(WEIGHT_SCALE_2)
+        w13_s2 = np.maximum(s2_1, s2_3)
+        for e in range(self.e_count):
+            _unify(pc, [s2_1[e], s2_3[e]], "experts") if s2_1[e] != s2_3[e] else None
+        w4a4 = all(INPUT_SCALE in m.tensors for trio in self.mods for m in trio)
+        self.ip = {r: marlin.moe_padded_i(self.i_r(r), h) for r in self.ranks}
+        self.sf13, self.sf2 = self._scale_factors(s2_1, s2_3, w13_s2)
+        for r in self.ranks:
+            e, ip, st = self.local(r), self.ip[r], self.slice_transforms()
+            self.add(r, Role.W13_WEIGHT, "I32", (e, h // 16, 4 * ip), self.src("gate", WEIGHT, r) + self.src("up", WEIGHT, r),
+                     ["stack_experts"] + st + ["marlin_pad_halves", REPACK])
+            self.add(r, Role.W13_WEIGHT_SCALE, "F8_E4M3", (e, h // 16, 2 * ip), self.src("gate", WEIGHT_SCALE, r)
+                     + self.src("up", WEIGHT_SCALE, r), ["stack_experts"] + st + ["rescale_to_max_scale_2",
+                     "marlin_pad_halves", "marlin_permute_scales", "nvfp4_marlin_process_scales"])
+            self.add(r, Role.W2_WEIGHT, "I32", (e, ip // 16, 2 * h), self.src("down", WEIGHT, r),
+                     ["stack_experts"] + st + ["marlin_pad", REPACK])
+            self.add(r, Role.W2_WEIGHT_SCALE, "F8_E4M3", (e, ip // 16, h), self.src("down", WEIGHT_SCALE, r),
+                     ["stack_experts"] + st + ["marlin_pad", "marlin_permute_scales", "nvfp4_marlin_process_scales"])
+        vectors = {Role.W13_WEIGHT_SCALE_2: (w13_s2, self.sf13, "max(w1, w3) per expert * 2^119 / sf",
+                                             self.src("gate", WEIGHT_SCALE_2) + self.src("up", WEIGHT_SCALE_2)),
+                   Role.W2_WEIGHT_SCALE_2: (s2_2, self.sf2, "* 2^119 / sf", self.src("down", WEIGHT_SCALE_2))}
+        if w4a4:
+            a13, a2 = self.input_scales()
+            vectors |= {Role.W13_INPUT_SCALE: (np.full(self.e_count, a13, dtype=F32), None, "max (unused by Marlin)",
+                                               self.src("gate", INPUT_SCALE) + self.src("up", INPUT_SCALE)),
+                        Role.W2_INPUT_SCALE: (np.full(self.e_count, a2, dtype=F32), None, "max (unused by Marlin)",
+                                              self.src("down", INPUT_SCALE))}
+        for e, (g, u, _) in enumerate(self.mods):
+            self._w13_units(e, g, u, s2_1[e], s2_3[e], w13_s2[e])
+        for e, (_, _, d) in enumerate(self.mods):
+            self._w2_units(e, d)
+        self._vectors(vectors)
+        for r in self.ranks:
+            self.module(r, {"padded_intermediate": self.ip[r], "scale_factor_w13": self.sf13[r],
+                            "scale_factor_w2": self.sf2[r], "act_dtype": ACT_DTYPE})
+
+    def _scale_factors(self, s2_1, s2_3, w13_s2) -> tuple[dict[int, float], dict[int, float]]:
+        """Per rank, vLLM's power-of-two scale factor of w13's and of w2's block scales, from the largest
+        (rescaled) code over the rank's experts and rows."""
+        top13, top2 = {}, {}
+        for r in self.ranks:
+            (e0, e1), (i0, i1) = self.experts[r], self.inter[r]
+            top13[r] = max(max(_rescaled_top(self.pc, g, s2_1[e], w13_s2[e], rows=(i0, i1)),
+                               _rescaled_top(self.pc, u, s2_3[e], w13_s2[e], rows=(i0, i1)))
+                           for e, (g, u, _) in enumerate(self.mods[e0:e1], start=e0))
+            top2[r] = max(_top_code(self.pc, d, cols=(i0 // 16, i1 // 16)) for _, _, d in self.mods[e0:e1])
+        factor = lambda top: marlin.scale_factor(np.array([top], dtype=np.uint8), ACT_DTYPE)  # noqa: E731
+        return {r: factor(t) for r, t in top13.items()}, {r: factor(t) for r, t in top2.items()}
+
+    def _w13_units(self, e: int, g: Module, u: Module, s2_1, s2_3, big) -> None:
+        def halves(ctx: UnitContext, r: int, rows: tuple[int, int], which: str):
+            (i0, i1), ip = rows, self.ip[r]
+            parts = []
+            for m, s2 in ((g, s2_1), (u, s2_3)):  # [w1; w3]: Marlin's act(first half) * second half, no swap
+                src = ctx.array(m.tensors[WEIGHT], i0, i1) if which == "w" else fp8.rescale_block_scales(
+                    _checked(ctx, m.tensors[WEIGHT_SCALE])[i0:i1], s2, big)
+                parts.append(np.pad(src, ((0, ip - (i1 - i0)), (0, 0))))
+            return np.concatenate(parts)
+
+        def weights(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
+            return [marlin.repack(halves(ctx, r, rows, "w"), 2 * self.ip[r], self.h)]
+
+        def scales(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
+            return [marlin.permute_scales(halves(ctx, r, rows, "s"), 2 * self.ip[r], self.h, marlin.scale_table(self.sf13[r]))]
+
+        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], weights)
+        self.expert_unit("w13s", e, Role.W13_WEIGHT_SCALE, [g.tensors[WEIGHT_SCALE], u.tensors[WEIGHT_SCALE]], scales)
+
+    def _w2_units(self, e: int, d: Module) -> None:
+        def weights(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
+            (i0, i1), ip = rows, self.ip[r]
+            return [marlin.repack(np.ascontiguousarray(ctx.array(d.tensors[WEIGHT])[:, i0 // 2:i1 // 2]), self.h, ip)]
+
+        def scales(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
+            (i0, i1), ip = rows, self.ip[r]
+            codes = _checked(ctx, d.tensors[WEIGHT_SCALE])[:, i0 // 16:i1 // 16]
+            return [marlin.permute_scales(codes, self.h, ip, marlin.scale_table(self.sf2[r]))]
+
+        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], weights)
+        self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], scales)
+
+    def _vectors(self, vectors: dict) -> None:
+        """Per-expert [E] vectors of each rank's experts; the global scales with the rank's scale factor."""
+        values: dict = {}
+        for r in self.ranks:
+            e0, e1 = self.experts[r]
+            for role, (v, factors, how, sources) in vectors.items():
+                part = v[e0:e1].astype(F32)
+                if factors is not None:
+                    part = np.array([marlin.global_scale(x, factors[r], ACT_DTYPE) for x in part], dtype=F32)
+                self.add(r, role, "F32", tuple(part.shape), sources if self.pc.parallel.single else
+                         [s for s in sources if self._expert_of(s) in range(e0, e1)], [how])
+                values[self.key(r, role)] = part
+        self.pc.plan.units.append(Unit(f"scales:{self.p}", [], list(values),
+                                       lambda ctx: [Piece(k, 0, v) for k, v in values.items()], torch_free=True))
+
+
+MARLIN_PLANNERS = {ModuleKind.NVFP4_MARLIN_LINEAR: _MarlinDense, ModuleKind.NVFP4_MARLIN_MOE: _MarlinMoe}
+
+__all__ = ["ACT_DTYPE", "MARLIN_PLANNERS", "ConvertedModule", "OutTensor", "QUANT_SUFFIXES", "concat_pieces"]

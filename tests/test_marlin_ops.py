@@ -1,0 +1,92 @@
+"""mocli.ops.marlin's byte moves against vLLM's python reference restated in tests/reference.py (the
+unpacked codes, 16x16 tiles and the 1024-entry permutation; the scales through torch's half), on every
+shape family: unpadded, padded N, padded K, both tile families."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mocli.ops import marlin
+from tests import reference as ref
+
+
+@pytest.mark.parametrize("n,k", [(128, 256), (192, 192), (256, 64 * 3), (64, 128), (100, 48), (512, 1024), (320, 96)])
+def test_repack_is_vllms_reference(n, k):
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    np_, kp = marlin.padded_nk(n, k)
+    got = marlin.repack(w.numpy(), np_, kp)
+    assert got.shape == (kp // 16, 8 * np_)
+    assert np.array_equal(got.view(np.int32), ref.marlin_repack(w, np_, kp).numpy())
+
+
+def test_padding_picks_the_cheaper_family_and_the_first_on_a_tie():
+    assert marlin.padded_nk(192, 192) == (192, 256)  # both cost 192*256 + ... : the first family
+    assert marlin.padded_nk(128, 64) == (128, 64)
+    assert marlin.padded_nk(100, 40) == (128, 64)  # (128, 128) costs more
+    assert marlin.padded_nk(64, 200) == (64, 256)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([(128, 256), (192, 192), (100, 48), (64, 128)]), st.integers(0, 2**31),
+       st.sampled_from([1.0, 2.0, 16.0]))
+def test_scales_are_vllms_reference(shape, seed, sf):
+    n, k = shape
+    g = np.random.default_rng(seed)
+    codes = g.integers(0, 0x7F, (n, k // 16), dtype=np.uint8)  # nonnegative, no NaN: what a checked export holds
+    codes[g.random(codes.shape) < 0.1] = g.integers(0, 9, 1)[0]  # subnormals and zeros: the flush
+    np_, kp = marlin.padded_nk(n, k)
+    got = marlin.permute_scales(codes, np_, kp, marlin.scale_table(sf))
+    assert np.array_equal(got, ref.marlin_scales(torch.from_numpy(codes), np_, kp, sf).numpy())
+
+
+def test_scale_factor_and_global_scale():
+    """sf lifts the largest block scale towards 448 by a power of two (1 where it is 448); the global
+    scale is S2 * 2^119 / sf for BF16 activations, 2^7 for FP16, in float32, exactly."""
+    as_codes = lambda *v: torch.tensor(v).to(torch.float8_e4m3fn).view(torch.uint8).numpy()  # noqa: E731
+    assert marlin.scale_factor(as_codes(448.0, 1.0)) == 1.0
+    assert marlin.scale_factor(as_codes(100.0, 0.0)) == 4.0  # 448 / 100 = 4.48
+    assert marlin.scale_factor(as_codes(0.0)) == 1.0
+    assert marlin.scale_factor(as_codes(1.0), "float16") == 1.0
+    s2 = np.float32(0.00123)
+    assert marlin.global_scale(s2, 4.0) == np.float32(s2 * np.float32(2.0**119) / np.float32(4.0))
+    assert marlin.global_scale(s2, 1.0, "float16") == s2 * np.float32(128)
+
+
+def test_bias_permutation():
+    b = np.arange(64, dtype=np.uint16).view(np.uint8).reshape(64, 2)
+    got = marlin.permute_bias(b, 96).view(np.uint16).reshape(-1)
+    perm = [2 * i + j for i in range(4) for j in (0, 1, 8, 9, 16, 17, 24, 25)]
+    want = np.concatenate([np.arange(64), np.zeros(32, dtype=np.int64)]).reshape(-1, 32)[:, perm].reshape(-1)
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("n,k", [(128, 256), (192, 192), (100, 48), (512, 1024), (320, 96)])
+def test_the_independent_inverses_undo_the_forward(n, k):
+    """targets.marlin_decode (written from the perm list, not from ops.marlin's factoring) give back the
+    source bytes; a nonzero padding code and a swapped pair of words are caught or change the result."""
+    from mocli.targets import marlin_decode as target
+    from mocli.targets.decode import LayoutError
+
+    g = np.random.default_rng(n + k)
+    w = g.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    np_, kp = marlin.padded_nk(n, k)
+    stored = marlin.repack(w, np_, kp)
+    assert np.array_equal(target.decode_weight(stored, n, k, "w"), w)
+    assert np.array_equal(target.decode_weight(stored.view(np.int32), n, k, "w"), w)
+    words = stored.view(np.int32).copy()
+    words[0, [0, 1]] = words[0, [1, 0]]
+    assert not np.array_equal(target.decode_weight(words, n, k, "w"), w) or not words[0, 0] != words[0, 1]
+    if (np_, kp) != (n, k):
+        bad = marlin.repack(np.pad(w, ((0, np_ - n), (0, (kp - k) // 2)), constant_values=0x11), np_, kp)
+        with pytest.raises(LayoutError):
+            target.decode_weight(bad, n, k, "w")
+    # sf makes the largest scale at most 448 (scale_factor): codes up to 448 at sf 1, up to 56 (0x66) at sf 8
+    for sf, top in ((1.0, 0x7F), (8.0, 0x67)):
+        codes = g.integers(0, top, (n, k // 16), dtype=np.uint8)
+        got = target.decode_scales(marlin.permute_scales(codes, np_, kp, marlin.scale_table(sf)), n, k // 16, sf, "s")
+        assert np.array_equal(got, target.flushed(codes, sf)) and (got == 0).any()
