@@ -221,6 +221,11 @@ MARLIN_FAULTS = {
     "swapped-w1-w3": ("qwen3moe-nvfp4-loud", "model.layers.0.mlp.experts", ("w13_weight", "w13_weight_scale"),
                       lambda t: torch.cat([t[..., t.shape[-1] // 2:], t[..., :t.shape[-1] // 2]], dim=-1)),
     "global-scale-2x": ("real-llama-w4a16", "model.layers.0.mlp.down_proj", ("weight_global_scale",), lambda t: t * 2),
+    # every E5M3 scale byte one exponent up (+8: bits 3..7 hold the exponent); zero (flushed) bytes and the
+    # top exponent (+8 would read as fp16 Inf/NaN: a fault anyone sees) left as they are
+    "scale-exponent-off-by-one": ("real-llama-w4a16", "model.layers.0.mlp.gate_up_proj", ("weight_scale",),
+                                  lambda t: torch.where((t.view(torch.uint8) > 0) & (t.view(torch.uint8) < 0xF0),
+                                                        t.view(torch.uint8) + 8, t.view(torch.uint8)).view(t.dtype)),
     # block scales in the order before marlin_permute_scales: every run of 64 transposed back
     "scales-unpermuted": ("real-llama-w4a16", "model.layers.0.self_attn.qkv_proj", ("weight_scale",),
                           lambda t: t.view(torch.uint8).reshape(-1, 8, 8).transpose(1, 2).reshape(t.shape).view(t.dtype)),
@@ -231,7 +236,7 @@ MARLIN_FAULTS = {
 def test_planted_marlin_fault_fails_agreement(models, fault, record_property):
     """A fault in a marlin output's bytes as the engine reads them moves it off the source: measured
     relative rms 0.15 (swapped halves, experts amplified 8x), 0.37 (scales unpermuted in one module),
-    0.40 (a 2x global scale), against the 0.03 tolerance."""
+    0.40 (a 2x global scale), 0.81 (scale bytes one exponent up), against the 0.03 tolerance."""
     label, module, roles, fn = MARLIN_FAULTS[fault]
     out = models.converted(label, MARLIN)
     bad = models.root / f"{label}.marlin.{fault}"

@@ -45,6 +45,8 @@ R, LAYERS, TORCH_UTILS, CONFIG = Requirement, "vllm.model_executor.layers", "vll
 QUANT, LINEAR, MOE, ATTN = f"{LAYERS}.quantization", f"{LAYERS}.linear", f"{LAYERS}.fused_moe", f"{LAYERS}.attention"
 QC, KV, MODELS = f"{QUANT}.base_config", f"{QUANT}.kv_cache", "vllm.model_executor.models.utils"
 LOADER, BASE = "vllm.model_executor.model_loader", "vllm.model_executor.model_loader.base_loader"
+MARLIN_FP4, MARLIN_UTILS = f"{QUANT}.utils.marlin_utils_fp4", f"{QUANT}.utils.marlin_utils"
+DECODED = "marlin outputs run on mocli's decode of their layout (BF16 GEMMs), not on vLLM's Marlin kernels"
 QUANT_METHOD = ("create_weights", "process_weights_after_loading", "apply")  # what both methods.py classes define
 
 REQUIREMENTS: tuple[Requirement, ...] = (
@@ -129,6 +131,14 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     # engine._patch_kv_cache_dtype: vLLM calls the wrapper, the wrapper the original
     R(TORCH_UTILS, "get_kv_cache_quant_algo_string", FUNCTION, ("quant_cfg",), override=True, patched=True,
       fallback="--kv-cache-dtype auto stays BF16: pass --kv-cache-dtype fp8 (or nvfp4) as the source declares"),
+    # serve.marlin on CUDA: the marlin target's stored bytes straight into vLLM's Marlin kernels
+    R(MARLIN_FP4, "apply_fp4_marlin_linear", FUNCTION, ("input", "weight", "weight_scale", "weight_global_scale",
+                                                        "workspace", "size_n", "size_k", "bias"), fallback=DECODED),
+    R(MARLIN_UTILS, "marlin_make_workspace_new", FUNCTION, ("device",), fallback=DECODED),
+    R(f"{MOE}.experts.marlin_moe", "fused_marlin_moe", FUNCTION, (
+        "hidden_states", "w1", "w2", "bias1", "bias2", "w1_scale", "w2_scale", "topk_weights", "topk_ids",
+        "quant_type_id"), kwargs_ok=True, fallback=DECODED),
+    R("vllm.scalar_type", "scalar_types.float4_e2m1f", ATTRIBUTE, fallback=DECODED),
 )
 
 
