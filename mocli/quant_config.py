@@ -140,7 +140,7 @@ def _parse_layers(value: Any, where: str, findings: Findings) -> dict[str, Layer
             continue
         gs = _parse_group_size(spec.get("group_size"), loc, findings)
         if algo in (Algo.NVFP4, Algo.W4A16_NVFP4) and gs is None:
-            findings.add("CFG001", loc, "NVFP4 layer entry has no group_size",
+            findings.add("CFG001", loc, f"{algo} layer entry has no group_size",
                          hint=f"add \"group_size\": {NVFP4_GROUP_SIZE}")
         layers[module] = LayerQuant(algo, gs, spec["quant_algo"])
     return layers

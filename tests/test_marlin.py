@@ -46,7 +46,11 @@ def converted(tmp_path_factory):
     t = load_file(str(small / "model.safetensors"))
     _small_scales(t)
     save_file(t, str(small / "model.safetensors"), metadata={"format": "pt"})
-    sources = {"w4a16-llama": W4A16_LLAMA, "w4a16-qwen": W4A16_QWEN, "qwen": REAL_QWEN, "odd": odd, "small": small}
+    # a MIXED_PRECISION Hopper checkpoint: FP8 attention (the plain FP8 layout), W4A16 experts (Marlin)
+    mixed = make_checkpoint(base / "mixed-src", arch="qwen3_moe", algo="MIXED_PRECISION",
+                            mixed={"self_attn": "FP8", "mlp": "W4A16_NVFP4"})
+    sources = {"w4a16-llama": W4A16_LLAMA, "w4a16-qwen": W4A16_QWEN, "qwen": REAL_QWEN, "odd": odd, "small": small,
+               "mixed": mixed}
     made = {}
     for key, src in sources.items():
         for tp, ep in ((1, 1), (2, 1), (2, 2)):
@@ -65,7 +69,7 @@ def _verify(cli, out):
     return r.exit_code, r.json
 
 
-@pytest.mark.parametrize("key", ["w4a16-llama", "w4a16-qwen", "qwen", "odd", "small"])
+@pytest.mark.parametrize("key", ["w4a16-llama", "w4a16-qwen", "qwen", "odd", "small", "mixed"])
 @pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (2, 2)])
 def test_untouched_marlin_output_passes(cli, converted, key, tp, ep):
     if (key, tp, ep) not in converted:
@@ -74,8 +78,12 @@ def test_untouched_marlin_output_passes(cli, converted, key, tp, ep):
     failed = [(m["module"], m["rank"], m["message"]) for m in report["modules"] if not m["passed"]]
     assert code == 0 and not failed, failed
     kinds = {m["kind"] for m in report["modules"]}
-    assert kinds <= {"nvfp4_marlin_linear", "nvfp4_marlin_moe"} and "nvfp4_marlin_linear" in kinds
-    assert all(m["emulated"] and m["kernel"].startswith("emulated Marlin W4A16") for m in report["modules"])
+    if key == "mixed":
+        assert kinds == {"fp8_linear", "nvfp4_marlin_moe"}, kinds
+    else:
+        assert kinds <= {"nvfp4_marlin_linear", "nvfp4_marlin_moe"} and "nvfp4_marlin_linear" in kinds
+    marlin = [m for m in report["modules"] if "marlin" in m["kind"]]
+    assert marlin and all(m["emulated"] and m["kernel"].startswith("emulated Marlin W4A16") for m in marlin)
     assert not report["layout"]["problems"]
 
 

@@ -90,6 +90,10 @@ SOURCES = {
                                  edits=(add_qk_norms(48),)),
     "qwen3moe-nvfp4-loud": Source("nvfp4", make=dict(arch="qwen3_moe", algo="NVFP4"),
                                   edits=(add_qk_norms(), amplify_experts(8.0))),
+    # MIXED_PRECISION for Hopper: FP8 attention (the FP8 layout), W4A16 experts (Marlin)
+    "qwen3moe-mixed-fp8-w4a16": Source("fp8", make=dict(arch="qwen3_moe", algo="MIXED_PRECISION",
+                                                        mixed={"self_attn": "FP8", "mlp": "W4A16_NVFP4"}),
+                                       edits=(add_qk_norms(),)),
     "llama-nvfp4-bias": Source("nvfp4", make=dict(arch="llama", algo="NVFP4", qkv_bias=True), config={"qkv_bias": True}),
 }
 
@@ -197,7 +201,8 @@ def test_serves_both_targets_and_agrees_with_source(models, label, record_proper
 # --- the marlin target (weight-only NVFP4 in vLLM's Marlin layout) ------------------------------------
 
 MARLIN_CASES = [("real-llama-w4a16", 1, 1), ("real-qwen3moe-w4a16", 1, 1), ("real-qwen3moe-nvfp4", 1, 1),
-                ("mixtral-nvfp4", 1, 1), ("qwen3moe-nvfp4-odd", 1, 1), ("llama-nvfp4-bias", 1, 1)]
+                ("mixtral-nvfp4", 1, 1), ("qwen3moe-nvfp4-odd", 1, 1), ("llama-nvfp4-bias", 1, 1),
+                ("qwen3moe-mixed-fp8-w4a16", 1, 1)]
 MARLIN_PARALLEL = [("real-qwen3moe-w4a16", 2, 2), ("qwen3moe-nvfp4-odd", 2, 1), ("real-llama-w4a16", 2, 1)]
 
 
@@ -208,10 +213,12 @@ def test_marlin_output_serves_and_agrees_with_source(models, label, tp, ep, reco
     stock vLLM serving the source dequantized to BF16. The weights are the same values (blocks under
     2^-6 aside, which the engine reads as zero) and both sides keep BF16 activations, so only summation
     order and BF16 rounding differ: measured relative rms 0.006-0.008 (tp 1 and 2, ep 2), tolerance 0.03,
-    a tenth of W4A4's 0.30; a layout fault (test_planted_marlin_fault_fails_agreement) lands above."""
+    a tenth of W4A4's 0.30; a layout fault (test_planted_marlin_fault_fails_agreement) lands above.
+    A mixed checkpoint's FP8 layers quantize their activations: it is held to the FP8 tolerance (measured
+    0.049)."""
     ref = run_engine(models.reference(label))
     run = run_engine(models.converted(label, MARLIN, tp, ep), tp=max(tp, ep), ep=ep > 1)
-    problems = disagreements(run, reference=ref, fmt="w4a16")
+    problems = disagreements(run, reference=ref, fmt="fp8" if SOURCES[label].fmt == "fp8" else "w4a16")
     assert not problems, problems
     record_property("relative_rms_vs_source", round(relative_rms(run, ref), 4))
 

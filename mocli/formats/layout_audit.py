@@ -8,7 +8,7 @@ bytes can prove (a layout relabelled with every record edited to match) is verif
 - ``config_problems``: config.json against the manifest: its recorded digest, and the layout fields
   both files carry;
 - ``module_problems``: each module's kind, roles and weight transforms are the ones its target writes
-  (``TargetLayout.kinds``, ``roles``, ``row_shuffled_kinds``, ``weight_transform``), and every tensor a
+  (``TargetLayout.kinds``, ``roles``, ``row_shuffled_kinds``, ``weight_transforms``), and every tensor a
   module names is described;
 - ``tensor_problems``: a rank's shards hold exactly the manifest's tensors, with its dtypes and shapes;
 - ``size_problems``: module sizes against config.json's hidden size and expert count.
@@ -98,9 +98,10 @@ def _transform_problems(tname: str, transforms: list, kind: ModuleKind, layout, 
     if (ROW_SHUFFLE in transforms) != shuffled:
         return [f"{tname}{where}: its transforms {transforms} are not those of {layout.target} (rows "
                 f"{'' if shuffled else 'not '}shuffled by {ROW_SHUFFLE})"]
-    if layout.weight_transform is not None and layout.weight_transform not in transforms:
-        return [f"{tname}{where}: its transforms {transforms} lack {layout.weight_transform}, which every "
-                f"{layout.target} weight records"]
+    need = layout.weight_transforms.get(kind)
+    if need is not None and need not in transforms:
+        return [f"{tname}{where}: its transforms {transforms} lack {need}, which every {layout.target} {kind} "
+                "weight records"]
     return []
 
 

@@ -77,9 +77,9 @@ class TargetLayout:
     extra_roles: dict[ModuleKind, frozenset[Role]] = {}
     # The module kinds this target writes (a stored scheme converts to one of them: ``kind_for``)
     kinds: frozenset[ModuleKind] = FLASHINFER_KINDS
-    # The transform every weight of this target's kinds records (None: none in common), which tells a
-    # layout from another that shares its shapes
-    weight_transform: str | None = None
+    # The transform every weight of these kinds records in this target (a kind absent: none required),
+    # which tells a layout from another that shares its shapes
+    weight_transforms: dict[ModuleKind, str] = {}
 
     def roles(self, kind: ModuleKind) -> frozenset[Role]:
         """Every role a module of ``kind`` always holds in this layout, a bias aside."""

@@ -1,5 +1,6 @@
 """marlin: vLLM's Marlin layout of NVFP4 and W4A16_NVFP4 weights (SEMANTICS §13.5-§13.6), the one vLLM
-runs for NVFP4 on sm_75-sm_90 GPUs (Hopper included), where FlashInfer's FP4 kernels do not.
+runs for NVFP4 on sm_75-sm_90 GPUs (Hopper included), where FlashInfer's FP4 kernels do not; FP8 layers
+beside them in the FP8 layout every target shares.
 
 Weight-only: activations stay BF16 (the default; FP16 gives other scale bytes), a W4A4 source's input
 scales are kept as metadata only. The forward byte moves are ``mocli.ops.marlin``'s, the inverses
@@ -9,17 +10,25 @@ scales are kept as metadata only. The forward byte moves are ``mocli.ops.marlin`
 from __future__ import annotations
 
 from mocli.kinds import ModuleKind
-from mocli.schemes import NVFP4, W4A16_NVFP4
-from mocli.targets.base import Constraint, Target, TargetLayout
+from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, NVFP4, W4A16_NVFP4
+from mocli.targets.base import SHARED_CONSTRAINTS, Constraint, Target, TargetLayout
 
 REPACK = "gptq_marlin_repack"  # the transform every Marlin weight records
 
 
+MARLIN_KINDS = frozenset({ModuleKind.NVFP4_MARLIN_LINEAR, ModuleKind.NVFP4_MARLIN_MOE})
+# FP8 layers (a MIXED_PRECISION checkpoint's, beside W4A16 or NVFP4 ones) keep the plain FP8 layout the
+# FlashInfer targets share: Hopper's FP8 tensor cores (torch._scaled_mm, grouped GEMMs) run it as it is
+FP8_KINDS = frozenset({ModuleKind.FP8_LINEAR, ModuleKind.FP8_CHANNEL_LINEAR, ModuleKind.FP8_BLOCK_LINEAR,
+                       ModuleKind.FP8_MOE})
+
+
 class MarlinLayout(TargetLayout):
     target = Target.MARLIN
-    kinds = frozenset({ModuleKind.NVFP4_MARLIN_LINEAR, ModuleKind.NVFP4_MARLIN_MOE})
-    supported = {"linear": frozenset({NVFP4, W4A16_NVFP4}), "moe": frozenset({NVFP4, W4A16_NVFP4})}
-    constraints = tuple(
+    kinds = MARLIN_KINDS | FP8_KINDS
+    supported = {"linear": frozenset({FP8, FP8_CHANNEL, FP8_BLOCK, NVFP4, W4A16_NVFP4}),
+                 "moe": frozenset({FP8, NVFP4, W4A16_NVFP4})}
+    constraints = tuple(c for c in SHARED_CONSTRAINTS if c.scheme is FP8) + tuple(
         # prepare_nvfp4_moe_layer_for_marlin: the hidden size must be a whole number of 64-wide tiles
         Constraint("moe", s, "H", 64, "Marlin's MoE kernel tiles H by 64 (SEMANTICS §13.6)") for s in (NVFP4, W4A16_NVFP4))
-    weight_transform = REPACK
+    weight_transforms = dict.fromkeys(MARLIN_KINDS, REPACK)
