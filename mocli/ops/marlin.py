@@ -43,22 +43,63 @@ def moe_padded_i(i: int, h: int) -> int:
     return roundup(i, 64) if h % 128 == 0 else roundup(i, 128)
 
 
-def repack(w: np.ndarray, np_: int, kp: int) -> np.ndarray:
-    """A packed NVFP4 weight, uint8 [N, K/2] (low nibble first), in Marlin's tile order: uint8
-    [Kp/16, 8 Np] (the bytes of int32 [Kp/16, 2 Np]), zero-padded to [Np, Kp] first."""
-    n, half = w.shape
-    if (n, 2 * half) != (np_, kp):
-        padded = np.zeros((np_, kp // 2), dtype=np.uint8)
-        padded[:n, :half] = w
-        w = padded
-    # w[n, k/2] as [c, j, blk, a, kt, h, b]: n = 64c + 16j + 8blk + a, k/2 = 8kt + 4h + b
-    v = w.reshape(np_ // 64, 4, 2, 8, kp // 16, 2, 4)
-    low, high = v[:, :, :, :, :, 0, :], v[:, :, :, :, :, 1, :]  # h = 0 / 1
-    out = np.empty((np_ // 64, 4, 2, 8, kp // 16, 4, 2), dtype=np.uint8)  # [..., b, l]
-    np.bitwise_or(low & 0x0F, (high & 0x0F) << 4, out=out[..., 0])  # l = 0: low nibbles
-    np.bitwise_or(low >> 4, high & 0xF0, out=out[..., 1])  # l = 1: high nibbles
-    # to [kt, c, a, b, j, l, blk]
-    return np.ascontiguousarray(out.transpose(4, 0, 3, 5, 1, 6, 2)).reshape(kp // 16, 8 * np_)
+# Rows (n) repacked at a time: a block of 64-row groups of about this many source bytes, so that its three
+# passes (nibbles, tiles, the transpose) run in the core's cache rather than at memory speed
+BLOCK_BYTES = 1 << 19
+_LOW64, _HIGH32, _LOW_WORD = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0xF0F0F0F0), np.uint64(0xFFFFFFFF)
+_FOUR64, _SHIFT_28, _SHIFT_32 = np.uint64(4), np.uint64(28), np.uint64(32)
+
+
+def repack(w: np.ndarray, np_: int, kp: int, out: np.ndarray | None = None) -> np.ndarray:
+    """A packed NVFP4 weight, uint8 [N, K/2] (low nibble first, N <= Np, K <= Kp), in Marlin's tile order:
+    uint8 [Kp/16, 8 Np] (the bytes of int32 [Kp/16, 2 Np]), zero-padded to [Np, Kp] first. ``out``: where
+    to write it (a [Kp/16, 8 Np] view whose rows are contiguous: one half of an MoE expert's w13).
+
+    Per block of 64-row groups: the nibble swap on 64-bit words ((h, b) bytes -> (l, b)), the bytes moved
+    into 4-byte words (c, a, b, j, kt | l, blk), then the words transposed to (kt | c, a, b, j)."""
+    kt, groups = kp // 16, np_ // 64
+    res = np.empty((kt, 8 * np_), dtype=np.uint8) if out is None else out
+    words = res.view(np.uint32)  # [kt, 2 Np]
+    per = max(1, min(groups, BLOCK_BYTES // (32 * kp)))
+    a, b, t64 = (np.empty(per * 64 * kt, dtype=np.uint64) for _ in range(3))
+    tiles = np.empty((per, 8, 4, 4, kt, 2, 2), dtype=np.uint8)  # c a b j kt l blk
+    for c0 in range(0, groups, per):
+        c1 = min(groups, c0 + per)
+        rows, m = _rows(w, 64 * c0, 64 * c1, kp // 2), 64 * (c1 - c0) * kt
+        nib = _swap_nibbles(rows.reshape(-1).view(np.uint64), a[:m], b[:m], t64[:m])
+        src = nib.view(np.uint8).reshape(c1 - c0, 4, 2, 8, kt, 2, 4)  # c j blk a kt l b
+        t = tiles[:c1 - c0]
+        for nib_l in range(2):
+            for blk in range(2):
+                t[..., nib_l, blk] = src[:, :, blk, :, :, nib_l, :].transpose(0, 2, 4, 1, 3)
+        words[:, 128 * c0:128 * c1] = t.reshape(-1, 4).view(np.uint32).reshape(-1, kt).T
+    return res
+
+
+def _rows(w: np.ndarray, r0: int, r1: int, width: int) -> np.ndarray:
+    """Rows r0..r1 of ``w`` at ``width`` bytes: a view, or a zero-padded copy where they run past it."""
+    if r1 <= w.shape[0] and w.shape[1] == width:
+        return np.ascontiguousarray(w[r0:r1])
+    block = np.zeros((r1 - r0, width), dtype=np.uint8)
+    part = w[r0:min(r1, w.shape[0])]
+    block[:part.shape[0], :w.shape[1]] = part
+    return block
+
+
+def _swap_nibbles(x: np.ndarray, a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """x: uint64, each the 8 bytes (h, b) of a 16-code group (h = 0 in the low word). Returns (in ``a``)
+    the words of bytes (l, b): byte (l, b) holds the codes (h = 0, h = 1) of its l. Contiguous 64-bit
+    passes with preallocated ``a``, ``b``, ``t`` (1.6x faster than the same on strided 32-bit halves)."""
+    np.bitwise_and(x, _LOW64, out=a)  # the codes l = 0, in place
+    np.right_shift(x, _FOUR64, out=b)
+    np.bitwise_and(b, _LOW64, out=b)  # the codes l = 1, moved to the low nibbles
+    for v in (a, b):  # word h = 1's codes to the high nibbles of word h = 0
+        np.right_shift(v, _SHIFT_28, out=t)
+        np.bitwise_and(t, _HIGH32, out=t)
+        np.bitwise_and(v, _LOW_WORD, out=v)
+        np.bitwise_or(v, t, out=v)
+    np.left_shift(b, _SHIFT_32, out=b)
+    return np.bitwise_or(a, b, out=a)
 
 
 @lru_cache(maxsize=1)
@@ -98,13 +139,25 @@ def scale_table(sf: float) -> np.ndarray:
     return ((half.view(np.uint16) >> 7) & 0xFF).astype(np.uint8)
 
 
-def permute_scales(codes: np.ndarray, np_: int, kp: int, table: np.ndarray) -> np.ndarray:
-    """Block-scale codes uint8 [N, K/16] -> Marlin's uint8 [Kp/16, Np]: transposed, zero-padded, permuted
-    in runs of 64, each code rewritten through ``table`` (``scale_table``)."""
+def permute_scales(codes: np.ndarray, np_: int, kp: int, table: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Block-scale codes uint8 [N, K/16] -> Marlin's uint8 [Kp/16, Np]: zero-padded, each code rewritten
+    through ``table`` (``scale_table``), transposed and permuted in runs of 64 along Np. The run
+    permutation moves whole rows of the codes before the transpose (``_scale_rows``). ``out``: where to
+    write it (a [Kp/16, Np] view whose rows are contiguous)."""
     n, kb = codes.shape
-    s = np.zeros((kp // GROUP, np_), dtype=np.uint8)
-    s[:kb, :n] = table[codes].T
-    return np.ascontiguousarray(s.reshape(-1, 64)[:, _scale_positions()]).reshape(kp // GROUP, np_)
+    rows = _scale_rows(np_)
+    src = np.zeros((np_, kp // GROUP), dtype=np.uint8)
+    src[:n, :kb] = codes
+    res = np.empty((kp // GROUP, np_), dtype=np.uint8) if out is None else out
+    res[...] = np.take(table, np.take(src, rows, axis=0)).T
+    return res
+
+
+@lru_cache(maxsize=16)
+def _scale_rows(np_: int) -> np.ndarray:
+    """Row index into the padded codes of each column of Marlin's scales: column 64c + p holds row
+    64c + ``_scale_positions()[p]``."""
+    return (np.arange(0, np_, 64).reshape(-1, 1) + _scale_positions().reshape(1, 64)).reshape(-1)
 
 
 def global_scale(s2: np.floating, sf: float, a_dtype: str = "bfloat16") -> np.float32:

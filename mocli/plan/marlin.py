@@ -195,35 +195,40 @@ class _MarlinMoe(_Moe):
         return {r: factor(t) for r, t in top13.items()}, {r: factor(t) for r, t in top2.items()}
 
     def _w13_units(self, e: int, g: Module, u: Module, s2_1, s2_3, big) -> None:
-        def halves(ctx: UnitContext, r: int, rows: tuple[int, int], which: str):
-            (i0, i1), ip = rows, self.ip[r]
-            parts = []
-            for m, s2 in ((g, s2_1), (u, s2_3)):  # [w1; w3]: Marlin's act(first half) * second half, no swap
-                src = ctx.array(m.tensors[WEIGHT], i0, i1) if which == "w" else fp8.rescale_block_scales(
-                    _checked(ctx, m.tensors[WEIGHT_SCALE])[i0:i1], s2, big)
-                parts.append(np.pad(src, ((0, ip - (i1 - i0)), (0, 0))))
-            return np.concatenate(parts)
+        """[w1; w3], each half repacked (or its scales permuted) straight into its half of the expert's
+        columns: Ip is a multiple of 64, so Marlin's column groups split there (no swap for Marlin: it
+        computes act(first half) * second half)."""
+        h = self.h
 
         def weights(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
-            return [marlin.repack(halves(ctx, r, rows, "w"), 2 * self.ip[r], self.h)]
+            (i0, i1), ip = rows, self.ip[r]
+            out = np.empty((h // 16, 16 * ip), dtype=np.uint8)
+            for half, m in enumerate((g, u)):
+                marlin.repack(ctx.array(m.tensors[WEIGHT], i0, i1), ip, h, out=out[:, 8 * ip * half:8 * ip * (half + 1)])
+            return [out]
 
         def scales(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
-            return [marlin.permute_scales(halves(ctx, r, rows, "s"), 2 * self.ip[r], self.h, marlin.scale_table(self.sf13[r]))]
+            (i0, i1), ip = rows, self.ip[r]
+            out = np.empty((h // 16, 2 * ip), dtype=np.uint8)
+            for half, (m, s2) in enumerate(((g, s2_1), (u, s2_3))):
+                codes = fp8.rescale_block_scales(_checked(ctx, m.tensors[WEIGHT_SCALE])[i0:i1], s2, big)
+                marlin.permute_scales(codes, ip, h, marlin.scale_table(self.sf13[r]), out=out[:, ip * half:ip * (half + 1)])
+            return [out]
 
-        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], weights)
+        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], weights, compute=True)
         self.expert_unit("w13s", e, Role.W13_WEIGHT_SCALE, [g.tensors[WEIGHT_SCALE], u.tensors[WEIGHT_SCALE]], scales)
 
     def _w2_units(self, e: int, d: Module) -> None:
         def weights(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
             (i0, i1), ip = rows, self.ip[r]
-            return [marlin.repack(np.ascontiguousarray(ctx.array(d.tensors[WEIGHT])[:, i0 // 2:i1 // 2]), self.h, ip)]
+            return [marlin.repack(ctx.array(d.tensors[WEIGHT])[:, i0 // 2:i1 // 2], self.h, ip)]
 
         def scales(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
             (i0, i1), ip = rows, self.ip[r]
             codes = _checked(ctx, d.tensors[WEIGHT_SCALE])[:, i0 // 16:i1 // 16]
             return [marlin.permute_scales(codes, self.h, ip, marlin.scale_table(self.sf2[r]))]
 
-        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], weights)
+        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], weights, compute=True)
         self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], scales)
 
     def _vectors(self, vectors: dict) -> None:

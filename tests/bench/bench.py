@@ -4,7 +4,8 @@
 
 Every line prints both contenders' whole-process seconds (interpreter and torch start-up included),
 the ratio and the goal. The floor is the shared ``floor.py`` (read every tensor with plain
-safetensors and write it back out), run interleaved with mocli in the same rounds; both contenders
+safetensors and write it back out), run interleaved with mocli in the same rounds; beside it, the
+physical anchor ``cp -r --reflink=never`` of the same source files, in the same rounds; all contenders
 start from the same state (their previous output removed before the timer starts). Synthetic
 checkpoints come from the shared ``make_big.py``. A ratio is reported as the median over rounds,
 with every round's value, and whether it meets the goal - including when it does not.
@@ -132,8 +133,14 @@ def mocli(*args: str) -> list[str]:
     return [sys.executable, "-m", "mocli", "-q", *args]
 
 
+# The targets each convert case is written for, and the outputs verify is timed on (against their convert)
+CONVERT_TARGETS = {"NVFP4": ("flashinfer-cutlass", "flashinfer-trtllm", "marlin"),
+                   "FP8": ("flashinfer-cutlass", "flashinfer-trtllm")}
+VERIFIED = {("NVFP4", "flashinfer-trtllm"), ("NVFP4", "marlin")}
+CP_GOAL = 1.25  # convert / cp of the same source bytes (the physical anchor beside the floor)
+
+
 def bench_convert(scratch: Path, rounds: int, device: str, results: list, algos: set[str]) -> None:
-    floor = [sys.executable, str(SHARED / "floor.py")]
     cases = [("NVFP4", lambda: make("moe-nvfp4", scratch / "nvfp4"), 1.0),
              ("FP8", lambda: make("moe-fp8", scratch / "fp8", "--layers", "4"), 1.15)]
     for algo, made, goal in cases:
@@ -141,35 +148,45 @@ def bench_convert(scratch: Path, rounds: int, device: str, results: list, algos:
             continue
         src = made()
         warm(src)
-        v: list[Run] = []
-        for target in ("flashinfer-cutlass", "flashinfer-trtllm"):
-            # a conversion runs on the CPU whatever --device says (it only moves bytes): the same path
-            # under --device cuda, which the GPU machine's figures are taken with
-            a, b = [], []
-            for _ in range(rounds):
-                fresh(scratch / "floor-out")
-                b.append(timed([*floor, str(src), str(scratch / "floor-out")]))
-                fresh(scratch / "out")
-                a.append(timed(mocli("convert", str(src), "-o", str(scratch / "out"), "--target", target,
-                                     "--device", device)))
-                if algo == "NVFP4" and target == "flashinfer-trtllm":
-                    # verify of the output this round's convert wrote, right after it, from the state the
-                    # convert started from: nothing dirty (else it pays for writing back the convert's
-                    # 4 GB beside its own work) and warm memory; paired with that convert
-                    os.sync()
-                    warm_memory()
-                    v.append(timed(mocli("verify", str(scratch / "out"), "--device", device)))
-            results.append(line(f"convert {algo} MoE {size_gib(src):.2f} GiB {target} --device {device} / I/O floor",
-                                a, b, goal))
-        if algo == "NVFP4":
-            results.append(line(f"verify {size_gib(src):.2f} GiB NVFP4 output --device {device} / its convert", v, a,
-                                1.0, "verify", "convert"))
-            if device == "cuda":
-                results.append(line(f"verify {size_gib(src):.2f} GiB NVFP4 output --device cuda, whole process", v,
-                                    None, 10.0, "verify"))
+        gib = size_gib(src)
+        for target in CONVERT_TARGETS[algo]:
+            a, b, c, v = convert_rounds(src, scratch, rounds, device, target, (algo, target) in VERIFIED)
+            what = f"convert {algo} MoE {gib:.2f} GiB {target} --device {device}"
+            results.append(line(f"{what} / I/O floor", a, b, goal))
+            results.append(line(f"{what} / cp", a, c, CP_GOAL, "mocli", "cp"))
+            if v:
+                results.append(line(f"verify {gib:.2f} GiB {algo} {target} output --device {device} / its convert",
+                                    v, a, 1.0, "verify", "convert"))
+            if v and device == "cuda" and target == "flashinfer-trtllm":
+                results.append(line(f"verify {gib:.2f} GiB NVFP4 output --device cuda, whole process", v, None, 10.0,
+                                    "verify"))
                 bench_load(scratch / "out", rounds, results)
-    fresh(scratch / "out")
-    fresh(scratch / "floor-out")
+    for d in ("out", "floor-out", "cp-out"):
+        fresh(scratch / d)
+
+
+def convert_rounds(src: Path, scratch: Path, rounds: int, device: str, target: str,
+                   verify: bool) -> tuple[list[Run], list[Run], list[Run], list[Run]]:
+    """Interleaved rounds of the floor, ``cp`` of the same files, the conversion and (``verify``) verify of
+    that round's output. A conversion runs on the CPU whatever --device says (it only moves bytes): the
+    same path under --device cuda, which the GPU machine's figures are taken with."""
+    floor = [sys.executable, str(SHARED / "floor.py")]
+    a, b, c, v = [], [], [], []
+    for _ in range(rounds):
+        fresh(scratch / "floor-out")
+        b.append(timed([*floor, str(src), str(scratch / "floor-out")]))
+        fresh(scratch / "cp-out")
+        c.append(timed(["cp", "-r", "--reflink=never", str(src), str(scratch / "cp-out")]))
+        fresh(scratch / "out")
+        a.append(timed(mocli("convert", str(src), "-o", str(scratch / "out"), "--target", target, "--device", device)))
+        if verify:
+            # verify of the output this round's convert wrote, right after it, from the state the convert
+            # started from: nothing dirty (else it pays for writing back the convert's 4 GB beside its own
+            # work) and warm memory; paired with that convert
+            os.sync()
+            warm_memory()
+            v.append(timed(mocli("verify", str(scratch / "out"), "--device", device)))
+    return a, b, c, v
 
 
 def bench_load(out: Path, rounds: int, results: list) -> None:
