@@ -1,8 +1,9 @@
 """The marlin layout's inverses: what verify and the serving emulation decode a Marlin module with.
 
-Written from SEMANTICS §13.5's description of vLLM's python reference (16x16 tiles, the 1024-entry
-permutation of ``get_weight_perm(4)``, the scale permutations and the E5M3 form) rather than from the
-forward's factoring (``mocli.ops.marlin``), so a wrong forward transform cannot cancel itself out.
+Written from SEMANTICS §13.5's description of the layout (which code sits in which nibble of which
+word, the scale permutations, the E5M3 form), without ``mocli.ops.marlin``'s code; tests hold them to
+``tests/reference.py``'s restatement of vLLM's python reference (the perm list of ``get_weight_perm(4)``,
+16x16 tiles), so neither a wrong forward nor a wrong inverse of ours can pass by cancelling the other.
 """
 
 from __future__ import annotations
@@ -14,37 +15,61 @@ import numpy as np
 from mocli.numerics import FP8_MAX
 from mocli.targets.decode import LayoutError
 
-
-@lru_cache(maxsize=1)
-def _entry_of_slot() -> np.ndarray:
-    """For each of the 8 nibbles of a Marlin word, which entry of its (i, j) group of ``get_weight_perm``
-    it holds: the perm list's groups of 8 (block 0's four rows, then block 1's) were read at
-    [0, 2, 4, 6, 1, 3, 5, 7]."""
-    return np.array([0, 2, 4, 6, 1, 3, 5, 7])
+# 64-row groups decoded at a time: about this many bytes, so the passes run in the core's cache
+BLOCK_BYTES = 1 << 19
 
 
 def decode_weight(stored: np.ndarray, n: int, k: int, what: str) -> np.ndarray:
     """Marlin words (bytes [Kp/16, 8 Np], or int32 [Kp/16, 2 Np]) -> the packed NVFP4 weight uint8
-    [n, k/2] (low nibble first); the padding rows and columns must be zero codes."""
+    [n, k/2] (low nibble first); the padding rows and columns must be zero codes.
+
+    The layout read as SEMANTICS §13.5 has it: code (k, n) with k = 16 kt + 8h + 2b + l and
+    n = 64c + 16j + 8 blk + a is nibble 4l + 2 blk + h of word (c, a, b, j) of row kt. So per block of
+    64-row groups: the words back to rows (c, a, b, j) with kt inside (pairs of words j = 2 jp + j2 at a
+    time, in 64 x 64 tiles), each word's bytes (l, blk) back to their rows' (c, j, blk, a) places, then
+    each byte pair's nibbles from (l; h) to (h; l)."""
     raw = np.ascontiguousarray(stored).view(np.uint8)
     kt, nbytes = raw.shape
     np_, kp = nbytes // 8, 16 * kt
-    # nibble s of each word: words [kt, c, i, j] of 8 nibbles (i: the perm list's group, j: its 256-block)
-    nib = np.empty((*raw.shape, 2), dtype=np.uint8)
-    np.bitwise_and(raw, 0x0F, out=nib[..., 0])
-    np.right_shift(raw, 4, out=nib[..., 1])
-    slots = nib.reshape(kt, np_ // 64, 32, 4, 8)
-    entries = np.empty_like(slots)
-    entries[..., _entry_of_slot()] = slots  # entry e = 4 * block + r sits in nibble slot s
-    # i = 4 col + q; entry (block, r): row = (2q, 2q + 1, 2q + 8, 2q + 9)[r] = 8 (r // 2) + 2q + r % 2, column =
-    # col + 8 block; a 16x16 tile's (row, column) is code (16 kt + row, 16 (4c + j) + column)
-    e = entries.reshape(kt, np_ // 64, 8, 4, 4, 2, 2, 2)  # [kt, c, col, q, j, block, r//2, r%2]
-    codes = e.transpose(0, 6, 3, 7, 1, 4, 5, 2).reshape(kp, np_)  # [kt, r//2, q, r%2 | c, j, block, col]
-    w = codes.T  # [Np, Kp] codes
-    if bool(w[n:].any()) or bool(w[:n, k:].any()):
+    pairs, out = raw.view(np.uint64), np.empty((np_, kp // 2), dtype=np.uint8)  # pairs: [kt, Np]
+    groups = np_ // 64
+    per = max(1, min(groups, BLOCK_BYTES // (32 * kp)))
+    byrow = np.empty((64 * per, kt), dtype=np.uint64)
+    rows = np.empty((per, 2, 2, 2, 8, kt, 2, 4), dtype=np.uint8)  # c jp j2 blk a kt l b
+    for c0 in range(0, groups, per):
+        c1 = min(groups, c0 + per)
+        cc, block = c1 - c0, np.ascontiguousarray(pairs[:, 64 * c0:64 * c1])
+        for i in range(0, kt, 64):
+            byrow[:64 * cc, i:i + 64] = block[i:i + 64].T
+        src = byrow[:64 * cc].view(np.uint8).reshape(cc, 8, 4, 2, kt, 2, 2, 2)  # c a b jp kt j2 l blk
+        dst = rows[:cc]
+        for nib_l in range(2):
+            for blk in range(2):
+                for b in range(4):  # [c, a, jp, kt, j2] -> [c, jp, j2, a, kt]
+                    dst[:, :, :, blk, :, :, nib_l, b] = src[:, :, b, :, :, :, nib_l, blk].transpose(0, 2, 4, 1, 3)
+        out[64 * c0:64 * c1] = _nibbles_to_k(dst.reshape(64 * cc, kt, 2, 4)).reshape(64 * cc, -1)
+    if bool(out[n:].any()) or bool(out[:n, k // 2:].any()):
         raise LayoutError(f"{what}: Marlin padding is not zero")
-    w = np.ascontiguousarray(w[:n, :k])
-    return (w[:, 0::2] | (w[:, 1::2] << 4)).astype(np.uint8)
+    return out if (n, k // 2) == out.shape else np.ascontiguousarray(out[:n, :k // 2])
+
+
+def _nibbles_to_k(x: np.ndarray) -> np.ndarray:
+    """x: uint8 [r, kt, l, b], byte (l, b) the codes (h = 0 low, h = 1 high) -> [r, kt, h, b], byte (h, b)
+    the codes (l = 0 low, l = 1 high): NVFP4's packing, low nibble first along k. On 64-bit words, each
+    the word l = 0 (low half) and the word l = 1 (high half) of the four bytes b."""
+    v = x.reshape(-1).view(np.uint64)
+    low = v & _NIBBLES  # h = 0 codes of both words
+    high = (v >> _FOUR) & _NIBBLES  # h = 1 codes, moved to the low nibbles
+    out = np.empty_like(v)
+    for part in (low, high):  # the word l = 1's codes into the high nibbles of the word l = 0
+        np.bitwise_or(part & _LOW_WORD, (part >> _SHIFT_28) & _HIGH_NIBBLES_LOW_WORD, out=out)
+        part[...] = out
+    np.bitwise_or(low, high << _SHIFT_32, out=out)
+    return out.view(np.uint8)
+
+
+_NIBBLES, _HIGH_NIBBLES_LOW_WORD, _LOW_WORD = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0xF0F0F0F0), np.uint64(0xFFFFFFFF)
+_FOUR, _SHIFT_28, _SHIFT_32 = np.uint64(4), np.uint64(28), np.uint64(32)
 
 
 @lru_cache(maxsize=1)
@@ -73,22 +98,35 @@ def _code_of_byte(sf: float) -> np.ndarray:
 
 def decode_scales(stored: np.ndarray, n: int, kb: int, sf: float, what: str) -> np.ndarray:
     """Marlin block-scale bytes [Kp/16, Np] -> e4m3 codes uint8 [n, kb] (flushed blocks as code 0);
-    padding must be zero."""
+    padding must be zero. Transposed to rows n first, then each run of 64 rows put back in order."""
     raw = np.ascontiguousarray(stored).view(np.uint8)
-    kt, np_ = raw.shape
-    back = raw.reshape(-1, 64)[:, _scale_slots()].reshape(kt, np_)
-    if bool(back[kb:].any()) or bool(back[:kb, n:].any()):
+    np_ = raw.shape[1]
+    back = np.take(np.ascontiguousarray(raw.T), _natural_rows(np_), axis=0)  # [Np, Kp/16]
+    if bool(back[n:].any()) or bool(back[:n, kb:].any()):
         raise LayoutError(f"{what}: Marlin scale padding is not zero")
-    return np.ascontiguousarray(_code_of_byte(sf)[back[:kb, :n]].T)
+    return np.take(_code_of_byte(sf), back[:n, :kb])
+
+
+@lru_cache(maxsize=16)
+def _natural_rows(np_: int) -> np.ndarray:
+    """The stored column of each natural n: in every run of 64, ``_scale_slots``."""
+    return (np.arange(0, np_, 64).reshape(-1, 1) + _scale_slots().reshape(1, 64)).reshape(-1)
 
 
 def flushed(codes: np.ndarray, sf: float) -> np.ndarray:
     """The e4m3 block-scale codes a Marlin layout holds for ``codes``: those under 2^-6 once scaled by
     ``sf`` become 0 (SEMANTICS §13.5: the kernel reads them as zero blocks)."""
+    return np.take(_flush_table(sf), codes)
+
+
+@lru_cache(maxsize=64)
+def _flush_table(sf: float) -> np.ndarray:
+    """uint8 [256]: a code -> itself where its scale times ``sf`` is at least 2^-6, else 0."""
     from mocli.numerics.in_numpy import E4M3
 
-    keep = E4M3[codes] * np.float32(sf) >= np.float32(2.0**-6)
-    return np.where(keep, codes, np.uint8(0))
+    codes = np.arange(256, dtype=np.uint8)
+    with np.errstate(invalid="ignore"):
+        return np.where(E4M3 * np.float32(sf) >= np.float32(2.0**-6), codes, np.uint8(0))
 
 
 def decode_bias(stored: np.ndarray, n: int, what: str) -> np.ndarray:
