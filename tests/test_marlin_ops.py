@@ -24,6 +24,23 @@ def test_repack_is_vllms_reference(n, k):
     assert np.array_equal(got.view(np.int32), ref.marlin_repack(w, np_, kp).numpy())
 
 
+@pytest.mark.parametrize("n,k", [(128, 256), (192, 192), (100, 48), (320, 96), (1024, 4096)])
+def test_decode_undoes_vllms_reference(n, k):
+    """verify's and serving's inverse (targets.marlin_decode) against vLLM's python repack restated, not
+    against mocli's forward: a decode that shared the forward's mistake could not pass here."""
+    from mocli.targets import marlin_decode
+
+    g = torch.Generator().manual_seed(n + 3 * k)
+    w = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    np_, kp = marlin.padded_nk(n, k)
+    stored = ref.marlin_repack(w, np_, kp).numpy()
+    assert np.array_equal(marlin_decode.decode_weight(stored, n, k, "w"), w.numpy())
+    for sf, top in ((1.0, 0x7F), (8.0, 0x67)):  # sf 8 only where no scale is over 56 (scale_factor)
+        codes = torch.randint(0, top, (n, k // 16), generator=g, dtype=torch.uint8)
+        got = marlin_decode.decode_scales(ref.marlin_scales(codes, np_, kp, sf).numpy(), n, k // 16, sf, "s")
+        assert np.array_equal(got, marlin_decode.flushed(codes.numpy(), sf))
+
+
 def test_padding_picks_the_cheaper_family_and_the_first_on_a_tie():
     assert marlin.padded_nk(192, 192) == (192, 256)  # both cost 192*256 + ... : the first family
     assert marlin.padded_nk(128, 64) == (128, 64)
