@@ -35,6 +35,8 @@ CODES: dict[str, tuple[Severity, str]] = {
     "TNS005": (Severity.ERROR, "stored scheme differs from the configured algorithm"),
     "TNS006": (Severity.ERROR, "MoE experts inconsistent (missing expert or mismatched shapes)"),
     "TNS007": (Severity.ERROR, "static input_scale stored under a dynamic activation scheme"),
+    # the KV cache (SEMANTICS §16)
+    "KVC001": (Severity.ERROR, "affine KV-cache quantization (k_bias / v_bias), which no engine consumes"),
     # SGLang 0.5.23's reading (validate --engine sglang|all; mocli.engines.sglang)
     "SGL001": (Severity.ERROR, "SGLang builds a module quantized that is stored unquantized"),
     "SGL002": (Severity.ERROR, "SGLang builds a module unquantized that is stored quantized"),

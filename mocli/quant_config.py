@@ -64,7 +64,7 @@ class QuantConfig:
     def algo_for(self, module: str) -> Algo | None:
         """The configured algorithm of one checkpoint module (None: unquantized under MIXED_PRECISION)."""
         if self.algo is Algo.MIXED_PRECISION:
-            lq = self.quantized_layers.get(module)
+            lq = self.quantized_layers.get(module) or self.quantized_layers.get(_experts_container(module))
             return lq.algo if lq else None
         return self.algo
 
@@ -81,6 +81,13 @@ class QuantConfig:
             "quant_method": self.method,
             "activation_scheme": ("dynamic" if self.dynamic_activations else "static") if self.method == "fp8" else None,
         }
+
+
+def _experts_container(module: str) -> str:
+    """``<layer>.experts`` of an expert's projection ``<layer>.experts.<e>.<proj>``: the name ModelOpt 0.47
+    lists MoE experts under in MIXED_PRECISION (the FusedMoE prefix vLLM asks about), else ""."""
+    parts = module.rsplit(".", 2)
+    return parts[0] if len(parts) == 3 and parts[1].isdigit() and parts[0].endswith(".experts") else ""
 
 
 def _is_int(v: Any) -> bool:
@@ -195,15 +202,20 @@ def parse_hf_quant_config(raw: Any, findings: Findings) -> QuantConfig | None:
     return cfg
 
 
+KV_ALGOS = ("FP8", "NVFP4", "NVFP4_AFFINE")  # the KV-cache algorithms ModelOpt 0.47 writes
+
+
 def _kv_from_scheme(scheme: Any, where: str, findings: Findings) -> str | None:
+    """config.json's ``kv_cache_scheme``: an object ({num_bits 8 | 4, type float}, SEMANTICS §16.1) or, as
+    ModelOpt 0.47 writes NVFP4 KV, the algorithm's name as a bare string."""
     if scheme is None:
         return None
-    if not isinstance(scheme, dict):
-        findings.add("CFG002", where, "kv_cache_scheme must be an object")
-        return None
-    if scheme.get("num_bits") == 8 and scheme.get("type") == "float":
-        return "FP8"
-    findings.add("CFG003", where, f"unknown kv_cache_scheme {scheme}", hint="ModelOpt writes FP8 as {num_bits: 8, type: float}")
+    if isinstance(scheme, str) and scheme.upper() in KV_ALGOS:
+        return scheme.upper()
+    if isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") in (8, 4):
+        return "FP8" if scheme["num_bits"] == 8 else "NVFP4"
+    findings.add("CFG003", where, f"unknown kv_cache_scheme {_show(scheme)}",
+                 hint='ModelOpt writes {"num_bits": 8, "type": "float"} (FP8) or "NVFP4"')
     return None
 
 

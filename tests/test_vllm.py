@@ -70,6 +70,10 @@ class Source:
 SOURCES = {
     "real-llama-fp8": Source("fp8", real=REAL_LLAMA),
     "real-qwen3moe-nvfp4": Source("nvfp4", real=REAL_QWEN),
+    "real-qwen3moe-nvfp4-nvfp4kv": Source("nvfp4", real=REAL / "qwen3_moe-nvfp4-nvfp4_kv"),
+    # ModelOpt 0.47 MIXED_PRECISION MoE: FP8 attention, NVFP4 experts listed under their container
+    "real-qwen3moe-mixed": Source("nvfp4", real=REAL / "qwen3_moe-mixed"),
+    "real-mixtral-mixed": Source("nvfp4", real=REAL / "mixtral-mixed"),
     "llama-fp8-channel": Source("fp8", make=dict(arch="llama", algo="FP8_PER_CHANNEL_PER_TOKEN")),
     "llama-fp8-block": Source("fp8", make=dict(arch="llama", algo="FP8_PB_WO")),
     "llama-nvfp4": Source("nvfp4", make=dict(arch="llama", algo="NVFP4")),
@@ -255,6 +259,27 @@ def test_planted_marlin_fault_fails_agreement(models, fault, record_property):
     run, ref = run_engine(bad), run_engine(models.reference(label))
     problems = disagreements(run, reference=ref, fmt="w4a16")
     assert any(p.startswith("source reference") for p in problems), problems
+    record_property("relative_rms_vs_source", round(relative_rms(run, ref), 4))
+
+
+# --- what ModelOpt 0.47 exports ------------------------------------------------------------------------
+
+EXPORTS_047 = [("real-qwen3moe-mixed", CUTLASS, 1, 1), ("real-mixtral-mixed", TRTLLM, 1, 1),
+               ("real-qwen3moe-mixed", MARLIN, 1, 1)]
+EXPORTS_047_PARALLEL = [("real-mixtral-mixed", CUTLASS, 2, 2), ("real-qwen3moe-mixed", TRTLLM, 2, 1)]
+
+
+@pytest.mark.parametrize("label,target,tp,ep", EXPORTS_047 + [pytest.param(*c, marks=pytest.mark.slow)
+                                                              for c in EXPORTS_047_PARALLEL],
+                         ids=[f"{c[0]}-{c[1]}-tp{c[2]}-ep{c[3]}" for c in EXPORTS_047 + EXPORTS_047_PARALLEL])
+def test_modelopt_047_mixed_moe_serves(models, label, target, tp, ep, record_property):
+    """MIXED_PRECISION MoE as ModelOpt 0.47 writes it (validate no longer refuses it) serves through the plugin
+    and agrees with the BF16 source: FP8 attention and NVFP4 experts held to the NVFP4 tolerance, W4A16
+    (marlin) experts too."""
+    ref = run_engine(models.reference(label))
+    run = run_engine(models.converted(label, target, tp, ep), tp=max(tp, ep), ep=ep > 1)
+    problems = disagreements(run, reference=ref, fmt="nvfp4")
+    assert not problems, problems
     record_property("relative_rms_vs_source", round(relative_rms(run, ref), 4))
 
 
@@ -523,6 +548,23 @@ def test_kv_cache_scales_load_as_modelopt_does(models):
     bf16_kv = run_engine(out)
     assert torch.isfinite(fp8_kv.logprobs).all()
     assert relative_rms(fp8_kv, bf16_kv) <= FORMAT_TOLERANCE["fp8"]
+
+
+def test_nvfp4_kv_cache_is_refused_on_the_cpu_build_and_served_with_bf16(models):
+    """ModelOpt 0.47's NVFP4 KV cache (config.json's bare "NVFP4"): the manifest declares nvfp4 (vLLM's own
+    mapping), --kv-cache-dtype auto picks it, and vLLM's CPU build would attend over bytes it does not
+    decode (measured: 1.04 relative rms from the BF16-cache run, tokens unrelated): the plugin refuses
+    it in one line. With --kv-cache-dtype bfloat16 the same output serves and agrees with the source."""
+    from mocli.vllm_plugin.checks import LayoutMismatch
+
+    label = "real-qwen3moe-nvfp4-nvfp4kv"
+    out = models.converted(label)
+    assert json.loads((out / "mocli-layout.json").read_text())["serving"]["vllm"]["kv_cache_dtype"] == "nvfp4"
+    err = engine_error(out, kv_cache_dtype="auto")
+    assert isinstance(err, LayoutMismatch) and "cannot run an NVFP4 KV cache" in str(err), repr(err)
+    assert "--kv-cache-dtype bfloat16" in str(err) and "\n" not in str(err)
+    run, ref = run_engine(out), run_engine(models.reference(label))
+    assert not disagreements(run, reference=ref, fmt="nvfp4")
 
 
 def _kv_state(model):

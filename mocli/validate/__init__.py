@@ -26,7 +26,7 @@ from mocli.validate.exclusion import check_exclusions, check_mixed_layers, decla
 from mocli.validate.parallel import check_parallel
 from mocli.validate.scale import check_scales
 from mocli.validate.target import check_target
-from mocli.validate.tensor import check_tensors
+from mocli.validate.tensor import check_kv_cache, check_tensors
 
 
 @dataclass
@@ -85,6 +85,7 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
 
         sglang.check(sglang_config(ckpt), census, ckpt.architecture, findings)
     check_tensors(quant, census, declared, findings)
+    check_kv_cache(quant, ckpt.tensors, findings)
     scales = scales if scales is not None else read_scales(census)
     report.stats["scales"] = check_scales(scales, census, findings)
     report.stats["scale_names"] = list(scales) if deep else []

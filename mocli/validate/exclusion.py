@@ -28,8 +28,11 @@ def declared_quantized(quant: QuantConfig, census: Census, findings: Findings) -
 
 
 def check_mixed_layers(quant: QuantConfig, census: Census, findings: Findings) -> None:
+    """Every ``quantized_layers`` key names a module, or an MoE layer's experts container (ModelOpt 0.47
+    lists experts once per layer under the FusedMoE prefix, e.g. ``model.layers.0.mlp.experts``)."""
+    layers = {layer.name for layer in census.moe}
     for module in quant.quantized_layers:
-        if module not in census.modules:
+        if module not in census.modules and module not in layers:
             findings.add("CFG006", f"quantized_layers.{module}", "no such module in the checkpoint",
                          hint="module names must match the checkpoint's tensor prefixes")
 

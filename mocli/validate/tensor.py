@@ -150,3 +150,17 @@ def _check_moe_layer(layer: MoELayer, findings: Findings) -> None:
     if len(gate) == 1 and len(up) == 1 and set(gate) != set(up):
         findings.add("TNS006", layer.name, f"gate {list(next(iter(gate)))} and up {list(next(iter(up)))} "
                      "projections differ in shape", hint="gate and up projections must share shapes")
+
+
+KV_BIASES = (".k_bias", ".v_bias")  # NVFP4_AFFINE's (ModelOpt 0.47, SEMANTICS §16.1)
+
+
+def check_kv_cache(quant: QuantConfig, names, findings: Findings) -> None:
+    """NVFP4_AFFINE KV caches (the config's algorithm, or k_bias / v_bias tensors) are refused: vLLM 0.33's
+    ModelOpt KV method reads k_scale / v_scale only and no engine path consumes the biases (SEMANTICS §16.3)."""
+    biases = sorted(n for n in names if n.endswith(KV_BIASES))
+    algo = (quant.kv_cache_algo or "") if quant is not None else ""
+    if algo == "NVFP4_AFFINE" or biases:
+        findings.add("KVC001", biases[0] if biases else "kv_cache_quant_algo",
+                     f"the KV cache is quantized {algo or 'with biases'}" + (f" ({len(biases)} bias tensors)" if biases else ""),
+                     hint="re-export with NVFP4_KV_CFG or FP8_KV_CFG (scales only): engines ignore or refuse the biases")

@@ -118,6 +118,10 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     R(CONFIG, "VllmConfig.load_config", ATTRIBUTE),  # engine.prepare: the load format
     R(CONFIG, "VllmConfig.quant_config", ATTRIBUTE),  # engine.prepare: MocliConfig, manifest read
     R(CONFIG, "VllmConfig.parallel_config", ATTRIBUTE),  # engine.prepare: checked against the layout
+    R(CONFIG, "VllmConfig.cache_config", ATTRIBUTE),  # engine.prepare: an NVFP4 KV cache on the CPU refused
+    R(CONFIG, "CacheConfig.cache_dtype", ATTRIBUTE),  # engine._check_kv_cache, engine._log_rules
+    R(CONFIG, "VllmConfig.device_config", ATTRIBUTE),  # engine._check_kv_cache
+    R(CONFIG, "DeviceConfig.device_type", ATTRIBUTE),  # engine._check_kv_cache: "cpu" on vLLM's CPU build
     R(CONFIG, "ModelConfig.quantization", ATTRIBUTE),  # engine.create_engine_config: "mocli"?
     R(CONFIG, "ModelConfig.model", ATTRIBUTE),  # engine.prepare, MocliModelLoader: the directory or repo id
     R(CONFIG, "ModelConfig.revision", ATTRIBUTE),  # MocliModelLoader: the Hub revision

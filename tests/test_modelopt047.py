@@ -1,0 +1,92 @@
+"""What ModelOpt 0.47 exports, read as the engines read it (fixtures/real, made with nvidia-modelopt 0.47.0):
+NVFP4 KV caches (config.json's bare "NVFP4"), MIXED_PRECISION MoE (experts listed once per layer under
+the FusedMoE container, no exclude_modules), without false refusals; affine KV caches refused (KVC001)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors import safe_open
+
+from mocli.census import build_census
+from mocli.checkpoint import open_checkpoint
+from mocli.findings import Findings
+from mocli.quant_config import parse_config_json
+from tests.conftest import REAL
+
+NVFP4_KV = ["qwen3_moe-nvfp4-nvfp4_kv", "llama-fp8-nvfp4_kv"]
+MIXED_MOE = ["qwen3_moe-mixed", "mixtral-mixed"]
+
+
+def _tensors(d) -> dict:
+    out = {}
+    for f in sorted(d.rglob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out |= {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
+    return out
+
+
+@pytest.mark.parametrize("name", NVFP4_KV)
+def test_nvfp4_kv_export_converts_with_its_scales_passed_through(cli, tmp_path, name):
+    src = REAL / name
+    r = cli("--json", "validate", src, "--engine", "vllm")
+    assert r.exit_code == 0 and r.json["findings"] == [], r.json["findings"]
+    assert cli("--json", "inspect", src).json["kv_cache_quant_algo"] == "NVFP4"
+    out = tmp_path / "o"
+    assert cli("convert", src, "-o", out, "--target", "flashinfer-cutlass", "--tp", 2).exit_code == 0
+    manifest = json.loads((out / "mocli-layout.json").read_text())
+    assert manifest["serving"]["vllm"]["kv_cache_dtype"] == "nvfp4"  # vLLM's own map: nvfp4 -> "nvfp4"
+    s, o = _tensors(src), _tensors(out)
+    kv = [n for n in s if n.endswith((".k_scale", ".v_scale"))]
+    assert len(kv) == 4 and all(o[n].dtype == s[n].dtype and o[n].equal(s[n]) for n in kv)
+    assert cli("verify", out).exit_code == 0
+
+
+@pytest.mark.parametrize("scheme,algo", [("NVFP4", "NVFP4"), ("nvfp4", "NVFP4"), ({"num_bits": 4, "type": "float"}, "NVFP4"),
+                                         ({"num_bits": 8, "type": "float", "dynamic": False}, "FP8"), ("FP8", "FP8")])
+def test_kv_cache_scheme_spellings(scheme, algo):
+    findings = Findings()
+    cfg = parse_config_json({"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
+                                                     "kv_cache_scheme": scheme}}, findings)
+    assert cfg.kv_cache_algo == algo and not findings
+
+
+def test_unknown_kv_cache_scheme_is_named():
+    findings = Findings()
+    parse_config_json({"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
+                                               "kv_cache_scheme": {"num_bits": 4, "type": "int"}}}, findings)
+    assert [f.code for f in findings] == ["CFG003"]
+
+
+@pytest.mark.parametrize("name", MIXED_MOE)
+def test_mixed_precision_moe_as_modelopt_047_writes_it(cli, tmp_path, name):
+    """Experts configured by their layer's container entry (``…experts``: NVFP4), attention per module
+    (FP8), routers and lm_head listed nowhere (unquantized): validate is clean, every target converts and
+    verifies."""
+    src = REAL / name
+    ckpt = open_checkpoint(src)
+    assert not ckpt.quant.exclude_modules and any(k.endswith(".experts") for k in ckpt.quant.quantized_layers)
+    census = build_census(ckpt.tensors, configured=ckpt.quant.algo_for)
+    assert {str(s) for layer in census.moe for s in layer.schemes} == {"NVFP4"}
+    r = cli("--json", "validate", src)
+    assert r.exit_code == 0 and r.json["findings"] == [], r.json["findings"]
+    for target in ("flashinfer-cutlass", "flashinfer-trtllm", "marlin"):
+        out = tmp_path / target
+        assert cli("convert", src, "-o", out, "--target", target).exit_code == 0
+        assert cli("verify", out).exit_code == 0
+
+
+def test_a_container_entry_removed_leaves_the_experts_declared_unquantized(cli, tmp_path):
+    """Without its container entry vLLM builds the MoE layer unquantized: the stored NVFP4 experts are then
+    an error, as for any module the config declares unquantized."""
+    src = shutil.copytree(REAL / "qwen3_moe-mixed", tmp_path / "src")
+    for f, key in (("hf_quant_config.json", "quantization"), ("config.json", "quantization_config")):
+        data = json.loads((src / f).read_text())
+        data[key]["quantized_layers"].pop("model.layers.0.mlp.experts")
+        (src / f).write_text(json.dumps(data))
+    r = cli("--json", "validate", src)
+    assert r.exit_code == 1
+    assert {f["code"] for f in r.json["findings"] if f["severity"] == "error"} == {"EXC003"}
+    assert all("model.layers.0.mlp.experts" in f["location"] for f in r.json["findings"])
