@@ -35,6 +35,9 @@ class Algo(StrEnum):
 
 
 NVFP4_GROUP_SIZE = 16
+MXFP8_GROUP_SIZE = 32
+# the block size each block-scaled algorithm's group_size must name (its scheme's, mocli.schemes)
+GROUP_SIZES = {Algo.NVFP4: NVFP4_GROUP_SIZE, Algo.W4A16_NVFP4: NVFP4_GROUP_SIZE, Algo.MXFP8: MXFP8_GROUP_SIZE}
 
 
 @dataclass(frozen=True)
@@ -105,15 +108,18 @@ def _parse_algo(value: Any, where: str, key: str, findings: Findings) -> Algo | 
     return algo
 
 
-def _parse_group_size(value: Any, where: str, findings: Findings) -> int | None:
+def _parse_group_size(value: Any, where: str, findings: Findings, algo: Algo | None = None) -> int | None:
+    """A group_size, which must be the block size of ``algo`` (NVFP4 where it is not block-scaled: what a
+    config without a known algorithm most likely means)."""
     if value is None:
         return None
     if not _is_int(value):
         findings.add("CFG002", where, f"group_size must be an integer, got {value!r}")
         return None
-    if value != NVFP4_GROUP_SIZE:
+    want = GROUP_SIZES.get(algo, NVFP4_GROUP_SIZE)
+    if value != want:
         findings.add("CFG002", where, f"group_size {value} is not supported",
-                     hint=f"NVFP4 uses blocks of {NVFP4_GROUP_SIZE}")
+                     hint=f"{algo if algo in GROUP_SIZES else 'NVFP4'} uses blocks of {want}")
     return value
 
 
@@ -145,10 +151,10 @@ def _parse_layers(value: Any, where: str, findings: Findings) -> dict[str, Layer
         if algo is Algo.MIXED_PRECISION:
             findings.add("CFG003", loc, "a layer cannot itself be MIXED_PRECISION")
             continue
-        gs = _parse_group_size(spec.get("group_size"), loc, findings)
-        if algo in (Algo.NVFP4, Algo.W4A16_NVFP4) and gs is None:
+        gs = _parse_group_size(spec.get("group_size"), loc, findings, algo)
+        if algo in GROUP_SIZES and gs is None:
             findings.add("CFG001", loc, f"{algo} layer entry has no group_size",
-                         hint=f"add \"group_size\": {NVFP4_GROUP_SIZE}")
+                         hint=f"add \"group_size\": {GROUP_SIZES[algo]}")
         layers[module] = LayerQuant(algo, gs, spec["quant_algo"])
     return layers
 
@@ -186,7 +192,7 @@ def parse_hf_quant_config(raw: Any, findings: Findings) -> QuantConfig | None:
         findings.add("CFG002", where, "kv_cache_quant_algo must be a string or null")
     else:
         cfg.kv_cache_algo = kv.upper() if kv else None
-    cfg.group_size = _parse_group_size(q.get("group_size"), where, findings)
+    cfg.group_size = _parse_group_size(q.get("group_size"), where, findings, cfg.algo)
     cfg.exclude_modules = _parse_exclude(q.get("exclude_modules"), where, "exclude_modules", findings)
     if cfg.algo in (Algo.NVFP4, Algo.W4A16_NVFP4):
         # vLLM's ModelOptNvFp4Config.from_config refuses the checkpoint without these keys.
