@@ -31,7 +31,7 @@ install-vllm:
 
 # The plugin's engine tests (tests/test_vllm.py, marker vllm): about 7 minutes on 2 cores.
 test-vllm:
-	$(VLLM_VENV)/bin/python -m pytest -m vllm tests/test_vllm.py tests/test_vllm_marlin.py
+	$(VLLM_VENV)/bin/python -m pytest -m vllm tests/test_vllm.py tests/test_vllm_marlin.py tests/test_vllm_mxfp8.py
 
 # The plugin against the released source of every vLLM it supports (0.32.0, 0.33.0): each name and
 # signature it uses, read with ast, no vLLM installed and no CUDA. Downloads the two wheels once (~660 MB)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, NVFP4, W4A16_NVFP4, Scheme
+from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, MXFP8, NVFP4, W4A16_NVFP4, Scheme
 
 
 class ModuleKind(StrEnum):
@@ -22,6 +22,8 @@ class ModuleKind(StrEnum):
     # vLLM's Marlin layout of NVFP4 weights (weight-only GEMMs, BF16/FP16 activations: SEMANTICS §13)
     NVFP4_MARLIN_LINEAR = "nvfp4_marlin_linear"
     NVFP4_MARLIN_MOE = "nvfp4_marlin_moe"
+    # MXFP8 (e4m3 weights, an E8M0 scale per 32 along K; activations quantized the same way at run time: §14)
+    MXFP8_LINEAR = "mxfp8_linear"
 
 
 class Role(StrEnum):
@@ -93,6 +95,7 @@ KINDS: dict[ModuleKind, KindSpec] = {k.kind: k for k in (
           Role.INPUT_SCALE, Role.ALPHA, Role.INPUT_SCALE_INV),
     _spec(ModuleKind.FP8_MOE, FP8, True, *_FP8_MOE_ROLES),
     _spec(ModuleKind.NVFP4_MOE, NVFP4, True, *_NVFP4_MOE_ROLES),
+    _spec(ModuleKind.MXFP8_LINEAR, MXFP8, False, Role.WEIGHT, Role.WEIGHT_SCALE),
     KindSpec(ModuleKind.NVFP4_MARLIN_LINEAR, NVFP4, False,
              frozenset({Role.WEIGHT, Role.WEIGHT_SCALE, Role.WEIGHT_GLOBAL_SCALE}), also=(W4A16_NVFP4,),
              optional=frozenset({Role.INPUT_GLOBAL_SCALE})),
@@ -103,7 +106,7 @@ KINDS: dict[ModuleKind, KindSpec] = {k.kind: k for k in (
 )}
 # The kinds the FlashInfer targets write (marlin writes its own: ``targets.marlin``)
 FLASHINFER_KINDS = frozenset({ModuleKind.FP8_LINEAR, ModuleKind.FP8_CHANNEL_LINEAR, ModuleKind.FP8_BLOCK_LINEAR,
-                              ModuleKind.NVFP4_LINEAR, ModuleKind.FP8_MOE, ModuleKind.NVFP4_MOE})
+                              ModuleKind.NVFP4_LINEAR, ModuleKind.FP8_MOE, ModuleKind.NVFP4_MOE, ModuleKind.MXFP8_LINEAR})
 
 
 def kind_for(scheme: Scheme, moe: bool, among: frozenset[ModuleKind] = FLASHINFER_KINDS) -> ModuleKind | None:

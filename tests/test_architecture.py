@@ -21,7 +21,7 @@ LAYERS: list[list[str]] = [
      "mocli.ops", "mocli.ops.*", "mocli.parallel", "mocli.engine.dist", "mocli.targets.decode",
      "mocli.numerics", "mocli.numerics.*", "mocli.verify.expect", "mocli.verify.html", "mocli.verify.junit"],
     ["mocli.formats", "mocli.devices", "mocli.procenv"],
-    ["mocli.quant_config", "mocli.schemes", "mocli.schemes.*", "mocli.kinds"],
+    ["mocli.quant_config", "mocli.schemes", "mocli.schemes.*", "mocli.kinds", "mocli.module_classes"],
     ["mocli.checkpoint", "mocli.census", "mocli.exclusions", "mocli.engines", "mocli.engines.*", "mocli.scales", "mocli.deep_scan", "mocli.targets",
      "mocli.targets.*", "mocli.formats.*"],
     ["mocli.validate", "mocli.validate.*", "mocli.inspection", "mocli.engine", "mocli.engine.*", "mocli.loader"],

@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from mocli.census import build_census
@@ -90,3 +91,54 @@ def test_a_container_entry_removed_leaves_the_experts_declared_unquantized(cli, 
     assert r.exit_code == 1
     assert {f["code"] for f in r.json["findings"] if f["severity"] == "error"} == {"EXC003"}
     assert all("model.layers.0.mlp.experts" in f["location"] for f in r.json["findings"])
+
+
+# --- MXFP8 linears (SEMANTICS §14.2) -----------------------------------------------------------------
+
+def _edit(out, name: str, fn) -> None:
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(out.rglob("model-*.safetensors")) or sorted(out.glob("model.safetensors")):
+        t = load_file(str(f))
+        if name in t:
+            t[name] = fn(t[name].clone()).contiguous()
+            save_file(t, str(f), metadata={"format": "pt"})
+            return
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("target", ["flashinfer-cutlass", "flashinfer-trtllm"])
+def test_mxfp8_export_converts_and_verifies(cli, tmp_path, target):
+    out = tmp_path / "o"
+    assert cli("convert", REAL / "llama-mxfp8", "-o", out, "--target", target).exit_code == 0
+    r = cli("--json", "verify", out)
+    assert r.exit_code == 0 and {m["kind"] for m in r.json["modules"]} == {"mxfp8_linear"}
+    assert all(m["kernel"] == "emulated MXFP8 (decoded layout, exact products)" for m in r.json["modules"])
+
+
+QKV = "model.layers.0.self_attn.qkv_proj"
+
+
+@pytest.mark.parametrize("target,tensor,fault,says", [
+    ("flashinfer-cutlass", "weight_scale", lambda t: t + 1, "weight_scale (E8M0 block scales) differs"),
+    ("flashinfer-trtllm", "weight", lambda t: t.view(torch.uint8)[torch.arange(t.shape[0]).roll(1)].view(t.dtype),
+     "weight differs"),
+    ("flashinfer-cutlass", "weight", lambda t: (t.view(torch.uint8) ^ 1).view(t.dtype), "weight differs"),
+])
+def test_verify_names_a_planted_mxfp8_fault(cli, tmp_path, target, tensor, fault, says):
+    out = tmp_path / "o"
+    assert cli("convert", REAL / "llama-mxfp8", "-o", out, "--target", target).exit_code == 0
+    _edit(out, f"{QKV}.{tensor}", fault)
+    r = cli("--json", "verify", out)
+    failed = {m["module"]: m for m in r.json["modules"] if not m["passed"]}
+    assert r.exit_code == 1 and set(failed) == {QKV} and says in failed[QKV]["message"], failed
+
+
+def test_a_nan_e8m0_scale_is_refused(cli, tmp_path):
+    src = shutil.copytree(REAL / "llama-mxfp8", tmp_path / "src")
+    _edit(src, "model.layers.1.mlp.down_proj.weight_scale", lambda t: t.index_fill_(1, torch.tensor([0]), 255))
+    r = cli("--json", "validate", src, "--deep")
+    assert r.exit_code == 1 and "DAT001" in {f["code"] for f in r.json["findings"]}
+    r = cli("convert", src, "-o", tmp_path / "o", "--target", "flashinfer-cutlass")
+    assert r.exit_code == 1 and "model.layers.1.mlp.down_proj.weight_scale" in r.stderr and "NaN" in r.stderr
+    assert not (tmp_path / "o").exists()

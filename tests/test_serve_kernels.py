@@ -26,7 +26,7 @@ from fixtures.generate import make_checkpoint
 from mocli import serve
 from mocli.kinds import ModuleKind
 from mocli.loader import open_converted
-from mocli.numerics.in_torch import fp8_per_group_dequant, fp8_per_token, fp8_static, nvfp4_quant
+from mocli.numerics.in_torch import fp8_per_group_dequant, fp8_per_token, fp8_static, mxfp8_quant, nvfp4_quant
 from mocli.verify.common import THRESHOLDS, rel_error
 from tests.conftest import REAL, REAL_LLAMA, REAL_QWEN, run_cli
 from tests.reference import dequant_nvfp4, fp8_requant, unswizzle_by_offsets
@@ -48,6 +48,8 @@ def dequant(src: dict[str, torch.Tensor], m: str) -> torch.Tensor:
     w, s = src[m + ".weight"], src[m + ".weight_scale"].float()
     if w.dtype == torch.uint8:
         return dequant_nvfp4(w, src[m + ".weight_scale"], float(src[m + ".weight_scale_2"]))
+    if src[m + ".weight_scale"].dtype == torch.uint8:  # MXFP8: E8M0 biased exponents per 32 along K
+        return w.float() * torch.exp2(s - 127).repeat_interleave(32, dim=1)
     q = w.float()
     if s.dim() == 0:
         return q * s
@@ -78,6 +80,8 @@ def activations(kind: str, x: torch.Tensor, a: torch.Tensor | None) -> torch.Ten
         return fp8_per_group_dequant(x)
     if kind in MARLIN_KINDS:  # weight-only: the BF16 activations themselves
         return x.bfloat16().float()
+    if kind == "mxfp8_linear":
+        return mxfp8_quant(x)
     return nvfp4_quant(x, torch.reciprocal(a)) * a
 
 
@@ -201,22 +205,27 @@ SOURCES = {
     "qwen3moe-nvfp4-rescaled": dict(arch="qwen3_moe", algo="NVFP4", unify_scale_2=False),
     "mixtral-fp8": dict(arch="mixtral", algo="FP8"),
     "mixtral-nvfp4": dict(arch="mixtral", algo="NVFP4"),
+    "llama-mxfp8": dict(arch="llama", algo="MXFP8", qkv_bias=True),
     # the marlin target's padding on every side (N, K, I to 64 / 128 with H % 128 != 0) and a bias
     "qwen3moe-nvfp4-odd": dict(arch="qwen3_moe", algo="NVFP4", hidden=192, heads=4, kv_heads=2, head_dim=48,
                                moe_intermediate=96, qkv_bias=True),
 }
 REAL_SOURCES = {"real-llama": REAL_LLAMA, "real-qwen": REAL_QWEN, "real-llama-w4a16": REAL / "llama-w4a16_nvfp4",
+                "real-llama-mxfp8": REAL / "llama-mxfp8",
                 "real-qwen-w4a16": REAL / "qwen3_moe-w4a16_nvfp4"}
 MOE = {"qwen3moe-fp8", "qwen3moe-nvfp4-rescaled", "mixtral-fp8", "mixtral-nvfp4", "real-qwen"}
 # (source, target, tp, ep): every kind on both targets at tp 1, then tensor and expert parallel ranks
-FLASHINFER_SOURCES = [s for s in SOURCES if s != "qwen3moe-nvfp4-odd"]  # both refuse 2I = 192 (TGT001)
+# both refuse 2I = 192 (TGT001); trtllm's MXFP8 GEMM needs K % 256, the synthetic MXFP8 Llama has 128
+FLASHINFER_SOURCES = [s for s in SOURCES if s not in ("qwen3moe-nvfp4-odd", "llama-mxfp8")]
 CASES = ([(s, t, 1, 1) for s in [*FLASHINFER_SOURCES, "real-llama", "real-qwen"]
           for t in ("flashinfer-cutlass", "flashinfer-trtllm")]
          + [(s, "flashinfer-cutlass", 2, 1) for s in ("llama-fp8", "llama-nvfp4", "qwen3moe-fp8", "mixtral-nvfp4")]
          + [(s, t, 2, 2) for s in ("qwen3moe-fp8", "real-qwen") for t in ("flashinfer-cutlass", "flashinfer-trtllm")]
          + [(s, "marlin", 1, 1) for s in ("llama-nvfp4", "qwen3moe-nvfp4-rescaled", "real-llama-w4a16", "real-qwen-w4a16")]
          + [(s, "marlin", 2, 1) for s in ("mixtral-nvfp4", "qwen3moe-nvfp4-odd", "real-llama-w4a16")]
-         + [(s, "marlin", 2, 2) for s in ("real-qwen", "real-qwen-w4a16", "qwen3moe-nvfp4-odd")])
+         + [(s, "marlin", 2, 2) for s in ("real-qwen", "real-qwen-w4a16", "qwen3moe-nvfp4-odd")]
+         + [("real-llama-mxfp8", t, 1, 1) for t in ("flashinfer-cutlass", "flashinfer-trtllm")]
+         + [("real-llama-mxfp8", "flashinfer-cutlass", 2, 1), ("llama-mxfp8", "flashinfer-cutlass", 1, 1)])
 
 
 @pytest.fixture(scope="module")

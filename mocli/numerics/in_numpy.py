@@ -161,3 +161,14 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)).view(np.float32)
     return np.where(np.isnan(x), x, r).astype(np.float32)
+
+
+def mxfp8_quant(x: np.ndarray) -> np.ndarray:
+    """``in_torch.mxfp8_quant`` in numpy: per 32 values an E8M0 scale 2^(ceil(log2(amax / 448))), biased
+    exponent clamped to 0..254, each value e4m3-rounded after dividing by it; returned dequantized."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    amax = np.maximum(np.abs(blocks).max(axis=-1), np.finfo(np.float32).tiny)
+    with np.errstate(divide="ignore"):
+        biased = np.clip(np.ceil(np.log2(amax / np.float32(FP8_MAX))) + 127, 0, 254)
+    scale = np.exp2(biased - 127).astype(np.float32)[..., None]
+    return (e4m3_round(blocks / scale) * scale).reshape(x.shape).astype(np.float32)

@@ -93,3 +93,13 @@ def dequant_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return w * s.reshape(-1, 1)
     blocks = s.reshape(s.shape[0], s.shape[-2] if s.dim() == 4 else s.shape[1])
     return w * blocks.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
+
+
+def mxfp8_quant(x: torch.Tensor) -> torch.Tensor:
+    """MXFP8 dynamic activation quantization, dequantized (float32): per 32 values along the last dim an
+    E8M0 scale 2^(ceil(log2(amax / 448))) (biased exponent clamped to 0..254), each value e4m3 of value /
+    scale (vLLM 0.33 ``mxfp8_utils._mxfp8_e4m3_quantize_torch``, its emulation's reference)."""
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    amax = blocks.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = torch.exp2((torch.ceil(torch.log2(amax / FP8_MAX)) + 127.0).clamp(0, 254) - 127.0).unsqueeze(-1)
+    return ((blocks / scale).to(FP8).float() * scale).reshape(x.shape)

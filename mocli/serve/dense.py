@@ -15,6 +15,7 @@ from mocli.numerics.in_torch import (
     fp8_per_group_dequant,
     fp8_per_token,
     fp8_static,
+    mxfp8_quant,
     nvfp4_quant,
     unpack_e2m1,
 )
@@ -188,7 +189,38 @@ class Nvfp4LinearKernel(DenseKernel):
         return y[:, : self.n]
 
 
+class Mxfp8LinearKernel(DenseKernel):
+    """MXFP8: y = mxfp8(x) @ (e4m3 x 2^(b - 127)).T, activations quantized per 32 values as the weights
+    (SEMANTICS §14). No MX tensor-core path here (sm_90 has none; FlashInfer's mm_mxfp8 needs sm_100):
+    the layout decoded once (exact in BF16: e4m3 times a power of two)."""
+
+    kind = ModuleKind.MXFP8_LINEAR
+    roles = ("weight", "weight_scale")
+
+    @classmethod
+    def spec(cls, meta, layout):
+        n, k, np_ = int(meta["n"]), int(meta["k"]), int(meta.get("padded_n", meta["n"]))
+        return {"weight": (F8, (np_, k)), "weight_scale": (U8, (roundup(np_, 128), roundup(k // 32, 4))),
+                "bias": (None, (n,))}
+
+    def select(self):
+        return "emulated MXFP8 (decoded layout, exact products)", True
+
+    def forward(self, x):
+        return mm(mxfp8_quant(x), self.weights())
+
+    def decode(self):
+        n, k, np_ = self.n, self.k, int(self.meta.get("padded_n", self.n))
+        w = self.layout.dense_rows_decode(self.t["weight"].view(U8))
+        bs = self.layout.nvfp4_scale_decode(self.t["weight_scale"], np_, k // 32, f"{self.name}.weight_scale")
+        if np_ != n and (bool(w[n:].any()) or bool(bs[n:].any())):
+            raise ServeError(f"{self.name}: padding rows are not zero")
+        scale = torch.exp2(bs[:n].float() - 127.0).repeat_interleave(32, dim=1)
+        return w[:n].view(F8).float() * scale
+
+
 DENSE: dict[ModuleKind, type[DenseKernel]] = {
     ModuleKind.FP8_LINEAR: Fp8LinearKernel, ModuleKind.FP8_CHANNEL_LINEAR: Fp8ChannelLinearKernel,
     ModuleKind.FP8_BLOCK_LINEAR: Fp8BlockLinearKernel, ModuleKind.NVFP4_LINEAR: Nvfp4LinearKernel,
+    ModuleKind.MXFP8_LINEAR: Mxfp8LinearKernel,
 }

@@ -7,7 +7,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from mocli.kinds import FLASHINFER_KINDS, ModuleKind, Role
-from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, NVFP4, Scheme
+from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, MXFP8, NVFP4, Scheme
 
 if TYPE_CHECKING:  # transforms import torch when they run, so validate and inspect never load it
     import numpy as np
@@ -45,13 +45,15 @@ SHARED_CONSTRAINTS: tuple[Constraint, ...] = (
     Constraint("moe", NVFP4, "H", 64, "NVFP4 fused-MoE needs H % 64 == 0 (SEMANTICS §7)"),
     Constraint("moe", FP8, "2I", 16, "FP8 fused-MoE GEMMs need 2I % 16 == 0"),
     Constraint("moe", FP8, "H", 16, "FP8 fused-MoE GEMMs need H % 16 == 0"),
+    # SEMANTICS §14.1: one E8M0 scale per 32 values along K, on each rank's columns (KMxfp8Static.create_weights)
+    Constraint("linear", MXFP8, "K", 32, "MXFP8 scales blocks of 32 along K (SEMANTICS §14.1)"),
 )
 
 ROW_SHUFFLE = "shuffle_matrix_a_128"  # the transform FlashInfer's shuffle_matrix_a(., 128) records
 
 # The stored schemes both FlashInfer targets convert, per scope (a scheme outside: TGT002)
 SUPPORTED: dict[str, frozenset[Scheme]] = {
-    "linear": frozenset({FP8, FP8_CHANNEL, FP8_BLOCK, NVFP4}),
+    "linear": frozenset({FP8, FP8_CHANNEL, FP8_BLOCK, NVFP4, MXFP8}),
     "moe": frozenset({FP8, NVFP4}),
 }
 
@@ -118,6 +120,11 @@ class TargetLayout:
 
     def _unrow(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    def dense_rows_decode(self, stored: torch.Tensor) -> torch.Tensor:
+        """A dense weight's (or its block scales') stored rows in natural order: ``nvfp4_weight_rows``
+        undone (rows of any width: an MXFP8 weight's bytes, its scales)."""
+        return self._unrow(stored)
 
     # --- MoE (SEMANTICS §4, §7) -----------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mocli.kinds import ModuleKind, Role
-from mocli.schemes import FP8, NVFP4
+from mocli.schemes import FP8, MXFP8, NVFP4
 from mocli.targets.base import ROW_SHUFFLE, SHARED_CONSTRAINTS, Constraint, Target, TargetLayout
 
 if TYPE_CHECKING:
@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 class TrtllmLayout(TargetLayout):
     target = Target.FLASHINFER_TRTLLM
     shuffles_rows = True
-    row_shuffled_kinds = frozenset({ModuleKind.NVFP4_LINEAR, ModuleKind.FP8_MOE, ModuleKind.NVFP4_MOE})
+    row_shuffled_kinds = frozenset({ModuleKind.NVFP4_LINEAR, ModuleKind.FP8_MOE, ModuleKind.NVFP4_MOE,
+                                    ModuleKind.MXFP8_LINEAR})
     extra_roles = {
         ModuleKind.FP8_MOE: frozenset({Role.OUTPUT1_SCALES_SCALAR, Role.OUTPUT1_SCALES_GATE_SCALAR,
                                        Role.OUTPUT2_SCALES_SCALAR}),
@@ -27,6 +28,8 @@ class TrtllmLayout(TargetLayout):
         # SEMANTICS §6: shuffle_matrix_a(., 128) and the 128x4 scale interleave without padding.
         Constraint("linear", NVFP4, "N", 128, "trtllm NVFP4 GEMM shuffles rows in 128-row tiles (SEMANTICS §6)"),
         Constraint("linear", NVFP4, "K", 64, "trtllm NVFP4 needs (K/16) % 4 == 0 (SEMANTICS §6)"),
+        # SEMANTICS §14.2: FlashInferTrtllmMxfp8LinearKernel requires K % 256
+        Constraint("linear", MXFP8, "K", 256, "trtllm's MXFP8 GEMM needs K % 256 == 0 (SEMANTICS §14.2)"),
         # SEMANTICS §4: shuffle_matrix_a permutes rows in blocks of 32 (w13 rows = 2I, w2 rows = H).
         Constraint("moe", FP8, "2I", 32, "trtllm FP8 MoE shuffles w13 rows in blocks of 32 (SEMANTICS §4)"),
         Constraint("moe", FP8, "H", 32, "trtllm FP8 MoE shuffles w2 rows in blocks of 32 (SEMANTICS §4)"),

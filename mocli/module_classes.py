@@ -1,0 +1,207 @@
+"""The per-module objects ``mocli.loader`` hands out, one dataclass per converted module kind (``CLASSES``):
+what a kernel call needs, by the manifest's role names (LAYOUT.md). Tensors are torch tensors from
+``load_module`` and read-only numpy views from ``module_arrays``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mocli.kinds import ModuleKind
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Fp8Linear:
+    """FP8 per-tensor: y = (x_fp8 @ weight.T) * weight_scale * input_scale, x_fp8 = fp8(x / input_scale)."""
+
+    name: str
+    weight: torch.Tensor  # F8 [N, K]
+    weight_scale: torch.Tensor  # F32 []
+    input_scale: torch.Tensor  # F32 []
+    n: int
+    k: int
+    shard_rows: list[int]
+    bias: torch.Tensor | None = None
+
+
+@dataclass
+class Fp8ChannelLinear:
+    """FP8 per-channel weights, dynamic per-token activations."""
+
+    name: str
+    weight: torch.Tensor  # F8 [N, K]
+    weight_scale: torch.Tensor  # F32 [N]
+    n: int
+    k: int
+    shard_rows: list[int]
+    bias: torch.Tensor | None = None
+
+
+@dataclass
+class Fp8BlockLinear:
+    """FP8 128x128 block weight-only; activations dynamic per 1x128 group."""
+
+    name: str
+    weight: torch.Tensor  # F8 [N, K]
+    weight_scale: torch.Tensor  # F32 [N/128, K/128]
+    n: int
+    k: int
+    shard_rows: list[int]
+    bias: torch.Tensor | None = None
+
+
+@dataclass
+class Nvfp4Linear:
+    """NVFP4: mm_fp4(fp4_quantize(x, input_scale_inv), weight, weight_scale, alpha). Target-specific layout."""
+
+    name: str
+    weight: torch.Tensor  # U8 [padded_n, padded_k/2] (cutlass) or shuffled [N, K/2] (trtllm)
+    weight_scale: torch.Tensor  # F8 [roundup(N,128), roundup(K/16,4)], 128x4 interleaved
+    weight_scale_2: torch.Tensor
+    input_scale: torch.Tensor
+    alpha: torch.Tensor  # input_scale * weight_scale_2
+    input_scale_inv: torch.Tensor  # 1 / input_scale, what fp4_quantize takes
+    n: int
+    k: int
+    shard_rows: list[int]
+    padded_n: int
+    padded_k: int
+    bias: torch.Tensor | None = None
+
+
+@dataclass
+class Fp8MoE:
+    """FP8 per-tensor experts; w13 rows are [w3; w1] per expert (trtllm: also reordered + shuffled)."""
+
+    name: str
+    w13_weight: torch.Tensor  # F8 [E, 2I, H]
+    w2_weight: torch.Tensor  # F8 [E, H, I]
+    w13_weight_scale: torch.Tensor  # [E]
+    w2_weight_scale: torch.Tensor  # [E]
+    w13_input_scale: torch.Tensor  # [] a1
+    w2_input_scale: torch.Tensor  # [] a2
+    w13_input_scale_inv: torch.Tensor
+    w2_input_scale_inv: torch.Tensor
+    g1_alphas: torch.Tensor  # [E]
+    g2_alphas: torch.Tensor  # [E]
+    experts: int
+    intermediate: int
+    hidden: int
+    naming: str
+    output1_scales_scalar: torch.Tensor | None = None
+    output1_scales_gate_scalar: torch.Tensor | None = None
+    output2_scales_scalar: torch.Tensor | None = None
+    expert_offset: int = 0  # global id of local expert 0 (expert parallel)
+
+    def cutlass_quant_scales(self) -> list[torch.Tensor]:
+        """FlashInfer cutlass_fused_moe FP8 quant_scales (SEMANTICS §4, §9): a1 folded into g1_alphas."""
+        return [self.g1_alphas, self.w2_input_scale_inv, self.g2_alphas, self.w13_input_scale]
+
+
+@dataclass
+class Nvfp4MoE:
+    """NVFP4 experts; w13 rows [w3; w1]; block scales 128x4 interleaved per expert."""
+
+    name: str
+    w13_weight: torch.Tensor  # U8 [E, 2I, H/2]
+    w13_weight_scale: torch.Tensor  # F8 [E, roundup(2I,128), roundup(H/16,4)]
+    w13_weight_scale_2: torch.Tensor  # [E]
+    w13_input_scale: torch.Tensor  # [E]
+    w2_weight: torch.Tensor  # U8 [E, H, I/2]
+    w2_weight_scale: torch.Tensor  # F8 [E, roundup(H,128), roundup(I/16,4)]
+    w2_weight_scale_2: torch.Tensor  # [E]
+    w2_input_scale: torch.Tensor  # [E]
+    g1_alphas: torch.Tensor
+    g2_alphas: torch.Tensor
+    a1_gscale: torch.Tensor
+    a2_gscale: torch.Tensor
+    experts: int
+    intermediate: int
+    hidden: int
+    naming: str
+    output1_scale_scalar: torch.Tensor | None = None
+    output1_scale_gate_scalar: torch.Tensor | None = None
+    output2_scale_scalar: torch.Tensor | None = None
+    expert_offset: int = 0
+
+    def cutlass_quant_scales(self) -> list[torch.Tensor]:
+        """FlashInfer cutlass_fused_moe NVFP4 quant_scales (SEMANTICS §7.5)."""
+        import torch
+
+        return [self.a1_gscale, self.w13_weight_scale.view(torch.int32), self.g1_alphas,
+                self.a2_gscale, self.w2_weight_scale.view(torch.int32), self.g2_alphas]
+
+
+@dataclass
+class Mxfp8Linear:
+    """MXFP8: e4m3 weight with an E8M0 scale (``2^(b - 127)``) per 32 values along K, 128x4-swizzled;
+    activations quantized the same way at run time (SEMANTICS §14.2). trtllm: rows padded to 128 and
+    shuffled (``padded_n``)."""
+
+    name: str
+    weight: torch.Tensor  # F8 [padded_n, K]
+    weight_scale: torch.Tensor  # U8 [roundup(padded_n, 128), roundup(K/32, 4)], 128x4-interleaved
+    n: int
+    k: int
+    shard_rows: list[int]
+    padded_n: int
+    bias: torch.Tensor | None = None
+
+
+@dataclass
+class MarlinLinear:
+    """NVFP4 weights in vLLM's Marlin layout, BF16 activations (SEMANTICS §13.5): what vLLM's
+    ``apply_fp4_marlin_linear(x, weight, weight_scale, weight_global_scale, workspace, n, k, bias)`` takes."""
+
+    name: str
+    weight: torch.Tensor  # I32 [padded_k/16, 2 padded_n], gptq_marlin_repack
+    weight_scale: torch.Tensor  # F8 [padded_k/16, padded_n]: permuted, E5M3 bytes of scale * scale_factor
+    weight_global_scale: torch.Tensor  # F32 []: S2 * 2^119 / scale_factor
+    n: int
+    k: int
+    shard_rows: list[int]
+    padded_n: int
+    padded_k: int
+    scale_factor: float
+    act_dtype: str
+    input_global_scale: torch.Tensor | None = None  # a W4A4 source's input scale (Marlin does not use it)
+    bias: torch.Tensor | None = None  # [padded_n], permuted (marlin_permute_bias)
+
+
+@dataclass
+class MarlinMoE:
+    """NVFP4 experts in vLLM's Marlin layout (SEMANTICS §13.6): w13 rows [w1; w3], each half padded to
+    padded_intermediate; what ``fused_marlin_moe`` takes as w1/w2, their scales and global scales."""
+
+    name: str
+    w13_weight: torch.Tensor  # I32 [E, H/16, 4 Ip]
+    w13_weight_scale: torch.Tensor  # F8 [E, H/16, 2 Ip]
+    w13_weight_scale_2: torch.Tensor  # F32 [E]: max(w1, w3) * 2^119 / scale_factor_w13
+    w2_weight: torch.Tensor  # I32 [E, Ip/16, 2H]
+    w2_weight_scale: torch.Tensor  # F8 [E, Ip/16, H]
+    w2_weight_scale_2: torch.Tensor  # F32 [E]
+    experts: int
+    intermediate: int
+    hidden: int
+    naming: str
+    padded_intermediate: int
+    scale_factor_w13: float
+    scale_factor_w2: float
+    act_dtype: str
+    w13_input_scale: torch.Tensor | None = None  # [E], a W4A4 source's (unused by Marlin)
+    w2_input_scale: torch.Tensor | None = None
+    expert_offset: int = 0
+
+
+CLASSES: dict[ModuleKind, type] = {
+    ModuleKind.FP8_LINEAR: Fp8Linear, ModuleKind.FP8_CHANNEL_LINEAR: Fp8ChannelLinear,
+    ModuleKind.FP8_BLOCK_LINEAR: Fp8BlockLinear, ModuleKind.NVFP4_LINEAR: Nvfp4Linear,
+    ModuleKind.FP8_MOE: Fp8MoE, ModuleKind.NVFP4_MOE: Nvfp4MoE,
+    ModuleKind.NVFP4_MARLIN_LINEAR: MarlinLinear, ModuleKind.NVFP4_MARLIN_MOE: MarlinMoE,
+    ModuleKind.MXFP8_LINEAR: Mxfp8Linear,
+}
+ConvertedModule = (Fp8Linear | Fp8ChannelLinear | Fp8BlockLinear | Nvfp4Linear | Mxfp8Linear | Fp8MoE | Nvfp4MoE
+                   | MarlinLinear | MarlinMoE)
