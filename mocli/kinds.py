@@ -24,6 +24,7 @@ class ModuleKind(StrEnum):
     NVFP4_MARLIN_MOE = "nvfp4_marlin_moe"
     # MXFP8 (e4m3 weights, an E8M0 scale per 32 along K; activations quantized the same way at run time: §14)
     MXFP8_LINEAR = "mxfp8_linear"
+    MXFP8_MOE = "mxfp8_moe"
 
 
 class Role(StrEnum):
@@ -96,6 +97,7 @@ KINDS: dict[ModuleKind, KindSpec] = {k.kind: k for k in (
     _spec(ModuleKind.FP8_MOE, FP8, True, *_FP8_MOE_ROLES),
     _spec(ModuleKind.NVFP4_MOE, NVFP4, True, *_NVFP4_MOE_ROLES),
     _spec(ModuleKind.MXFP8_LINEAR, MXFP8, False, Role.WEIGHT, Role.WEIGHT_SCALE),
+    _spec(ModuleKind.MXFP8_MOE, MXFP8, True, Role.W13_WEIGHT, Role.W13_WEIGHT_SCALE, Role.W2_WEIGHT, Role.W2_WEIGHT_SCALE),
     KindSpec(ModuleKind.NVFP4_MARLIN_LINEAR, NVFP4, False,
              frozenset({Role.WEIGHT, Role.WEIGHT_SCALE, Role.WEIGHT_GLOBAL_SCALE}), also=(W4A16_NVFP4,),
              optional=frozenset({Role.INPUT_GLOBAL_SCALE})),
@@ -106,7 +108,8 @@ KINDS: dict[ModuleKind, KindSpec] = {k.kind: k for k in (
 )}
 # The kinds the FlashInfer targets write (marlin writes its own: ``targets.marlin``)
 FLASHINFER_KINDS = frozenset({ModuleKind.FP8_LINEAR, ModuleKind.FP8_CHANNEL_LINEAR, ModuleKind.FP8_BLOCK_LINEAR,
-                              ModuleKind.NVFP4_LINEAR, ModuleKind.FP8_MOE, ModuleKind.NVFP4_MOE, ModuleKind.MXFP8_LINEAR})
+                              ModuleKind.NVFP4_LINEAR, ModuleKind.FP8_MOE, ModuleKind.NVFP4_MOE, ModuleKind.MXFP8_LINEAR,
+                              ModuleKind.MXFP8_MOE})
 
 
 def kind_for(scheme: Scheme, moe: bool, among: frozenset[ModuleKind] = FLASHINFER_KINDS) -> ModuleKind | None:

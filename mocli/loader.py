@@ -34,6 +34,7 @@ from mocli.module_classes import (  # noqa: F401 - the public API names them fro
     MarlinLinear,
     MarlinMoE,
     Mxfp8Linear,
+    Mxfp8MoE,
     Nvfp4Linear,
     Nvfp4MoE,
 )

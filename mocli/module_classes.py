@@ -152,6 +152,26 @@ class Mxfp8Linear:
 
 
 @dataclass
+class Mxfp8MoE:
+    """MXFP8 experts as flashinfer-trtllm's ``trtllm_fp8_block_scale_moe`` (MxFp8) takes them: I and H padded
+    (``padded_intermediate``, ``padded_hidden``), fc1 rows [w3; w1], gated interleave and 32-row shuffle,
+    scales 127 in the padding and 128x4-interleaved per expert (SEMANTICS §14.3)."""
+
+    name: str
+    w13_weight: torch.Tensor  # F8 [E, 2 Ip, Hp]
+    w13_weight_scale: torch.Tensor  # U8 [E, 2 Ip, Hp/32]
+    w2_weight: torch.Tensor  # F8 [E, Hp, Ip]
+    w2_weight_scale: torch.Tensor  # U8 [E, Hp, Ip/32]
+    experts: int
+    intermediate: int
+    hidden: int
+    naming: str
+    padded_intermediate: int
+    padded_hidden: int
+    expert_offset: int = 0
+
+
+@dataclass
 class MarlinLinear:
     """NVFP4 weights in vLLM's Marlin layout, BF16 activations (SEMANTICS §13.5): what vLLM's
     ``apply_fp4_marlin_linear(x, weight, weight_scale, weight_global_scale, workspace, n, k, bias)`` takes."""
@@ -201,7 +221,7 @@ CLASSES: dict[ModuleKind, type] = {
     ModuleKind.FP8_BLOCK_LINEAR: Fp8BlockLinear, ModuleKind.NVFP4_LINEAR: Nvfp4Linear,
     ModuleKind.FP8_MOE: Fp8MoE, ModuleKind.NVFP4_MOE: Nvfp4MoE,
     ModuleKind.NVFP4_MARLIN_LINEAR: MarlinLinear, ModuleKind.NVFP4_MARLIN_MOE: MarlinMoE,
-    ModuleKind.MXFP8_LINEAR: Mxfp8Linear,
+    ModuleKind.MXFP8_LINEAR: Mxfp8Linear, ModuleKind.MXFP8_MOE: Mxfp8MoE,
 }
 ConvertedModule = (Fp8Linear | Fp8ChannelLinear | Fp8BlockLinear | Nvfp4Linear | Mxfp8Linear | Fp8MoE | Nvfp4MoE
-                   | MarlinLinear | MarlinMoE)
+                   | Mxfp8MoE | MarlinLinear | MarlinMoE)

@@ -142,3 +142,57 @@ def test_a_nan_e8m0_scale_is_refused(cli, tmp_path):
     r = cli("convert", src, "-o", tmp_path / "o", "--target", "flashinfer-cutlass")
     assert r.exit_code == 1 and "model.layers.1.mlp.down_proj.weight_scale" in r.stderr and "NaN" in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+# --- MXFP8 experts: flashinfer-trtllm only (SEMANTICS §14.3) ------------------------------------------
+
+def test_mxfp8_moe_goes_to_trtllm(cli, tmp_path):
+    src = REAL / "qwen3_moe-mxfp8"
+    r = cli("--json", "validate", src, "--target", "flashinfer-cutlass")
+    moe = [f for f in r.json["findings"] if f["location"].endswith(".experts")]
+    assert r.exit_code == 1 and moe and all(f["code"] == "TGT002" and "--target flashinfer-trtllm" in f["hint"] for f in moe)
+    out = tmp_path / "o"
+    assert cli("convert", src, "-o", out, "--target", "flashinfer-trtllm").exit_code == 0
+    r = cli("--json", "verify", out)
+    assert r.exit_code == 0 and {m["kind"] for m in r.json["modules"]} == {"mxfp8_linear", "mxfp8_moe"}
+
+
+@pytest.fixture(scope="module")
+def odd_mxfp8_moe(tmp_path_factory):
+    """MXFP8 experts beside BF16 attention, H = 320, I = 192: trtllm pads H to 512 and I to 256 (128 at tp 2)."""
+    from fixtures.generate import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("mx8") / "src", arch="qwen3_moe", algo="MIXED_PRECISION",
+                           mixed={"mlp.experts": "MXFP8"}, hidden=320, heads=5, kv_heads=1, head_dim=64, moe_intermediate=192)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (2, 2)])
+def test_padded_mxfp8_moe_converts_and_verifies(cli, tmp_path, odd_mxfp8_moe, tp, ep):
+    out = tmp_path / "o"
+    assert cli("convert", odd_mxfp8_moe, "-o", out, "--target", "flashinfer-trtllm", "--tp", tp, "--ep", ep).exit_code == 0
+    manifest = json.loads((out / "mocli-layout.json").read_text())
+    metas = [m["meta"] for r in manifest.get("ranks") or [{"modules": manifest["modules"]}] for m in r["modules"]]
+    assert {(m["padded_intermediate"], m["padded_hidden"]) for m in metas} == {(256 if ep > 1 or tp == 1 else 128, 512)}
+    r = cli("--json", "verify", out)
+    assert r.exit_code == 0, [m["message"] for m in r.json["modules"] if not m["passed"]]
+
+
+E0 = "model.layers.0.mlp.experts"
+
+
+@pytest.mark.parametrize("tensor,fault,says", [
+    ("w13_weight_scale", lambda t: t.index_fill_(2, torch.tensor([t.shape[2] - 1]), 126), "padding is not zero weights and 127"),
+    # the halves swapped: padding rows (I = 192 of Ip = 256 each) land among the data rows
+    ("w13_weight", lambda t: torch.cat([t[:, t.shape[1] // 2:], t[:, :t.shape[1] // 2]], dim=1), "padding is not zero"),
+    ("w2_weight", lambda t: t.view(torch.uint8).index_put_((torch.arange(t.shape[0]), torch.zeros(t.shape[0], dtype=torch.long),
+                                                           torch.zeros(t.shape[0], dtype=torch.long)),
+                                                          torch.tensor(0x11, dtype=torch.uint8)).view(t.dtype), "differs"),
+    ("w2_weight_scale", lambda t: torch.where(t == 127, t, t + 1), "w2_weight_scale (expert 0) differs"),
+])
+def test_verify_names_a_planted_mxfp8_moe_fault(cli, tmp_path, odd_mxfp8_moe, tensor, fault, says):
+    out = tmp_path / "o"
+    assert cli("convert", odd_mxfp8_moe, "-o", out, "--target", "flashinfer-trtllm").exit_code == 0
+    _edit(out, f"{E0}.{tensor}", fault)
+    r = cli("--json", "verify", out)
+    failed = {m["module"]: m for m in r.json["modules"] if not m["passed"]}
+    assert r.exit_code == 1 and set(failed) == {E0} and says in failed[E0]["message"], failed

@@ -80,7 +80,7 @@ def activations(kind: str, x: torch.Tensor, a: torch.Tensor | None) -> torch.Ten
         return fp8_per_group_dequant(x)
     if kind in MARLIN_KINDS:  # weight-only: the BF16 activations themselves
         return x.bfloat16().float()
-    if kind == "mxfp8_linear":
+    if kind in ("mxfp8_linear", "mxfp8_moe"):
         return mxfp8_quant(x)
     return nvfp4_quant(x, torch.reciprocal(a)) * a
 
@@ -126,7 +126,8 @@ def moe_case(src, info, g: torch.Generator, device: str = "cpu"):
     a1 = input_scale(src, [p + gate for p in every] + [p + up for p in every])
     a2 = input_scale(src, [p + down for p in every])
     fp8, marlin = info["kind"] == "fp8_moe", info["kind"] in MARLIN_KINDS
-    x = (torch.randn(TOKENS, meta["hidden"], generator=g) * (1.0 if marlin else float(a1) * (448 if fp8 else 2688) / 4)).bfloat16()
+    scale = 1.0 if a1 is None or marlin else float(a1) * (448 if fp8 else 2688) / 4  # MXFP8, W4A16: no input scale
+    x = (torch.randn(TOKENS, meta["hidden"], generator=g) * scale).bfloat16()
     ids = torch.stack([torch.randperm(total, generator=g)[:2] for _ in range(TOKENS)]).to(torch.int32)
     weights = torch.softmax(torch.randn(TOKENS, 2, generator=g), dim=-1)
     x, ids, weights = x.to(device), ids.to(device), weights.to(device)
@@ -142,7 +143,7 @@ def moe_case(src, info, g: torch.Generator, device: str = "cpu"):
         ref.index_add_(0, tok, y * weights[tok, slot, None])
     # FP8: the reference holds the requantized w1/w3 (dequant_unified), so only the kernel's own rounding is
     # left; NVFP4's rescaled block scales are not modelled, so those get the wider bound
-    rescaled = not fp8 and any(unified(src, [p + gate, p + up]) for p in every)
+    rescaled = not fp8 and info["kind"] != "mxfp8_moe" and any(unified(src, [p + gate, p + up]) for p in every)
     return x, weights, ids, ref, MOE_UNIFIED[info["kind"]] if rescaled else THRESHOLDS[ModuleKind(info["kind"])].kept
 
 
@@ -206,17 +207,20 @@ SOURCES = {
     "mixtral-fp8": dict(arch="mixtral", algo="FP8"),
     "mixtral-nvfp4": dict(arch="mixtral", algo="NVFP4"),
     "llama-mxfp8": dict(arch="llama", algo="MXFP8", qkv_bias=True),
+    # MXFP8 experts beside BF16 attention, H = 320 and I = 192: trtllm pads H to 512 and I (96 at tp 2) to 256 (128)
+    "qwen3moe-mxfp8-odd": dict(arch="qwen3_moe", algo="MIXED_PRECISION", mixed={"mlp.experts": "MXFP8"}, hidden=320,
+                               heads=5, kv_heads=1, head_dim=64, moe_intermediate=192),
     # the marlin target's padding on every side (N, K, I to 64 / 128 with H % 128 != 0) and a bias
     "qwen3moe-nvfp4-odd": dict(arch="qwen3_moe", algo="NVFP4", hidden=192, heads=4, kv_heads=2, head_dim=48,
                                moe_intermediate=96, qkv_bias=True),
 }
 REAL_SOURCES = {"real-llama": REAL_LLAMA, "real-qwen": REAL_QWEN, "real-llama-w4a16": REAL / "llama-w4a16_nvfp4",
-                "real-llama-mxfp8": REAL / "llama-mxfp8",
+                "real-llama-mxfp8": REAL / "llama-mxfp8", "real-qwen-mxfp8": REAL / "qwen3_moe-mxfp8",
                 "real-qwen-w4a16": REAL / "qwen3_moe-w4a16_nvfp4"}
 MOE = {"qwen3moe-fp8", "qwen3moe-nvfp4-rescaled", "mixtral-fp8", "mixtral-nvfp4", "real-qwen"}
 # (source, target, tp, ep): every kind on both targets at tp 1, then tensor and expert parallel ranks
 # both refuse 2I = 192 (TGT001); trtllm's MXFP8 GEMM needs K % 256, the synthetic MXFP8 Llama has 128
-FLASHINFER_SOURCES = [s for s in SOURCES if s not in ("qwen3moe-nvfp4-odd", "llama-mxfp8")]
+FLASHINFER_SOURCES = [s for s in SOURCES if s not in ("qwen3moe-nvfp4-odd", "llama-mxfp8", "qwen3moe-mxfp8-odd")]
 CASES = ([(s, t, 1, 1) for s in [*FLASHINFER_SOURCES, "real-llama", "real-qwen"]
           for t in ("flashinfer-cutlass", "flashinfer-trtllm")]
          + [(s, "flashinfer-cutlass", 2, 1) for s in ("llama-fp8", "llama-nvfp4", "qwen3moe-fp8", "mixtral-nvfp4")]
@@ -225,7 +229,9 @@ CASES = ([(s, t, 1, 1) for s in [*FLASHINFER_SOURCES, "real-llama", "real-qwen"]
          + [(s, "marlin", 2, 1) for s in ("mixtral-nvfp4", "qwen3moe-nvfp4-odd", "real-llama-w4a16")]
          + [(s, "marlin", 2, 2) for s in ("real-qwen", "real-qwen-w4a16", "qwen3moe-nvfp4-odd")]
          + [("real-llama-mxfp8", t, 1, 1) for t in ("flashinfer-cutlass", "flashinfer-trtllm")]
-         + [("real-llama-mxfp8", "flashinfer-cutlass", 2, 1), ("llama-mxfp8", "flashinfer-cutlass", 1, 1)])
+         + [("real-llama-mxfp8", "flashinfer-cutlass", 2, 1), ("llama-mxfp8", "flashinfer-cutlass", 1, 1)]
+         + [("real-qwen-mxfp8", "flashinfer-trtllm", 1, 1)]
+         + [("qwen3moe-mxfp8-odd", "flashinfer-trtllm", tp, ep) for tp, ep in ((1, 1), (2, 1), (2, 2))])
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from mocli.kinds import ModuleKind
 from mocli.numerics import FP8_MAX
-from mocli.numerics.in_torch import FP8, nvfp4_quant, unpack_e2m1
+from mocli.numerics.in_torch import FP8, mxfp8_quant, nvfp4_quant, unpack_e2m1
 from mocli.ops import roundup
 from mocli.serve.common import F8, F32, U8, Kernel, ServeError, gemm_dtype, mm, row_order
 from mocli.targets.decode import unswizzle
@@ -236,4 +236,48 @@ class Nvfp4MoeKernel(MoeKernel):
         return (out[0] if isinstance(out, list | tuple) else out).float()
 
 
-MOE: dict[ModuleKind, type[MoeKernel]] = {ModuleKind.FP8_MOE: Fp8MoeKernel, ModuleKind.NVFP4_MOE: Nvfp4MoeKernel}
+class Mxfp8MoeKernel(MoeKernel):
+    """MXFP8 experts as flashinfer-trtllm stores them (SEMANTICS §14.3: I and H padded, [w3; w1], gated
+    interleave, shuffles): emulated, the layout decoded once; the input and the intermediate MXFP8-quantized
+    per 32 values (trtllm_fp8_block_scale_moe's MxFp8 mode needs sm_100)."""
+
+    kind = ModuleKind.MXFP8_MOE
+    roles = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+
+    @classmethod
+    def spec(cls, meta, layout):
+        e, ip, hp = int(meta["experts"]), int(meta["padded_intermediate"]), int(meta["padded_hidden"])
+        return {"w13_weight": (F8, (e, 2 * ip, hp)), "w13_weight_scale": (U8, (e, 2 * ip, hp // 32)),
+                "w2_weight": (F8, (e, hp, ip)), "w2_weight_scale": (U8, (e, hp, ip // 32))}
+
+    def select(self):
+        return "emulated MXFP8 MoE (decoded layout, exact products)", True
+
+    def expert(self, e, x, w13, w2):
+        o1 = mm(mxfp8_quant(x), w13)
+        return mm(mxfp8_quant(self.act(o1)), w2)
+
+    def decode_w13(self, e):
+        ip, i, h = int(self.meta["padded_intermediate"]), self.inter, self.hidden
+        w, s = self._rows("w13", e, gated=True)
+        keep = torch.cat([torch.arange(i), torch.arange(ip, ip + i)]).to(w.device)
+        return _mx_dequant(w[keep, :h], s[keep, :h // 32])
+
+    def decode_w2(self, e):
+        w, s = self._rows("w2", e, gated=False)
+        return _mx_dequant(w[:self.hidden, :self.inter], s[:self.hidden, :self.inter // 32])
+
+    def _rows(self, which: str, e: int, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        w, s = self.t[f"{which}_weight"][e], self.t[f"{which}_weight_scale"][e]
+        rows, kb = s.shape
+        s = unswizzle(s, rows, kb, f"{self.name}.{which}_weight_scale[{e}]")
+        return (self.layout.moe_rows_decode(w.view(U8), gated=gated).view(FP8),
+                self.layout.moe_rows_decode(s, gated=gated))
+
+
+def _mx_dequant(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return w.float() * torch.exp2(s.float() - 127.0).repeat_interleave(32, dim=1)
+
+
+MOE: dict[ModuleKind, type[MoeKernel]] = {ModuleKind.FP8_MOE: Fp8MoeKernel, ModuleKind.NVFP4_MOE: Nvfp4MoeKernel,
+                                          ModuleKind.MXFP8_MOE: Mxfp8MoeKernel}

@@ -47,6 +47,9 @@ SHARED_CONSTRAINTS: tuple[Constraint, ...] = (
     Constraint("moe", FP8, "H", 16, "FP8 fused-MoE GEMMs need H % 16 == 0"),
     # SEMANTICS §14.1: one E8M0 scale per 32 values along K, on each rank's columns (KMxfp8Static.create_weights)
     Constraint("linear", MXFP8, "K", 32, "MXFP8 scales blocks of 32 along K (SEMANTICS §14.1)"),
+    # ModelOptMxFp8FusedMoE.create_weights: H % 32 and the rank's I % 32
+    Constraint("moe", MXFP8, "H", 32, "MXFP8 experts scale blocks of 32 along H (SEMANTICS §14.1)"),
+    Constraint("moe", MXFP8, "2I", 64, "MXFP8 experts scale blocks of 32 along the rank's I (SEMANTICS §14.1)"),
 )
 
 ROW_SHUFFLE = "shuffle_matrix_a_128"  # the transform FlashInfer's shuffle_matrix_a(., 128) records

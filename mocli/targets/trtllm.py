@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from mocli.kinds import ModuleKind, Role
 from mocli.schemes import FP8, MXFP8, NVFP4
-from mocli.targets.base import ROW_SHUFFLE, SHARED_CONSTRAINTS, Constraint, Target, TargetLayout
+from mocli.targets.base import ROW_SHUFFLE, SHARED_CONSTRAINTS, SUPPORTED, Constraint, Target, TargetLayout
 
 if TYPE_CHECKING:
     import numpy as np
@@ -17,7 +17,9 @@ class TrtllmLayout(TargetLayout):
     target = Target.FLASHINFER_TRTLLM
     shuffles_rows = True
     row_shuffled_kinds = frozenset({ModuleKind.NVFP4_LINEAR, ModuleKind.FP8_MOE, ModuleKind.NVFP4_MOE,
-                                    ModuleKind.MXFP8_LINEAR})
+                                    ModuleKind.MXFP8_LINEAR, ModuleKind.MXFP8_MOE})
+    # vLLM 0.33 runs MXFP8 MoE on FlashInfer's TRT-LLM kernel only (no CUTLASS MXFP8 MoE: SEMANTICS §14.3)
+    supported = {"linear": SUPPORTED["linear"], "moe": SUPPORTED["moe"] | {MXFP8}}
     extra_roles = {
         ModuleKind.FP8_MOE: frozenset({Role.OUTPUT1_SCALES_SCALAR, Role.OUTPUT1_SCALES_GATE_SCALAR,
                                        Role.OUTPUT2_SCALES_SCALAR}),

@@ -36,6 +36,7 @@ CHECKS: dict[ModuleKind, KindCheck] = {
     ModuleKind.NVFP4_MARLIN_LINEAR: KindCheck("marlin_linear", torch=False),
     ModuleKind.NVFP4_MARLIN_MOE: KindCheck("marlin_moe", torch=False),
     ModuleKind.MXFP8_LINEAR: KindCheck("mxfp8_linear", torch=False),
+    ModuleKind.MXFP8_MOE: KindCheck("mxfp8_moe", torch=False),
 }
 
 # Modules checked at once where every check runs in numpy (numpy drops the GIL in its loops, copies and
