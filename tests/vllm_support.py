@@ -142,6 +142,8 @@ def _dequant(t: dict[str, torch.Tensor], m: str) -> torch.Tensor:
     if w.dtype == torch.uint8:  # NVFP4: e2m1 * (block scale * weight_scale_2)
         return dequant_nvfp4(w, t[m + ".weight_scale"], float(t[m + ".weight_scale_2"]))
     q = w.float()
+    if t[m + ".weight_scale"].dtype == torch.uint8:  # MXFP8: E8M0 exponents per 32 along K
+        return q * torch.exp2(s - 127).repeat_interleave(32, 1)
     if s.dim() == 0:  # FP8 per tensor
         return q * s
     if s.numel() == q.shape[0]:  # FP8 per channel
