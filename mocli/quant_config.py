@@ -250,7 +250,9 @@ def parse_config_json(raw: Any, findings: Findings) -> QuantConfig | None:
         cfg.kv_cache_algo = kv.upper() if isinstance(kv, str) else None
     else:
         cfg.kv_cache_algo = _kv_from_scheme(q.get("kv_cache_scheme"), where, findings)
-    cfg.exclude_modules = _parse_exclude(q.get("ignore"), where, "ignore", findings)
+    # vLLM 0.33 reads ``ignore``, else ``exclude_modules``: ModelOpt exports use either key across versions
+    key = "ignore" if "ignore" in q or "exclude_modules" not in q else "exclude_modules"
+    cfg.exclude_modules = _parse_exclude(q.get(key), where, key, findings)
     if cfg.algo in (Algo.NVFP4, Algo.W4A16_NVFP4):
         cfg.group_size = _config_groups_group_size(q.get("config_groups"), where, findings)
     if cfg.algo is Algo.NVFP4 and _weight_only(q.get("config_groups")):

@@ -196,3 +196,14 @@ def test_verify_names_a_planted_mxfp8_moe_fault(cli, tmp_path, odd_mxfp8_moe, te
     r = cli("--json", "verify", out)
     failed = {m["module"]: m for m in r.json["modules"] if not m["passed"]}
     assert r.exit_code == 1 and set(failed) == {E0} and says in failed[E0]["message"], failed
+
+
+def test_config_json_exclude_modules_is_read_where_ignore_is_absent():
+    """vLLM 0.33 reads config.json's ``ignore``, else ``exclude_modules`` (ModelOpt exports used both)."""
+    q = {"quant_method": "modelopt", "quant_algo": "FP8"}
+    for key, want in (("ignore", ["lm_head"]), ("exclude_modules", ["lm_head"])):
+        findings = Findings()
+        assert parse_config_json({"quantization_config": {**q, key: ["lm_head"]}}, findings).exclude_modules == want
+        assert not findings
+    both = parse_config_json({"quantization_config": {**q, "ignore": ["a"], "exclude_modules": ["b"]}}, Findings())
+    assert both.exclude_modules == ["a"]  # ignore first, as vLLM
