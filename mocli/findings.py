@@ -35,6 +35,11 @@ CODES: dict[str, tuple[Severity, str]] = {
     "TNS005": (Severity.ERROR, "stored scheme differs from the configured algorithm"),
     "TNS006": (Severity.ERROR, "MoE experts inconsistent (missing expert or mismatched shapes)"),
     "TNS007": (Severity.ERROR, "static input_scale stored under a dynamic activation scheme"),
+    # NVFP4_AWQ (SEMANTICS §15)
+    "AWQ001": (Severity.ERROR, "modules that share an input carry different (or partly no) pre_quant_scale"),
+    "AWQ002": (Severity.ERROR, "MoE down projections carry pre_quant_scale, which no fused-MoE kernel applies"),
+    # vLLM 0.33's reading (validate --engine vllm|all)
+    "VLL001": (Severity.WARNING, "vLLM refuses this quantization algorithm (its output serves through mocli's plugin)"),
     # the KV cache (SEMANTICS §16)
     "KVC001": (Severity.ERROR, "affine KV-cache quantization (k_bias / v_bias), which no engine consumes"),
     # SGLang 0.5.23's reading (validate --engine sglang|all; mocli.engines.sglang)
@@ -45,6 +50,7 @@ CODES: dict[str, tuple[Severity, str]] = {
     "SGL005": (Severity.ERROR, "SGLang builds MIXED_PRECISION layers of this algorithm unquantized"),
     "SGL006": (Severity.WARNING, "SGLang does not apply the NVFP4 KV cache by default"),
     "SGL007": (Severity.WARNING, "exclude entry is a live regular expression in SGLang"),
+    "SGL008": (Severity.WARNING, "SGLang does not apply MoE experts' pre_quant_scale"),
     # scale health
     "SCL001": (Severity.ERROR, "scale is NaN or infinite"),
     "SCL002": (Severity.ERROR, "scale is zero or negative"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, MXFP8, NVFP4, W4A16_NVFP4, Scheme
+from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, MXFP8, NVFP4, NVFP4_AWQ, W4A16_NVFP4, Scheme
 
 
 class ModuleKind(StrEnum):
@@ -36,6 +36,9 @@ class Role(StrEnum):
     ALPHA = "alpha"
     INPUT_SCALE_INV = "input_scale_inv"
     BIAS = "bias"
+    # NVFP4_AWQ: the activation multiplier [K] (dense) or [H] (a MoE layer's, shared by its experts), applied in
+    # the activation dtype before quantization (SEMANTICS §15)
+    PRE_QUANT_SCALE = "pre_quant_scale"
     # fused MoE
     W13_WEIGHT = "w13_weight"
     W2_WEIGHT = "w2_weight"
@@ -92,10 +95,13 @@ KINDS: dict[ModuleKind, KindSpec] = {k.kind: k for k in (
     _spec(ModuleKind.FP8_LINEAR, FP8, False, Role.WEIGHT, Role.WEIGHT_SCALE, Role.INPUT_SCALE),
     _spec(ModuleKind.FP8_CHANNEL_LINEAR, FP8_CHANNEL, False, Role.WEIGHT, Role.WEIGHT_SCALE),
     _spec(ModuleKind.FP8_BLOCK_LINEAR, FP8_BLOCK, False, Role.WEIGHT, Role.WEIGHT_SCALE),
-    _spec(ModuleKind.NVFP4_LINEAR, NVFP4, False, Role.WEIGHT, Role.WEIGHT_SCALE, Role.WEIGHT_SCALE_2,
-          Role.INPUT_SCALE, Role.ALPHA, Role.INPUT_SCALE_INV),
+    # NVFP4_AWQ converts as NVFP4, with its pre_quant_scale (SEMANTICS §15.3) where the source kept one
+    KindSpec(ModuleKind.NVFP4_LINEAR, NVFP4, False, frozenset({Role.WEIGHT, Role.WEIGHT_SCALE, Role.WEIGHT_SCALE_2,
+                                                              Role.INPUT_SCALE, Role.ALPHA, Role.INPUT_SCALE_INV}),
+             also=(NVFP4_AWQ,), optional=frozenset({Role.PRE_QUANT_SCALE})),
     _spec(ModuleKind.FP8_MOE, FP8, True, *_FP8_MOE_ROLES),
-    _spec(ModuleKind.NVFP4_MOE, NVFP4, True, *_NVFP4_MOE_ROLES),
+    KindSpec(ModuleKind.NVFP4_MOE, NVFP4, True, frozenset(_NVFP4_MOE_ROLES), also=(NVFP4_AWQ,),
+             optional=frozenset({Role.PRE_QUANT_SCALE})),
     _spec(ModuleKind.MXFP8_LINEAR, MXFP8, False, Role.WEIGHT, Role.WEIGHT_SCALE),
     _spec(ModuleKind.MXFP8_MOE, MXFP8, True, Role.W13_WEIGHT, Role.W13_WEIGHT_SCALE, Role.W2_WEIGHT, Role.W2_WEIGHT_SCALE),
     KindSpec(ModuleKind.NVFP4_MARLIN_LINEAR, NVFP4, False,

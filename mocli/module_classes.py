@@ -70,6 +70,7 @@ class Nvfp4Linear:
     padded_n: int
     padded_k: int
     bias: torch.Tensor | None = None
+    pre_quant_scale: torch.Tensor | None = None  # NVFP4_AWQ: BF16 [K], x * it before fp4_quantize
 
 
 @dataclass
@@ -126,6 +127,7 @@ class Nvfp4MoE:
     output1_scale_gate_scalar: torch.Tensor | None = None
     output2_scale_scalar: torch.Tensor | None = None
     expert_offset: int = 0
+    pre_quant_scale: torch.Tensor | None = None  # NVFP4_AWQ: BF16 [H], the layer's input * it before the experts
 
     def cutlass_quant_scales(self) -> list[torch.Tensor]:
         """FlashInfer cutlass_fused_moe NVFP4 quant_scales (SEMANTICS §7.5)."""

@@ -22,6 +22,7 @@ class Algo(StrEnum):
     FP8_PB_WO = "FP8_PB_WO"
     NVFP4 = "NVFP4"
     W4A16_NVFP4 = "W4A16_NVFP4"
+    NVFP4_AWQ = "NVFP4_AWQ"
     MXFP8 = "MXFP8"
     MIXED_PRECISION = "MIXED_PRECISION"
 
@@ -37,7 +38,8 @@ class Algo(StrEnum):
 NVFP4_GROUP_SIZE = 16
 MXFP8_GROUP_SIZE = 32
 # the block size each block-scaled algorithm's group_size must name (its scheme's, mocli.schemes)
-GROUP_SIZES = {Algo.NVFP4: NVFP4_GROUP_SIZE, Algo.W4A16_NVFP4: NVFP4_GROUP_SIZE, Algo.MXFP8: MXFP8_GROUP_SIZE}
+GROUP_SIZES = {Algo.NVFP4: NVFP4_GROUP_SIZE, Algo.W4A16_NVFP4: NVFP4_GROUP_SIZE, Algo.NVFP4_AWQ: NVFP4_GROUP_SIZE,
+               Algo.MXFP8: MXFP8_GROUP_SIZE}
 
 
 @dataclass(frozen=True)

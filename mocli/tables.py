@@ -36,6 +36,7 @@ WEIGHT = "weight"
 WEIGHT_SCALE = "weight_scale"
 WEIGHT_SCALE_2 = "weight_scale_2"
 INPUT_SCALE = "input_scale"
+PRE_QUANT_SCALE = "pre_quant_scale"  # NVFP4_AWQ's per-input-channel activation multiplier (SEMANTICS §15)
 SCALE_SUFFIXES = frozenset({WEIGHT_SCALE, WEIGHT_SCALE_2, INPUT_SCALE})
 # KV-cache scales hang off k_proj / v_proj (ModelOpt FP8_KV_CFG export).
 KV_SUFFIXES = frozenset({"k_scale", "v_scale"})

@@ -207,3 +207,45 @@ def test_config_json_exclude_modules_is_read_where_ignore_is_absent():
         assert not findings
     both = parse_config_json({"quantization_config": {**q, "ignore": ["a"], "exclude_modules": ["b"]}}, Findings())
     assert both.exclude_modules == ["a"]  # ignore first, as vLLM
+
+
+# --- NVFP4_AWQ (SEMANTICS §15; synthetic exports: no real one was made here) ----------------------------
+
+@pytest.fixture(scope="module")
+def awq(tmp_path_factory):
+    from fixtures.generate import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("awq") / "src", arch="qwen3_moe", algo="NVFP4_AWQ")
+
+
+@pytest.mark.parametrize("target,tp,ep", [("flashinfer-cutlass", 1, 1), ("flashinfer-trtllm", 1, 1),
+                                          ("flashinfer-cutlass", 2, 1), ("flashinfer-cutlass", 2, 2)])
+def test_awq_converts_with_its_pre_quant_scales(cli, tmp_path, awq, target, tp, ep):
+    out = tmp_path / "o"
+    assert cli("convert", awq, "-o", out, "--target", target, "--tp", tp, "--ep", ep).exit_code == 0
+    manifest = json.loads((out / "mocli-layout.json").read_text())
+    ranks = manifest.get("ranks") or [{"modules": manifest["modules"], "tensors": manifest["tensors"]}]
+    for r in ranks:
+        held = {m["name"]: m["tensors"].get("pre_quant_scale") for m in r["modules"]}
+        assert all(held[n] for n in held if n.endswith(("o_proj", "experts"))), held
+        assert not any(held[n] for n in held if n.endswith(("qkv_proj",))), held
+        o_proj = r["tensors"]["model.layers.0.self_attn.o_proj.pre_quant_scale"]
+        assert o_proj["dtype"] == "BF16" and o_proj["shape"] == [128 // tp]  # row-parallel: K sliced
+    assert cli("verify", out).exit_code == 0
+
+
+def test_verify_names_a_wrong_pre_quant_scale(cli, tmp_path, awq):
+    out = tmp_path / "o"
+    assert cli("convert", awq, "-o", out, "--target", "flashinfer-cutlass").exit_code == 0
+    _edit(out, "model.layers.1.self_attn.o_proj.pre_quant_scale", lambda t: t * 2)
+    r = cli("--json", "verify", out)
+    failed = {m["module"]: m["message"] for m in r.json["modules"] if not m["passed"]}
+    assert r.exit_code == 1 and set(failed) == {"model.layers.1.self_attn.o_proj"}
+    assert "pre_quant_scale (BF16) differs" in failed["model.layers.1.self_attn.o_proj"]
+
+
+def test_experts_smoothed_apart_are_refused(cli, tmp_path, awq):
+    src = shutil.copytree(awq, tmp_path / "src")
+    _edit(src, "model.layers.0.mlp.experts.1.gate_proj.pre_quant_scale", lambda t: t * 1.5)
+    r = cli("convert", src, "-o", tmp_path / "o", "--target", "flashinfer-cutlass")
+    assert r.exit_code == 1 and "AWQ001" in r.stderr and "experts.1.gate_proj" in r.stderr

@@ -111,8 +111,15 @@ def dense_case(src, info, g: torch.Generator, device: str = "cpu"):
     scale = {"fp8_linear": 448 / 4, "nvfp4_linear": 2688 / 4}.get(kind)  # marlin: weight-only, BF16 x as drawn
     x = torch.randn(TOKENS, full_k, generator=g) * (float(a) * scale if scale else 1.0)
     x = x[:, slices[0][2]:slices[0][3]].bfloat16().to(device)  # the kernel sees BF16: quantize the same values
+    xs = awq_scaled(x, src, shards[0], slices[0][2], slices[0][3])
     limits = THRESHOLDS[ModuleKind(kind)]
-    return x, activations(kind, x.float(), a) @ w.T, limits.unified if unified(src, shards) else limits.kept
+    return x, activations(kind, xs.float(), a) @ w.T, limits.unified if unified(src, shards) else limits.kept
+
+
+def awq_scaled(x: torch.Tensor, src, module: str, c0: int = 0, c1: int | None = None) -> torch.Tensor:
+    """NVFP4_AWQ: the BF16 input times the module's pre_quant_scale columns, in BF16 (SEMANTICS §15.1); else x."""
+    name = module + ".pre_quant_scale"
+    return x if name not in src else x.bfloat16() * src[name][c0:c1].bfloat16().to(x.device)
 
 
 def moe_case(src, info, g: torch.Generator, device: str = "cpu"):
@@ -131,7 +138,7 @@ def moe_case(src, info, g: torch.Generator, device: str = "cpu"):
     ids = torch.stack([torch.randperm(total, generator=g)[:2] for _ in range(TOKENS)]).to(torch.int32)
     weights = torch.softmax(torch.randn(TOKENS, 2, generator=g), dim=-1)
     x, ids, weights = x.to(device), ids.to(device), weights.to(device)
-    xq = activations(info["kind"], x.float(), a1)
+    xq = activations(info["kind"], awq_scaled(x, src, every[off] + gate).float(), a1)
     ref = torch.zeros(TOKENS, meta["hidden"], device=device)
     for e in range(off, off + e_local):
         tok, slot = (ids == e).nonzero(as_tuple=True)
@@ -207,6 +214,8 @@ SOURCES = {
     "mixtral-fp8": dict(arch="mixtral", algo="FP8"),
     "mixtral-nvfp4": dict(arch="mixtral", algo="NVFP4"),
     "llama-mxfp8": dict(arch="llama", algo="MXFP8", qkv_bias=True),
+    # NVFP4_AWQ with its kept pre_quant_scale on o_proj and on every expert's gate/up (one per layer)
+    "qwen3moe-nvfp4-awq": dict(arch="qwen3_moe", algo="NVFP4_AWQ"),
     # MXFP8 experts beside BF16 attention, H = 320 and I = 192: trtllm pads H to 512 and I (96 at tp 2) to 256 (128)
     "qwen3moe-mxfp8-odd": dict(arch="qwen3_moe", algo="MIXED_PRECISION", mixed={"mlp.experts": "MXFP8"}, hidden=320,
                                heads=5, kv_heads=1, head_dim=64, moe_intermediate=192),
@@ -221,6 +230,7 @@ MOE = {"qwen3moe-fp8", "qwen3moe-nvfp4-rescaled", "mixtral-fp8", "mixtral-nvfp4"
 # (source, target, tp, ep): every kind on both targets at tp 1, then tensor and expert parallel ranks
 # both refuse 2I = 192 (TGT001); trtllm's MXFP8 GEMM needs K % 256, the synthetic MXFP8 Llama has 128
 FLASHINFER_SOURCES = [s for s in SOURCES if s not in ("qwen3moe-nvfp4-odd", "llama-mxfp8", "qwen3moe-mxfp8-odd")]
+# (the AWQ source is in both lists: tp 1 of both targets; its tp 2 x ep 2 below)
 CASES = ([(s, t, 1, 1) for s in [*FLASHINFER_SOURCES, "real-llama", "real-qwen"]
           for t in ("flashinfer-cutlass", "flashinfer-trtllm")]
          + [(s, "flashinfer-cutlass", 2, 1) for s in ("llama-fp8", "llama-nvfp4", "qwen3moe-fp8", "mixtral-nvfp4")]
@@ -231,7 +241,8 @@ CASES = ([(s, t, 1, 1) for s in [*FLASHINFER_SOURCES, "real-llama", "real-qwen"]
          + [("real-llama-mxfp8", t, 1, 1) for t in ("flashinfer-cutlass", "flashinfer-trtllm")]
          + [("real-llama-mxfp8", "flashinfer-cutlass", 2, 1), ("llama-mxfp8", "flashinfer-cutlass", 1, 1)]
          + [("real-qwen-mxfp8", "flashinfer-trtllm", 1, 1)]
-         + [("qwen3moe-mxfp8-odd", "flashinfer-trtllm", tp, ep) for tp, ep in ((1, 1), (2, 1), (2, 2))])
+         + [("qwen3moe-mxfp8-odd", "flashinfer-trtllm", tp, ep) for tp, ep in ((1, 1), (2, 1), (2, 2))]
+         + [("qwen3moe-nvfp4-awq", "flashinfer-cutlass", 2, tp) for tp in (1, 2)])
 
 
 @pytest.fixture(scope="module")

@@ -75,6 +75,8 @@ SOURCES = {
     "real-qwen3moe-mixed": Source("nvfp4", real=REAL / "qwen3_moe-mixed"),
     "real-mixtral-mixed": Source("nvfp4", real=REAL / "mixtral-mixed"),
     "real-llama-mxfp8": Source("fp8", real=REAL / "llama-mxfp8"),
+    # NVFP4_AWQ (synthetic: no real export here, see README): kept pre_quant_scale on o_proj and the experts
+    "qwen3moe-nvfp4-awq": Source("nvfp4", make=dict(arch="qwen3_moe", algo="NVFP4_AWQ"), edits=(add_qk_norms(),)),
     "real-qwen3moe-mxfp8": Source("fp8", real=REAL / "qwen3_moe-mxfp8"),
     # MXFP8 experts beside BF16 attention whose sizes trtllm pads (H 320 -> 512, I 192 -> 256 / 96 -> 128 at tp 2)
     "qwen3moe-mxfp8-odd": Source("fp8", make=dict(arch="qwen3_moe", algo="MIXED_PRECISION", mixed={"mlp.experts": "MXFP8"},
@@ -272,9 +274,11 @@ def test_planted_marlin_fault_fails_agreement(models, fault, record_property):
 
 EXPORTS_047 = [("real-qwen3moe-mixed", CUTLASS, 1, 1), ("real-mixtral-mixed", TRTLLM, 1, 1),
                ("real-qwen3moe-mixed", MARLIN, 1, 1), ("real-llama-mxfp8", CUTLASS, 1, 1), ("real-llama-mxfp8", TRTLLM, 1, 1),
-               ("real-qwen3moe-mxfp8", TRTLLM, 1, 1), ("qwen3moe-mxfp8-odd", TRTLLM, 1, 1)]
+               ("real-qwen3moe-mxfp8", TRTLLM, 1, 1), ("qwen3moe-mxfp8-odd", TRTLLM, 1, 1),
+               ("qwen3moe-nvfp4-awq", CUTLASS, 1, 1), ("qwen3moe-nvfp4-awq", TRTLLM, 1, 1)]
 EXPORTS_047_PARALLEL = [("real-mixtral-mixed", CUTLASS, 2, 2), ("real-qwen3moe-mixed", TRTLLM, 2, 1),
-                        ("real-llama-mxfp8", CUTLASS, 2, 1), ("qwen3moe-mxfp8-odd", TRTLLM, 2, 2)]
+                        ("real-llama-mxfp8", CUTLASS, 2, 1), ("qwen3moe-mxfp8-odd", TRTLLM, 2, 2),
+                        ("qwen3moe-nvfp4-awq", CUTLASS, 2, 2)]
 
 
 @pytest.mark.parametrize("label,target,tp,ep", EXPORTS_047 + [pytest.param(*c, marks=pytest.mark.slow)

@@ -158,14 +158,16 @@ def dequantized_copy(src: Path, dst: Path) -> Path:
     t: dict[str, torch.Tensor] = {}
     for f in sorted(Path(src).glob("*.safetensors")):
         t |= load_file(str(f))
-    scales = (".weight_scale", ".weight_scale_2", ".input_scale", ".k_scale", ".v_scale")
+    scales = (".weight_scale", ".weight_scale_2", ".input_scale", ".k_scale", ".v_scale", ".pre_quant_scale")
     out = {}
     for name, v in t.items():
         if name.endswith(scales):
             continue
         m = name.removesuffix(".weight")
-        out[name] = (_dequant(t, m) if name.endswith(".weight") and m + ".weight_scale" in t else v.float()
-                     ).to(torch.bfloat16).contiguous()
+        w = _dequant(t, m) if name.endswith(".weight") and m + ".weight_scale" in t else v.float()
+        if m + ".pre_quant_scale" in t and name.endswith(".weight"):  # NVFP4_AWQ: W (x * s) = (W diag s) x
+            w = w * t[m + ".pre_quant_scale"].float()
+        out[name] = w.to(torch.bfloat16).contiguous()
     dst.mkdir(parents=True)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((Path(src) / "config.json").read_text())

@@ -21,3 +21,14 @@ def roundup(x: int, m: int) -> int:
 def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
     """Shape of [rows, cols] block scales in the 128x4 swizzled layout (zero-padded)."""
     return roundup(rows, SWIZZLE_ROWS), roundup(cols, SWIZZLE_COLS)
+
+
+def bf16_bytes(raw, dtype: str):
+    """A float vector read as stored (``TensorReader.array``: BF16 as its 16-bit words) as BF16 words,
+    rounded to nearest even from F32 / F16 (the activation dtype a pre_quant_scale multiplies in)."""
+    import numpy as np
+
+    if dtype == "BF16":
+        return np.ascontiguousarray(raw).view(np.uint16)
+    u = np.ascontiguousarray(raw, dtype=np.float32).view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)

@@ -14,17 +14,17 @@ from mocli.census import Module
 from mocli.engine.units import BadData, OutTensor, Piece, SourceRange, Unit, concat_pieces
 from mocli.io.safetensors_file import TensorEntry
 from mocli.kinds import ModuleKind, Role
-from mocli.ops import fp8, nvfp4, swizzled_shape
+from mocli.ops import bf16_bytes, fp8, nvfp4, swizzled_shape
 from mocli.parallel import RankSlice, Split, rank_slices, split_of
 from mocli.plan.context import PlanContext
 from mocli.plan.core import F32, ConvertedModule
-from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+from mocli.tables import INPUT_SCALE, PRE_QUANT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.targets.base import ROW_SHUFFLE
 
 if TYPE_CHECKING:
     from mocli.engine.pool import UnitContext
 
-QUANT_SUFFIXES = (WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2, INPUT_SCALE, "bias")
+QUANT_SUFFIXES = (WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2, INPUT_SCALE, PRE_QUANT_SCALE, "bias")
 
 
 class _Dense:
@@ -247,6 +247,7 @@ class _Nvfp4Dense(_Dense):
             self.add(r, Role.INPUT_SCALE_INV, "F32", (), [], ["1 / input_scale"])
         scalars = {Role.WEIGHT_SCALE_2: big_s2, Role.INPUT_SCALE: big_a, Role.ALPHA: big_a * big_s2,
                    Role.INPUT_SCALE_INV: np.reciprocal(big_a)}
+        pqs = self._plan_pre_quant_scale()
 
         def run(ctx: UnitContext) -> list[Piece]:
             pieces: list[Piece] = []
@@ -267,9 +268,24 @@ class _Nvfp4Dense(_Dense):
                     pieces.append(Piece(self.key(r, Role.WEIGHT_SCALE), 0, swz))
                     pieces += [Piece(self.key(r, role), 0, np.array(v, dtype=F32).reshape(()))
                                for role, v in scalars.items()]
+                    if pqs is not None:
+                        pieces.append(Piece(self.key(r, Role.PRE_QUANT_SCALE), 0,
+                                            bf16_bytes(ctx.array(pqs)[c0:c1], pqs.dtype).copy()))
             return pieces + self.bias_pieces(ctx)
 
-        self.finish(lambda r: {"padded_n": shapes[r][0], "padded_k": shapes[r][1] * 2}, weights + bscales, run)
+        self.finish(lambda r: {"padded_n": shapes[r][0], "padded_k": shapes[r][1] * 2},
+                    weights + bscales + ([pqs] if pqs is not None else []), run)
+
+    def _plan_pre_quant_scale(self) -> TensorEntry | None:
+        """NVFP4_AWQ: the shards' one pre_quant_scale (validate holds them equal, AWQ001) per rank, its K
+        columns of the rank, in BF16 (SEMANTICS §15.3). None where the source folded it away."""
+        entry = self.shards[0].tensors.get(PRE_QUANT_SCALE)
+        if entry is not None:
+            for r in self.ranks:
+                sl = self.slice_of(r)
+                self.add(r, Role.PRE_QUANT_SCALE, "BF16", (sl.k,), self.sources(PRE_QUANT_SCALE),
+                         (["shards_equal"] if self.fused else []) + self.slice_transforms() + ["to_bf16"])
+        return entry
 
     def _copied(self, sl: RankSlice, wshape: tuple[int, int]) -> bool:
         """Whether the rank's weight is its source rows as they are (copied in the kernel)."""

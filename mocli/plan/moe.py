@@ -16,12 +16,12 @@ from mocli.census import Module, MoELayer
 from mocli.engine.units import BadData, OutTensor, Piece, Unit, concat_pieces
 from mocli.io.safetensors_file import TensorEntry
 from mocli.kinds import ModuleKind, Role
-from mocli.ops import fp8, nvfp4, swizzled_shape
+from mocli.ops import bf16_bytes, fp8, nvfp4, swizzled_shape
 from mocli.parallel import expert_range, intermediate_range
 from mocli.plan.context import PlanContext
 from mocli.plan.core import F32, ConvertedModule
 from mocli.plan.dense import QUANT_SUFFIXES
-from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+from mocli.tables import INPUT_SCALE, PRE_QUANT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 
 if TYPE_CHECKING:
     from mocli.engine.pool import UnitContext
@@ -269,8 +269,26 @@ class _Nvfp4Moe(_Moe):
         for e, (_, _, d) in enumerate(self.mods):
             self._w2_scale_unit(e, d)
         self.plan_vectors(vectors)
+        self._plan_pre_quant_scale()
         for r in self.ranks:
             self.module(r, {})
+
+    def _plan_pre_quant_scale(self) -> None:
+        """NVFP4_AWQ: the experts' one gate/up pre_quant_scale (validate holds them equal, AWQ001) as the
+        layer's, [H] BF16 on every rank: the kernel scales the layer's input once (SEMANTICS §15.3)."""
+        first = self.mods[0][0].tensors.get(PRE_QUANT_SCALE)
+        if first is None:
+            return
+        sources = self.src("gate", PRE_QUANT_SCALE) + self.src("up", PRE_QUANT_SCALE)
+        for r in self.ranks:
+            self.add(r, Role.PRE_QUANT_SCALE, "BF16", (self.h,), sources, ["experts_equal", "to_bf16"])
+        keys = [self.key(r, Role.PRE_QUANT_SCALE) for r in self.ranks]
+
+        def run(ctx: UnitContext) -> list[Piece]:
+            v = bf16_bytes(ctx.array(first), first.dtype).copy()
+            return [Piece(k, 0, v) for k in keys]
+
+        self.pc.plan.units.append(Unit(f"pqs:{self.p}", [first], keys, run, torch_free=True))
 
     # NVFP4 units: bytes copied in the kernel, or moved and rescaled in numpy (``mocli.ops``).
 

@@ -64,6 +64,9 @@ class Scheme:
     # NaN codes of 1-byte tensors beyond their dtype's own (deep scan, convert): suffix -> codes
     nan_codes: tuple[tuple[str, tuple[int, ...]], ...] = ()
     detect: Callable[[dict[str, TensorEntry]], bool] = lambda tensors: False
+    # tensors a module may carry beyond ``scales`` (NVFP4_AWQ's pre_quant_scale, where the export could not
+    # fold it): checked where present, dtypes any of the listed
+    optional: tuple[tuple[str, tuple[str, ...], Callable[[int, int], Shape]], ...] = ()
 
     def __str__(self) -> str:
         return self.algo.value

@@ -3,7 +3,7 @@ float32 global scale (``weight_scale_2``) and input scale (SEMANTICS §1, §5-§
 
 from mocli.quant_config import NVFP4_GROUP_SIZE, Algo
 from mocli.schemes.base import INPUT, Merge, ScaleSpec, Scheme, scalar
-from mocli.tables import WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+from mocli.tables import PRE_QUANT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 
 
 def _detect(tensors) -> bool:
@@ -27,3 +27,12 @@ W4A16_NVFP4 = Scheme(Algo.W4A16_NVFP4, "U8",
                       ScaleSpec(WEIGHT_SCALE_2, "F32", scalar)),
                      pack=2, scale_rows=1, scale_cols=NVFP4_GROUP_SIZE, merge=Merge.RESCALE, merged_scale=WEIGHT_SCALE_2,
                      group_size=NVFP4_GROUP_SIZE, nan_codes=((WEIGHT_SCALE, (0x7F, 0xFF)),), stores_like=Algo.NVFP4)
+
+
+# NVFP4_AWQ (ModelOpt 0.47, SEMANTICS §15): NVFP4's tensors, plus a pre_quant_scale [K] on the modules whose
+# AWQ smoothing the export could not fold into a preceding norm or linear: y = W (x * pre_quant_scale), the
+# product taken in the activation dtype before NVFP4 activation quantization.
+NVFP4_AWQ = Scheme(Algo.NVFP4_AWQ, "U8", NVFP4.scales, pack=2, scale_rows=1, scale_cols=NVFP4_GROUP_SIZE,
+                   merge=Merge.RESCALE, merged_scale=WEIGHT_SCALE_2, group_size=NVFP4_GROUP_SIZE,
+                   nan_codes=((WEIGHT_SCALE, (0x7F, 0xFF)),), stores_like=Algo.NVFP4,
+                   optional=((PRE_QUANT_SCALE, ("BF16", "F16", "F32"), lambda n, k: (k,)),))

@@ -158,7 +158,8 @@ class Nvfp4LinearKernel(DenseKernel):
     @classmethod
     def scales(cls, n, k, layout):
         return {"weight_scale": (F8, (roundup(n, 128), roundup(k // 16, 4))), "weight_scale_2": (F32, ()),
-                "input_scale": (F32, ()), "alpha": (F32, ()), "input_scale_inv": (F32, ())}
+                "input_scale": (F32, ()), "alpha": (F32, ()), "input_scale_inv": (F32, ()),
+                "pre_quant_scale": (torch.bfloat16, (k,))}
 
     def select(self):
         if self.device.flashinfer and self.layout.fp4_kernels:
@@ -167,6 +168,8 @@ class Nvfp4LinearKernel(DenseKernel):
 
     def forward(self, x):
         alpha = self.t["alpha"].float()
+        if "pre_quant_scale" in self.t:  # NVFP4_AWQ: the activation scaled in BF16 before quantization (§15)
+            x = x.bfloat16() * self.t["pre_quant_scale"]
         if not self.emulated:  # pragma: no cover - sm_100+
             return self._mm_fp4(x)
         return mm(nvfp4_quant(x, self.t["input_scale_inv"]), self.weights()) * alpha

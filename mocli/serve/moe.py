@@ -188,7 +188,8 @@ class Nvfp4MoeKernel(MoeKernel):
                                                 "w2_input_scale", "a1_gscale", "a2_gscale")}
         return {"w13_weight": (U8, (e, 2 * i, h // 2)), "w2_weight": (U8, (e, h, i // 2)),
                 "w13_weight_scale": (F8, (e, roundup(2 * i, 128), roundup(h // 16, 4))),
-                "w2_weight_scale": (F8, (e, roundup(h, 128), roundup(i // 16, 4)))} | per_expert
+                "w2_weight_scale": (F8, (e, roundup(h, 128), roundup(i // 16, 4))),
+                "pre_quant_scale": (torch.bfloat16, (h,))} | per_expert
 
     def select(self):
         if self.device.flashinfer and self.layout.fp4_kernels:
@@ -196,6 +197,8 @@ class Nvfp4MoeKernel(MoeKernel):
         return "emulated NVFP4 MoE (decoded layout, exact products)", True
 
     def forward(self, x, topk_weights, local):
+        if "pre_quant_scale" in self.t:  # NVFP4_AWQ: the layer's input scaled once, in BF16 (§15.3)
+            x = x.bfloat16() * self.t["pre_quant_scale"]
         if self.emulated:
             return super().forward(x, topk_weights, local)
         return self._cutlass(x, topk_weights, local)  # pragma: no cover - sm_100+

@@ -7,7 +7,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from mocli.kinds import FLASHINFER_KINDS, ModuleKind, Role
-from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, MXFP8, NVFP4, Scheme
+from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, MXFP8, NVFP4, NVFP4_AWQ, Scheme
 
 if TYPE_CHECKING:  # transforms import torch when they run, so validate and inspect never load it
     import numpy as np
@@ -41,8 +41,9 @@ SHARED_CONSTRAINTS: tuple[Constraint, ...] = (
     Constraint("linear", FP8, "N", 16, "FP8 tensor-core GEMMs need N % 16 == 0"),
     Constraint("linear", FP8, "K", 16, "FP8 tensor-core GEMMs need K % 16 == 0"),
     # SEMANTICS §7.4/§7.6: fused-MoE kernels check alignTo(I, 64) and H % 64.
-    Constraint("moe", NVFP4, "2I", 128, "NVFP4 fused-MoE needs 2I % 128 == 0 (SEMANTICS §7)"),
-    Constraint("moe", NVFP4, "H", 64, "NVFP4 fused-MoE needs H % 64 == 0 (SEMANTICS §7)"),
+    *(c for s in (NVFP4, NVFP4_AWQ) for c in (
+        Constraint("moe", s, "2I", 128, "NVFP4 fused-MoE needs 2I % 128 == 0 (SEMANTICS §7)"),
+        Constraint("moe", s, "H", 64, "NVFP4 fused-MoE needs H % 64 == 0 (SEMANTICS §7)"))),
     Constraint("moe", FP8, "2I", 16, "FP8 fused-MoE GEMMs need 2I % 16 == 0"),
     Constraint("moe", FP8, "H", 16, "FP8 fused-MoE GEMMs need H % 16 == 0"),
     # SEMANTICS §14.1: one E8M0 scale per 32 values along K, on each rank's columns (KMxfp8Static.create_weights)
@@ -56,8 +57,8 @@ ROW_SHUFFLE = "shuffle_matrix_a_128"  # the transform FlashInfer's shuffle_matri
 
 # The stored schemes both FlashInfer targets convert, per scope (a scheme outside: TGT002)
 SUPPORTED: dict[str, frozenset[Scheme]] = {
-    "linear": frozenset({FP8, FP8_CHANNEL, FP8_BLOCK, NVFP4, MXFP8}),
-    "moe": frozenset({FP8, NVFP4}),
+    "linear": frozenset({FP8, FP8_CHANNEL, FP8_BLOCK, NVFP4, NVFP4_AWQ, MXFP8}),
+    "moe": frozenset({FP8, NVFP4, NVFP4_AWQ}),
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mocli.kinds import ModuleKind, Role
-from mocli.schemes import FP8, MXFP8, NVFP4
+from mocli.schemes import FP8, MXFP8, NVFP4, NVFP4_AWQ
 from mocli.targets.base import ROW_SHUFFLE, SHARED_CONSTRAINTS, SUPPORTED, Constraint, Target, TargetLayout
 
 if TYPE_CHECKING:
@@ -28,15 +28,15 @@ class TrtllmLayout(TargetLayout):
     }
     constraints = SHARED_CONSTRAINTS + (
         # SEMANTICS §6: shuffle_matrix_a(., 128) and the 128x4 scale interleave without padding.
-        Constraint("linear", NVFP4, "N", 128, "trtllm NVFP4 GEMM shuffles rows in 128-row tiles (SEMANTICS §6)"),
-        Constraint("linear", NVFP4, "K", 64, "trtllm NVFP4 needs (K/16) % 4 == 0 (SEMANTICS §6)"),
+        *(c for s in (NVFP4, NVFP4_AWQ) for c in (
+            Constraint("linear", s, "N", 128, "trtllm NVFP4 GEMM shuffles rows in 128-row tiles (SEMANTICS §6)"),
+            Constraint("linear", s, "K", 64, "trtllm NVFP4 needs (K/16) % 4 == 0 (SEMANTICS §6)"),
+            Constraint("moe", s, "H", 128, "trtllm shuffles w2 block scales [H, I/16] in 128-row tiles (SEMANTICS §7)"))),
         # SEMANTICS §14.2: FlashInferTrtllmMxfp8LinearKernel requires K % 256
         Constraint("linear", MXFP8, "K", 256, "trtllm's MXFP8 GEMM needs K % 256 == 0 (SEMANTICS §14.2)"),
         # SEMANTICS §4: shuffle_matrix_a permutes rows in blocks of 32 (w13 rows = 2I, w2 rows = H).
         Constraint("moe", FP8, "2I", 32, "trtllm FP8 MoE shuffles w13 rows in blocks of 32 (SEMANTICS §4)"),
         Constraint("moe", FP8, "H", 32, "trtllm FP8 MoE shuffles w2 rows in blocks of 32 (SEMANTICS §4)"),
-        # SEMANTICS §7.6: get_shuffle_matrix_sf_a_row_indices asserts M % 128 on the w2 block scales [H, I/16].
-        Constraint("moe", NVFP4, "H", 128, "trtllm shuffles w2 block scales [H, I/16] in 128-row tiles (SEMANTICS §7)"),
     )
 
     def nvfp4_weight_shape(self, n: int, k: int) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from mocli.findings import Findings
 from mocli.parallel import Heads, ParallelLayout
 from mocli.scales import read_scales
 from mocli.targets import Target
+from mocli.validate.awq import check_awq
 from mocli.validate.exclusion import check_exclusions, check_mixed_layers, declared_quantized
 from mocli.validate.parallel import check_parallel
 from mocli.validate.scale import check_scales
@@ -86,6 +87,7 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
         sglang.check(sglang_config(ckpt), census, ckpt.architecture, findings)
     check_tensors(quant, census, declared, findings)
     check_kv_cache(quant, ckpt.tensors, findings)
+    check_awq(quant, census, engines, findings, for_target=target is not None)
     scales = scales if scales is not None else read_scales(census)
     report.stats["scales"] = check_scales(scales, census, findings)
     report.stats["scale_names"] = list(scales) if deep else []

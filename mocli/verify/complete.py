@@ -15,7 +15,7 @@ from typing import Any
 from mocli.census import Census, Kind
 
 # the tensors of a quantized module that its converted module replaces
-_MODULE_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "bias")
+_MODULE_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "bias")
 
 
 def expected_modules(census: Census) -> dict[str, list[str]]:

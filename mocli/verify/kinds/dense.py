@@ -41,8 +41,9 @@ class DenseCase:
         """The check's activations [T, K]."""
         raise NotImplementedError
 
-    def quant(self, x: Any) -> Any:
-        """The activations as the kernel quantizes them, dequantized (float32)."""
+    def quant(self, x: Any, cols: tuple[int, int] | None = None) -> Any:
+        """The activations (the layer's input columns ``cols``; None: all) as the kernel quantizes them,
+        dequantized (float32)."""
         raise NotImplementedError
 
     def sampled_weights(self, offsets: list[int], sample: np.ndarray) -> Any:
@@ -126,7 +127,7 @@ class _Run:
         cols = np.searchsorted(self.sample, global_rows)  # their place among the sampled rows
         xr = self.x[:, c0:c1]
         out, res.kernel, res.emulated = case.kernel(ctx.cks[rank], mod, xr, local_rows)
-        xq_r = case.quant(xr)
+        xq_r = case.quant(xr, (c0, c1))
         if split == "row":
             ref = xq_r @ self.w_sample[:, c0:c1].T
         else:

@@ -72,7 +72,7 @@ class _Fp8Tensor(_Fp8Dense):
         self.big_a = torch.stack([self.src.scalar_t(m, INPUT_SCALE) for m in shards]).max()
         self.x_scale = float(self.big_a) * FP8_MAX / 4
 
-    def quant(self, x):
+    def quant(self, x, cols=None):
         return fp8_static(x, self.big_a).float() * self.big_a.to(x.device)
 
     def check(self, mod, slices, problems) -> None:
@@ -90,7 +90,7 @@ class _Fp8Tensor(_Fp8Dense):
 
 
 class _Fp8Channel(_Fp8Dense):
-    def quant(self, x):
+    def quant(self, x, cols=None):
         q, s = fp8_per_token(x)
         return q.float() * s
 
@@ -112,7 +112,7 @@ class _Fp8Channel(_Fp8Dense):
 
 
 class _Fp8Block(_Fp8Dense):
-    def quant(self, x):
+    def quant(self, x, cols=None):
         return fp8_per_group_dequant(x)
 
     def check(self, mod, slices, problems) -> None:

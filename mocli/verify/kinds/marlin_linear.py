@@ -70,7 +70,7 @@ class MarlinLinear(DenseCase):
     def draw(self, name, k):
         return rng(self.ctx.opts.seed, name).standard_normal((self.ctx.opts.tokens, k), dtype=np.float32)
 
-    def quant(self, x):
+    def quant(self, x, cols=None):
         return bf16_round(x)  # weight-only: the activations as the BF16 model hands them over
 
     def sampled_weights(self, offsets, sample):

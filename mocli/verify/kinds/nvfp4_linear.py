@@ -14,8 +14,8 @@ import numpy as np
 
 from mocli.kinds import ModuleKind
 from mocli.numerics import E2M1_MAX, FP8_MAX
-from mocli.numerics.in_numpy import nvfp4_quant, scaled_matmul
-from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+from mocli.numerics.in_numpy import bf16_round, nvfp4_quant, scaled_matmul
+from mocli.tables import INPUT_SCALE, PRE_QUANT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.verify.expect import apply_table
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.dense import DenseCase, check_dense
@@ -60,12 +60,16 @@ class Nvfp4Linear(DenseCase):
         self.big_a = np.max([src.scalar(m, INPUT_SCALE) for m in shards])
         limits = THRESHOLDS[kind]
         self.threshold = limits.unified if any(v != self.big_s2 for v in self.s2) else limits.kept
+        pqs = shards[0].tensors.get(PRE_QUANT_SCALE)  # NVFP4_AWQ (SEMANTICS §15): equal on every shard (AWQ001)
+        self.pqs = None if pqs is None else bf16_round(src.floats(pqs.name))
 
     def draw(self, name, k):
         return rng(self.ctx.opts.seed, name).standard_normal((self.ctx.opts.tokens, k), dtype=np.float32) * np.float32(
             float(self.big_a) * FP8_MAX * E2M1_MAX / 4)
 
-    def quant(self, x):
+    def quant(self, x, cols=None):
+        if self.pqs is not None:  # x * pre_quant_scale in BF16, before the activation quantization
+            x = bf16_round(bf16_round(x) * self.pqs[slice(*cols) if cols else slice(None)])
         return nvfp4_quant(x, ONE / self.big_a) * self.big_a
 
     def sampled_weights(self, offsets, sample):
@@ -81,6 +85,13 @@ class Nvfp4Linear(DenseCase):
         problems.scalar("input_scale", mod.input_scale, big_a)
         problems.scalar("alpha", mod.alpha, big_a * big_s2)
         problems.scalar("input_scale_inv", mod.input_scale_inv, ONE / big_a)
+        if (self.pqs is None) != (mod.pre_quant_scale is None):
+            problems.append("pre_quant_scale: " + ("the source has one, the layout none" if mod.pre_quant_scale is None
+                                                   else "the layout has one, the source none"))
+        elif self.pqs is not None:
+            c0, c1 = slices[0][2], slices[0][3]
+            self.pqs_stored = floats(mod.pre_quant_scale, "BF16")
+            problems.expect_equal("pre_quant_scale (BF16)", self.pqs_stored, self.pqs[c0:c1])
         self.w = layout.nvfp4_weight_decode(mod.weight, mod.n, mod.k, f"{name}.weight")
         self.bs = layout.nvfp4_scale_decode(mod.weight_scale, mod.n, mod.k // 16, f"{name}.weight_scale")
         problems.expect_parts("weight", self.w, [src.arr(m.tensors[WEIGHT].name)[r0:r1, c0 // 2:c1 // 2]
@@ -90,6 +101,8 @@ class Nvfp4Linear(DenseCase):
             for m, si, (r0, r1, c0, c1) in zip(self.shards, self.s2, slices, strict=True)])
 
     def kernel(self, ck, mod, xr, rows):
+        if mod.pre_quant_scale is not None:  # the stored vector, applied as the serving kernel does
+            xr = bf16_round(bf16_round(xr) * self.pqs_stored)
         if self.ctx.fp4 is not None:
             return self.ctx.fp4.mm(ck, mod.name, xr)[:, rows], "flashinfer.mm_fp4", False
         xa = nvfp4_quant(xr, mod.input_scale_inv)  # e2m1 * sf: exact in float32

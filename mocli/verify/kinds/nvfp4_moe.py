@@ -13,8 +13,8 @@ from mocli import trace
 from mocli.errors import CorruptFileError
 from mocli.kinds import ModuleKind, Role
 from mocli.numerics import E2M1_MAX, FP8_MAX
-from mocli.numerics.in_numpy import nvfp4_quant, scaled_matmul, silu
-from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+from mocli.numerics.in_numpy import bf16_round, nvfp4_quant, scaled_matmul, silu
+from mocli.tables import INPUT_SCALE, PRE_QUANT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.targets.decode import LayoutError, unswizzle
 from mocli.verify.expect import apply_table
 from mocli.verify.kinds import WORKERS
@@ -30,6 +30,7 @@ from mocli.verify.results import (
     rel_error,
     rng,
 )
+from mocli.verify.source import floats
 
 EMULATED_MOE = "emulated NVFP4 MoE (decoded layout, exact products)"
 ONE = np.float32(1)
@@ -52,7 +53,14 @@ class Nvfp4Moe(MoeCase):
         self.a2 = np.max([src.scalar(e.down, INPUT_SCALE) for e in every])
         self.x = rng(opts.seed, name).standard_normal((opts.tokens, self.layer.hidden), dtype=np.float32) \
             * np.float32(float(self.a13) * FP8_MAX * E2M1_MAX / 4)
-        self.ref_in = self.quant(self.x, self.a13)
+        pqs = every[0].gate.tensors.get(PRE_QUANT_SCALE)  # NVFP4_AWQ: the experts' one vector (AWQ001), §15.3
+        self.pqs = None if pqs is None else bf16_round(src.floats(pqs.name))
+        self.ref_in = self.quant(self.scaled(self.x, self.pqs), self.a13)
+
+    @staticmethod
+    def scaled(x: np.ndarray, pqs: np.ndarray | None) -> np.ndarray:
+        """The layer's input times its pre_quant_scale in BF16, as the serving kernel takes it (or as it is)."""
+        return x if pqs is None else bf16_round(bf16_round(x) * pqs)
 
     def load(self, ck):
         return ck.module_arrays(self.name)
@@ -97,6 +105,10 @@ class Nvfp4Moe(MoeCase):
             got = getattr(mod, str(role), None)
             if got is not None:
                 problems.scalar(str(role), got, value)
+        if (self.pqs is None) != (mod.pre_quant_scale is None):
+            problems.append("pre_quant_scale: the source's experts carry one and the layout not, or the reverse")
+        elif self.pqs is not None:
+            problems.expect_equal("pre_quant_scale (BF16)", floats(mod.pre_quant_scale, "BF16"), self.pqs)
 
     def decoded(self, mod, local: int, i: int) -> dict[str, Any]:
         """The stored bytes of local expert ``local`` after the target's inverse transforms, by role in
@@ -158,7 +170,8 @@ class Nvfp4Moe(MoeCase):
         bs13 = layout.moe_rows_decode(unswizzle(mod.w13_weight_scale[local], 2 * i, h // 16, "w13"), gated=True)
         w2 = layout.moe_rows_decode(mod.w2_weight[local], gated=False)
         bs2 = layout.moe_rows_decode(unswizzle(mod.w2_weight_scale[local], h, i // 16, "w2"), gated=False)
-        o1 = scaled_matmul(nvfp4_quant(self.x, mod.a1_gscale[local]), w13, bs13) * mod.g1_alphas[local]
+        x = self.scaled(self.x, None if mod.pre_quant_scale is None else floats(mod.pre_quant_scale, "BF16"))
+        o1 = scaled_matmul(nvfp4_quant(x, mod.a1_gscale[local]), w13, bs13) * mod.g1_alphas[local]
         act = silu(o1[:, i:]) * o1[:, :i]  # FlashInfer: act(second half) * first half
         ha = nvfp4_quant(act, mod.a2_gscale[local])
         o2 = scaled_matmul(ha, w2, bs2) * mod.g2_alphas[local]
@@ -191,7 +204,8 @@ class Nvfp4Moe(MoeCase):
         logits = g.standard_normal((t, top_k)).astype(np.float32)
         w = np.exp(logits - logits.max(axis=1, keepdims=True))
         w /= w.sum(axis=1, keepdims=True)
-        out = fp4.fused_moe(ck, mod.name, self.x, ids, w)
+        x = self.scaled(self.x, None if mod.pre_quant_scale is None else floats(mod.pre_quant_scale, "BF16"))
+        out = fp4.fused_moe(ck, mod.name, x, ids, w)
         ref = np.zeros((t, mod.hidden), dtype=np.float32)
         for e in range(mod.experts):
             tok, slot = np.nonzero(ids == e)
