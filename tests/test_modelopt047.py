@@ -288,3 +288,14 @@ def test_real_four_over_six_export(cli, tmp_path, name):
         assert cli("convert", src, "-o", out, "--target", target).exit_code == 0
         r = cli("--json", "verify", out)
         assert r.exit_code == 0 and max(m["error"] for m in r.json["modules"]) < 1e-3
+
+
+def test_mixed_mxfp8_and_w4a16_converts_for_marlin(cli, tmp_path):
+    """ModelOpt 0.47's llama-mixed (MXFP8 attention, W4A16_NVFP4 MLP): the FlashInfer targets have no W4A16
+    path, so marlin (Hopper) takes it whole, its MXFP8 linears in flashinfer-cutlass's layout."""
+    src = REAL / "llama-mixed"
+    assert cli("validate", src, "--target", "flashinfer-cutlass").exit_code == 1
+    out = tmp_path / "o"
+    assert cli("convert", src, "-o", out, "--target", "marlin", "--tp", 2).exit_code == 0
+    r = cli("--json", "verify", out)
+    assert r.exit_code == 0 and {m["kind"] for m in r.json["modules"]} == {"mxfp8_linear", "nvfp4_marlin_linear"}

@@ -77,6 +77,7 @@ SOURCES = {
     "real-llama-mxfp8": Source("fp8", real=REAL / "llama-mxfp8"),
     # NVFP4_AWQ (synthetic: no real export here, see README): kept pre_quant_scale on o_proj and the experts
     "real-llama-nvfp4-awq": Source("nvfp4", real=REAL / "llama-nvfp4_awq"),
+    "real-llama-mixed": Source("fp8", real=REAL / "llama-mixed"),  # MXFP8 attention, W4A16 MLP
     "real-qwen3moe-nvfp4-4o6": Source("nvfp4", real=REAL / "qwen3_moe-nvfp4_four_over_six"),
     "qwen3moe-nvfp4-awq": Source("nvfp4", make=dict(arch="qwen3_moe", algo="NVFP4_AWQ"), edits=(add_qk_norms(),)),
     "real-qwen3moe-mxfp8": Source("fp8", real=REAL / "qwen3_moe-mxfp8"),
@@ -279,7 +280,7 @@ EXPORTS_047 = [("real-qwen3moe-mixed", CUTLASS, 1, 1), ("real-mixtral-mixed", TR
                ("real-qwen3moe-mxfp8", TRTLLM, 1, 1), ("qwen3moe-mxfp8-odd", TRTLLM, 1, 1),
                ("qwen3moe-nvfp4-awq", CUTLASS, 1, 1), ("qwen3moe-nvfp4-awq", TRTLLM, 1, 1),
                ("real-llama-nvfp4-awq", CUTLASS, 1, 1), ("real-qwen3moe-nvfp4-4o6", TRTLLM, 1, 1),
-               ("real-qwen3moe-nvfp4-4o6", MARLIN, 1, 1)]
+               ("real-qwen3moe-nvfp4-4o6", MARLIN, 1, 1), ("real-llama-mixed", MARLIN, 1, 1)]
 EXPORTS_047_PARALLEL = [("real-mixtral-mixed", CUTLASS, 2, 2), ("real-qwen3moe-mixed", TRTLLM, 2, 1),
                         ("real-llama-mxfp8", CUTLASS, 2, 1), ("qwen3moe-mxfp8-odd", TRTLLM, 2, 2),
                         ("qwen3moe-nvfp4-awq", CUTLASS, 2, 2), ("real-llama-nvfp4-awq", CUTLASS, 2, 1)]

@@ -10,7 +10,7 @@ scales are kept as metadata only. The forward byte moves are ``mocli.ops.marlin`
 from __future__ import annotations
 
 from mocli.kinds import ModuleKind
-from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, NVFP4, W4A16_NVFP4
+from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, MXFP8, NVFP4, W4A16_NVFP4
 from mocli.targets.base import SHARED_CONSTRAINTS, Constraint, Target, TargetLayout
 
 REPACK = "gptq_marlin_repack"  # the transform every Marlin weight records
@@ -18,17 +18,20 @@ REPACK = "gptq_marlin_repack"  # the transform every Marlin weight records
 
 MARLIN_KINDS = frozenset({ModuleKind.NVFP4_MARLIN_LINEAR, ModuleKind.NVFP4_MARLIN_MOE})
 # FP8 layers (a MIXED_PRECISION checkpoint's, beside W4A16 or NVFP4 ones) keep the plain FP8 layout the
-# FlashInfer targets share: Hopper's FP8 tensor cores (torch._scaled_mm, grouped GEMMs) run it as it is
+# FlashInfer targets share: Hopper's FP8 tensor cores (torch._scaled_mm, grouped GEMMs) run it as it is.
+# MXFP8 linears likewise keep flashinfer-cutlass's layout (weight as stored, scales 128x4): sm_90 has no MX
+# tensor cores, mocli's kernel decodes it (vLLM's own W8A16 Marlin MXFP8 layout is not written)
 FP8_KINDS = frozenset({ModuleKind.FP8_LINEAR, ModuleKind.FP8_CHANNEL_LINEAR, ModuleKind.FP8_BLOCK_LINEAR,
-                       ModuleKind.FP8_MOE})
+                       ModuleKind.FP8_MOE, ModuleKind.MXFP8_LINEAR})
 
 
 class MarlinLayout(TargetLayout):
     target = Target.MARLIN
     kinds = MARLIN_KINDS | FP8_KINDS
-    supported = {"linear": frozenset({FP8, FP8_CHANNEL, FP8_BLOCK, NVFP4, W4A16_NVFP4}),
+    supported = {"linear": frozenset({FP8, FP8_CHANNEL, FP8_BLOCK, NVFP4, W4A16_NVFP4, MXFP8}),
                  "moe": frozenset({FP8, NVFP4, W4A16_NVFP4})}
-    constraints = tuple(c for c in SHARED_CONSTRAINTS if c.scheme is FP8) + tuple(
+    constraints = tuple(c for c in SHARED_CONSTRAINTS
+                                                     if c.scheme is FP8 or c.scheme is MXFP8 and c.scope == "linear") + tuple(
         # prepare_nvfp4_moe_layer_for_marlin: the hidden size must be a whole number of 64-wide tiles
         Constraint("moe", s, "H", 64, "Marlin's MoE kernel tiles H by 64 (SEMANTICS §13.6)") for s in (NVFP4, W4A16_NVFP4))
     weight_transforms = dict.fromkeys(MARLIN_KINDS, REPACK)
