@@ -280,10 +280,12 @@ EXPORTS_047 = [("real-qwen3moe-mixed", CUTLASS, 1, 1), ("real-mixtral-mixed", TR
                ("real-qwen3moe-mxfp8", TRTLLM, 1, 1), ("qwen3moe-mxfp8-odd", TRTLLM, 1, 1),
                ("qwen3moe-nvfp4-awq", CUTLASS, 1, 1), ("qwen3moe-nvfp4-awq", TRTLLM, 1, 1),
                ("real-llama-nvfp4-awq", CUTLASS, 1, 1), ("real-qwen3moe-nvfp4-4o6", TRTLLM, 1, 1),
-               ("real-qwen3moe-nvfp4-4o6", MARLIN, 1, 1), ("real-llama-mixed", MARLIN, 1, 1)]
+               ("real-qwen3moe-nvfp4-4o6", MARLIN, 1, 1), ("real-llama-mixed", MARLIN, 1, 1),
+               ("real-qwen3moe-nvfp4-nvfp4kv", CUTLASS, 1, 1)]  # its NVFP4 KV cache served as BF16 here
 EXPORTS_047_PARALLEL = [("real-mixtral-mixed", CUTLASS, 2, 2), ("real-qwen3moe-mixed", TRTLLM, 2, 1),
                         ("real-llama-mxfp8", CUTLASS, 2, 1), ("qwen3moe-mxfp8-odd", TRTLLM, 2, 2),
-                        ("qwen3moe-nvfp4-awq", CUTLASS, 2, 2), ("real-llama-nvfp4-awq", CUTLASS, 2, 1)]
+                        ("qwen3moe-nvfp4-awq", CUTLASS, 2, 2), ("real-llama-nvfp4-awq", CUTLASS, 2, 1),
+                        ("real-qwen3moe-nvfp4-4o6", CUTLASS, 2, 2), ("real-qwen3moe-nvfp4-nvfp4kv", TRTLLM, 2, 2)]
 
 
 @pytest.mark.parametrize("label,target,tp,ep", EXPORTS_047 + [pytest.param(*c, marks=pytest.mark.slow)
