@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mocli import compressed_tensors
 from mocli.errors import InputError
 from mocli.findings import Findings
 from mocli.formats import CONFIG_JSON, HF_QUANT_CONFIG, INDEX_NAME, SINGLE_NAME, DirKind, detect
@@ -17,7 +18,17 @@ from mocli.io.bulk import paused_gc
 from mocli.io.jsonfile import read_json
 from mocli.io.safetensors_file import SafetensorsHeader, TensorEntry, TensorReader, read_header
 from mocli.io.source import Source, resolve_source
-from mocli.quant_config import QuantConfig, parse_config_json, parse_hf_quant_config, reconcile
+from mocli.quant_config import (
+    Algo,
+    ConfigParser,
+    QuantConfig,
+    parse_config_json,
+    parse_hf_quant_config,
+    reconcile,
+)
+
+# config.json quant_methods read beside ModelOpt's own: method -> parser (its tensors' names: mocli.schemes.spelling)
+FORMATS: dict[str, ConfigParser] = {compressed_tensors.METHOD: compressed_tensors.parse}
 
 
 @dataclass
@@ -57,15 +68,27 @@ class Checkpoint:
         """The census of this checkpoint's tensors, each module bound to its scheme with the config's
         help where the tensors alone do not tell (``mocli.schemes.bind``)."""
         from mocli.census import build_census
+        from mocli.schemes import for_method
 
-        return build_census(self.tensors, configured=self.quant.algo_for if self.quant is not None else None)
+        quant = self.quant
+        return build_census(self.tensors, for_method(quant.method if quant else None),
+                            configured=quant.algo_for if quant is not None else None)
 
-    def require_modelopt(self, verb: str) -> None:
-        """convert and repair read ModelOpt exports; vLLM's fp8 format (mocli quantize's output) is served as is."""
-        if self.quant is not None and self.quant.method != "modelopt":
+    def require_modelopt(self, verb: str, also: tuple[str, ...] = ()) -> None:
+        """convert and repair read ModelOpt exports (convert also compressed-tensors: ``also``); vLLM's fp8
+        format (mocli quantize's output) is served as is."""
+        if self.quant is not None and self.quant.method not in ("modelopt", *also):
+            hint = ("a per-tensor fp8 checkpoint (mocli quantize's output) is served as it is; mocli verify checks it"
+                    if self.quant.method == "fp8" else f"mocli validate checks it; mocli convert reads {self.quant.method} too"
+                    if verb != "convert" else "mocli validate says what it holds")
             raise InputError(f"{self.path}: quant_method {self.quant.method} is not a ModelOpt export; {verb} reads "
-                             "ModelOpt checkpoints", hint="run mocli validate on it; a mocli quantize output is served "
-                             "as it is (mocli verify checks it)")
+                             "ModelOpt checkpoints" + (f" and {', '.join(also)}" if also else ""), hint=hint)
+
+    def require_convertible(self) -> None:
+        """convert reads ModelOpt, compressed-tensors and vLLM's block fp8 (a per-tensor fp8 one, mocli
+        quantize's output, serves as it is)."""
+        block_fp8 = self.quant is not None and self.quant.algo is Algo.FP8_PB_WO
+        self.require_modelopt("convert", also=(compressed_tensors.METHOD, *(("fp8",) if block_fp8 else ())))
 
 
 def open_checkpoint(spec: str | Path) -> Checkpoint:
@@ -102,11 +125,13 @@ def _open(spec: str | Path) -> Checkpoint:
     if (root / CONFIG_JSON).exists():
         raw = read_json(root / CONFIG_JSON)
         config = raw if isinstance(raw, dict) else {}
-        config_quant = parse_config_json(raw, findings)
+        config_quant = parse_config_json(raw, findings, FORMATS)
     if (root / HF_QUANT_CONFIG).exists():
         hf_quant = parse_hf_quant_config(read_json(root / HF_QUANT_CONFIG), findings)
     if hf_quant is None and config_quant is None and not findings:
         findings.add("CFG005", str(root), "neither hf_quant_config.json nor config.json quantization_config found",
                      hint="is this a ModelOpt export?")
     quant = reconcile(hf_quant, config_quant, findings)
+    if quant is not None and quant.resolver is not None:  # every module's pattern match once, timeouts named now
+        quant.resolver.prime({n.rpartition(".")[0] for n in tensors}, findings)
     return Checkpoint(source, files, tensors, config, hf_quant, config_quant, quant, findings, sharded)

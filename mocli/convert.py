@@ -43,7 +43,7 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
     if tp < 1 or ep < 1:
         raise InputError(f"--tp {tp} --ep {ep}: sizes must be at least 1", hint="e.g. --tp 8, or --tp 2 --ep 2")
     parallel = ParallelLayout(tp, ep)
-    ckpt.require_modelopt("convert")
+    ckpt.require_convertible()
     engine.check_output(out, overwrite, ckpt.path)
     progress.phase("planning")
     census = ckpt.census()

@@ -20,6 +20,8 @@ CODES: dict[str, tuple[Severity, str]] = {
     "CFG004": (Severity.ERROR, "hf_quant_config.json and config.json disagree"),
     "CFG005": (Severity.ERROR, "no ModelOpt quantization config"),
     "CFG006": (Severity.ERROR, "MIXED_PRECISION layer names a module that is not in the checkpoint"),
+    "CFG007": (Severity.WARNING, "a stale hf_quant_config.json beside another format's config.json (ignored)"),
+    "CFG008": (Severity.ERROR, "a compressed-tensors re: pattern is invalid or too slow to match"),
     # exclusions (SEMANTICS §2)
     "EXC001": (Severity.WARNING, "exclude pattern matches no module"),
     "EXC002": (Severity.ERROR, "fused group partly excluded"),
@@ -35,6 +37,7 @@ CODES: dict[str, tuple[Severity, str]] = {
     "TNS005": (Severity.ERROR, "stored scheme differs from the configured algorithm"),
     "TNS006": (Severity.ERROR, "MoE experts inconsistent (missing expert or mismatched shapes)"),
     "TNS007": (Severity.ERROR, "static input_scale stored under a dynamic activation scheme"),
+    "TNS008": (Severity.ERROR, "embedding stored quantized, which no engine loads"),
     # NVFP4_AWQ (SEMANTICS §15)
     "AWQ001": (Severity.ERROR, "modules that share an input carry different (or partly no) pre_quant_scale"),
     "AWQ002": (Severity.ERROR, "MoE down projections carry pre_quant_scale, which no fused-MoE kernel applies"),

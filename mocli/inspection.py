@@ -48,6 +48,15 @@ def inspect_checkpoint(ckpt: Checkpoint, census: Census | None = None) -> dict[s
             for layer in census.moe
         ],
         "kv_cache_scales": len(census.kv_scales),
-        "exclusions": [r.to_dict() for r in pattern_reports(quant.exclude_modules if quant else [], census)],
+        "exclusions": [r.to_dict() for r in _exclusion_reports(quant, census)],
         "config_findings": [f.to_dict() for f in ckpt.config_findings],
     }
+
+
+def _exclusion_reports(quant, census: Census) -> list:
+    """exclude_modules under ModelOpt's rules, or compressed-tensors' ``ignore`` under its own."""
+    if quant is not None and quant.resolver is not None:
+        from mocli.compressed_tensors import ignore_reports
+
+        return ignore_reports(quant.resolver, census)
+    return pattern_reports(quant.exclude_modules if quant else [], census)

@@ -25,6 +25,8 @@ class ModuleKind(StrEnum):
     # MXFP8 (e4m3 weights, an E8M0 scale per 32 along K; activations quantized the same way at run time: §14)
     MXFP8_LINEAR = "mxfp8_linear"
     MXFP8_MOE = "mxfp8_moe"
+    # FP8 128x128-block experts (compressed-tensors FP8_BLOCK, vLLM's own block fp8: SEMANTICS §18)
+    FP8_BLOCK_MOE = "fp8_block_moe"
 
 
 class Role(StrEnum):
@@ -104,6 +106,8 @@ KINDS: dict[ModuleKind, KindSpec] = {k.kind: k for k in (
              optional=frozenset({Role.PRE_QUANT_SCALE})),
     _spec(ModuleKind.MXFP8_LINEAR, MXFP8, False, Role.WEIGHT, Role.WEIGHT_SCALE),
     _spec(ModuleKind.MXFP8_MOE, MXFP8, True, Role.W13_WEIGHT, Role.W13_WEIGHT_SCALE, Role.W2_WEIGHT, Role.W2_WEIGHT_SCALE),
+    _spec(ModuleKind.FP8_BLOCK_MOE, FP8_BLOCK, True, Role.W13_WEIGHT, Role.W13_WEIGHT_SCALE, Role.W2_WEIGHT,
+          Role.W2_WEIGHT_SCALE),
     KindSpec(ModuleKind.NVFP4_MARLIN_LINEAR, NVFP4, False,
              frozenset({Role.WEIGHT, Role.WEIGHT_SCALE, Role.WEIGHT_GLOBAL_SCALE}), also=(W4A16_NVFP4,),
              optional=frozenset({Role.INPUT_GLOBAL_SCALE})),
@@ -115,7 +119,7 @@ KINDS: dict[ModuleKind, KindSpec] = {k.kind: k for k in (
 # The kinds the FlashInfer targets write (marlin writes its own: ``targets.marlin``)
 FLASHINFER_KINDS = frozenset({ModuleKind.FP8_LINEAR, ModuleKind.FP8_CHANNEL_LINEAR, ModuleKind.FP8_BLOCK_LINEAR,
                               ModuleKind.NVFP4_LINEAR, ModuleKind.FP8_MOE, ModuleKind.NVFP4_MOE, ModuleKind.MXFP8_LINEAR,
-                              ModuleKind.MXFP8_MOE})
+                              ModuleKind.MXFP8_MOE, ModuleKind.FP8_BLOCK_MOE})
 
 
 def kind_for(scheme: Scheme, moe: bool, among: frozenset[ModuleKind] = FLASHINFER_KINDS) -> ModuleKind | None:

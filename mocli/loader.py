@@ -28,6 +28,7 @@ from mocli.module_classes import (  # noqa: F401 - the public API names them fro
     CLASSES,
     ConvertedModule,
     Fp8BlockLinear,
+    Fp8BlockMoE,
     Fp8ChannelLinear,
     Fp8Linear,
     Fp8MoE,

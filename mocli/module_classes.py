@@ -174,6 +174,25 @@ class Mxfp8MoE:
 
 
 @dataclass
+class Fp8BlockMoE:
+    """FP8 128x128-block experts (SEMANTICS §18.2): fc1 rows [w3; w1], float32 block scales clamped to 1e-10;
+    flashinfer-cutlass (``cutlass_fused_moe(use_deepseek_fp8_block_scale=True)``, sm_90) as stored,
+    flashinfer-trtllm (``trtllm_fp8_block_scale_moe`` DeepSeekFp8, sm_100) 16-row shuffled and BlockMajorK."""
+
+    name: str
+    w13_weight: torch.Tensor  # F8 [E, 2I, H] (cutlass) or [E, H/128, 2I, 128] (trtllm)
+    w13_weight_scale: torch.Tensor  # F32 [E, 2I/128, H/128]
+    w2_weight: torch.Tensor  # F8 [E, H, I] or [E, I/128, H, 128]
+    w2_weight_scale: torch.Tensor  # F32 [E, H/128, I/128]
+    experts: int
+    intermediate: int
+    hidden: int
+    naming: str
+    block: list[int]
+    expert_offset: int = 0
+
+
+@dataclass
 class MarlinLinear:
     """NVFP4 weights in vLLM's Marlin layout, BF16 activations (SEMANTICS §13.5): what vLLM's
     ``apply_fp4_marlin_linear(x, weight, weight_scale, weight_global_scale, workspace, n, k, bias)`` takes."""
@@ -223,7 +242,7 @@ CLASSES: dict[ModuleKind, type] = {
     ModuleKind.FP8_BLOCK_LINEAR: Fp8BlockLinear, ModuleKind.NVFP4_LINEAR: Nvfp4Linear,
     ModuleKind.FP8_MOE: Fp8MoE, ModuleKind.NVFP4_MOE: Nvfp4MoE,
     ModuleKind.NVFP4_MARLIN_LINEAR: MarlinLinear, ModuleKind.NVFP4_MARLIN_MOE: MarlinMoE,
-    ModuleKind.MXFP8_LINEAR: Mxfp8Linear, ModuleKind.MXFP8_MOE: Mxfp8MoE,
+    ModuleKind.MXFP8_LINEAR: Mxfp8Linear, ModuleKind.MXFP8_MOE: Mxfp8MoE, ModuleKind.FP8_BLOCK_MOE: Fp8BlockMoE,
 }
 ConvertedModule = (Fp8Linear | Fp8ChannelLinear | Fp8BlockLinear | Nvfp4Linear | Mxfp8Linear | Fp8MoE | Nvfp4MoE
-                   | Mxfp8MoE | MarlinLinear | MarlinMoE)
+                   | Mxfp8MoE | Fp8BlockMoE | MarlinLinear | MarlinMoE)

@@ -5,6 +5,7 @@ Third-party input, so parsing is lenient: every problem becomes a finding, never
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -65,9 +66,13 @@ class QuantConfig:
     method: str = "modelopt"
     dynamic_activations: bool = False  # fp8 with activation_scheme "dynamic": no input scales
     raw_algo: str | None = None  # quant_algo as the file spells it (SGLang matches case-sensitively)
+    # another format's own matching rule (compressed-tensors: ``mocli.compressed_tensors.Resolver``)
+    resolver: Callable[[str], Algo | None] | None = field(default=None, compare=False, repr=False)
 
     def algo_for(self, module: str) -> Algo | None:
         """The configured algorithm of one checkpoint module (None: unquantized under MIXED_PRECISION)."""
+        if self.resolver is not None:
+            return self.resolver(module)
         if self.algo is Algo.MIXED_PRECISION:
             lq = self.quantized_layers.get(module) or self.quantized_layers.get(_experts_container(module))
             return lq.algo if lq else None
@@ -227,8 +232,12 @@ def _kv_from_scheme(scheme: Any, where: str, findings: Findings) -> str | None:
     return None
 
 
-def parse_config_json(raw: Any, findings: Findings) -> QuantConfig | None:
-    """``config.json["quantization_config"]`` (quant_method "modelopt"); None if absent."""
+ConfigParser = Callable[[dict, str, Findings], QuantConfig]
+
+
+def parse_config_json(raw: Any, findings: Findings, formats: dict[str, ConfigParser] | None = None) -> QuantConfig | None:
+    """``config.json["quantization_config"]``: quant_method "modelopt" (or vLLM's "fp8"), else the parser
+    ``formats`` registers for it (``mocli.checkpoint.FORMATS``: compressed-tensors); None if absent."""
     if not isinstance(raw, dict):
         findings.add("CFG002", CONFIG_JSON, "top level must be a JSON object")
         return None
@@ -242,6 +251,8 @@ def parse_config_json(raw: Any, findings: Findings) -> QuantConfig | None:
     method = q.get("quant_method")
     if method == "fp8":
         return _parse_fp8(q, where, findings)
+    if formats and method in formats:
+        return formats[method](q, where, findings)
     if not isinstance(method, str) or method not in MODELOPT_METHODS:
         findings.add("CFG005", where, f"quant_method is {method!r}, not a ModelOpt checkpoint",
                      hint="mocli handles checkpoints exported by NVIDIA ModelOpt")
@@ -267,8 +278,10 @@ def parse_config_json(raw: Any, findings: Findings) -> QuantConfig | None:
 
 
 def _parse_fp8(q: dict, where: str, findings: Findings) -> QuantConfig:
-    """vLLM's serialized FP8 format: per-tensor FP8 weights, static or dynamic activations
-    (vllm Fp8Config.from_config reads quant_method, activation_scheme, ignored_layers)."""
+    """vLLM's serialized FP8 format (vllm Fp8Config.from_config: quant_method, activation_scheme,
+    ignored_layers, else modules_to_not_convert, weight_block_size): per-tensor FP8 weights with static or
+    dynamic activations (what mocli quantize writes), or 128x128 blocks (``weight_scale_inv``, dynamic
+    per-token-group activations: DeepSeek-V3's and Qwen3's FP8 releases, SEMANTICS §18.4)."""
     cfg = QuantConfig(origin=CONFIG_JSON, algo=Algo.FP8, method="fp8")
     scheme = q.get("activation_scheme")
     if scheme is None:
@@ -277,10 +290,17 @@ def _parse_fp8(q: dict, where: str, findings: Findings) -> QuantConfig:
     elif scheme not in ("dynamic", "static"):
         findings.add("CFG002", where, f"activation_scheme {_show(scheme)} is neither dynamic nor static")
     cfg.dynamic_activations = scheme == "dynamic"
-    if q.get("weight_block_size") is not None:
-        findings.add("CFG003", where, "block-wise FP8 (weight_block_size) is not a format mocli reads",
-                     hint="mocli reads per-tensor FP8 (what mocli quantize writes)")
-    cfg.exclude_modules = _parse_exclude(q.get("ignored_layers"), where, "ignored_layers", findings)
+    block = q.get("weight_block_size")
+    if block is not None:
+        if block != [128, 128]:
+            findings.add("CFG003", where, f"weight_block_size {_show(block)} is not a block size mocli reads",
+                         hint="mocli reads 128x128 blocks, what the engines' block FP8 kernels take")
+        elif scheme == "static":
+            findings.add("CFG002", where, "weight_block_size with a static activation_scheme",
+                         hint='vLLM refuses it: block FP8 quantizes activations per token group ("dynamic")')
+        cfg.algo = Algo.FP8_PB_WO
+    key = "ignored_layers" if q.get("ignored_layers") or "modules_to_not_convert" not in q else "modules_to_not_convert"
+    cfg.exclude_modules = _parse_exclude(q.get(key), where, key, findings)
     prov = q.get("mocli")
     cfg.producer = {"name": "mocli quantize", "version": prov.get("version")} if isinstance(prov, dict) else None
     return cfg
@@ -311,7 +331,13 @@ def _config_groups_group_size(groups: Any, where: str, findings: Findings) -> in
 
 
 def reconcile(hf: QuantConfig | None, cj: QuantConfig | None, findings: Findings) -> QuantConfig | None:
-    """The effective config (hf_quant_config.json wins, as in vLLM) and CFG004 for disagreements."""
+    """The effective config (hf_quant_config.json wins, as in vLLM) and CFG004 for disagreements; a
+    compressed-tensors config.json wins over a ModelOpt hf_quant_config.json left beside it (CFG007)."""
+    if hf is not None and cj is not None and cj.method not in MODELOPT_METHODS | {"fp8"}:
+        findings.add("CFG007", HF_QUANT_CONFIG, f"ignored: config.json's quant_method is {cj.method}, which engines "
+                     f"read instead (a ModelOpt file the {cj.method} conversion left behind)",
+                     hint=f"delete {HF_QUANT_CONFIG} so no tool reads the stale ModelOpt settings")
+        return cj
     if hf is not None and cj is not None:
         pairs = [
             ("quant_algo", hf.algo, cj.algo),

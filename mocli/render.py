@@ -11,6 +11,14 @@ from mocli.io import human_bytes
 from mocli.output import Output
 
 
+def _algo_row(info: dict[str, Any]) -> str:
+    method = info.get("quant_method")
+    how = {"fp8": f" (quant_method fp8, {info['activation_scheme']} activations)",
+           "compressed-tensors": " (quant_method compressed-tensors)"}.get(method, "")
+    stored = f" (stored: {', '.join(info['stored_schemes'])})" if info["stored_schemes"] else ""
+    return f"{info['quant_algo'] or 'none'}{how}{stored}"
+
+
 def render_inspect(info: dict[str, Any], out: Output) -> None:
     c = out.stdout
     producer = info.get("producer") or {}
@@ -21,10 +29,7 @@ def render_inspect(info: dict[str, Any], out: Output) -> None:
         ("checkpoint", info["source"]),
         ("architecture", f"{info['architecture'] or '?'} ({info['model_type'] or '?'}), {info['num_layers']} layers"),
         ("producer", f"{producer.get('name', '?')} {producer.get('version', '')}".strip()),
-        ("quant_algo", f"{info['quant_algo'] or 'none'}"
-         + (f" (quant_method {info['quant_method']}, {info['activation_scheme']} activations)"
-            if info.get("quant_method") == "fp8" else "")
-         + (f" (stored: {', '.join(info['stored_schemes'])})" if info["stored_schemes"] else "")),
+        ("quant_algo", _algo_row(info)),
         ("kv cache", f"{info['kv_cache_quant_algo'] or 'none'} ({info['kv_cache_scales']} scale tensors)"),
         ("group_size", str(info["group_size"]) if info["group_size"] else "-"),
         ("config files", ", ".join(info["config_files"]) or "none"),

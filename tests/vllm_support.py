@@ -144,12 +144,30 @@ def _dequant(t: dict[str, torch.Tensor], m: str) -> torch.Tensor:
     q = w.float()
     if t[m + ".weight_scale"].dtype == torch.uint8:  # MXFP8: E8M0 exponents per 32 along K
         return q * torch.exp2(s - 127).repeat_interleave(32, 1)
-    if s.dim() == 0:  # FP8 per tensor
-        return q * s
+    if s.numel() == 1:  # FP8 per tensor (ModelOpt 0-dim, compressed-tensors [1])
+        return q * s.reshape(())
     if s.numel() == q.shape[0]:  # FP8 per channel
         return q * s.reshape(-1, 1)
-    blocks = s.reshape(q.shape[0] // 128, q.shape[1] // 128)  # FP8 128x128 blocks
-    return q * blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    blocks = s.reshape(-(-q.shape[0] // 128), -(-q.shape[1] // 128))  # FP8 128x128 blocks (the last may be partial)
+    return q * blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)[:q.shape[0], :q.shape[1]]
+
+
+def _modelopt_names(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """compressed-tensors' NVFP4 spelling (SEMANTICS §17.1) in ModelOpt's: ``weight_packed`` is the weight and
+    the global scales are divisors (weight_scale_2 = 1 / weight_global_scale, in float32); vLLM's block fp8
+    ``weight_scale_inv`` is the ``weight_scale``."""
+    out = {}
+    for name, v in t.items():
+        m, _, suffix = name.rpartition(".")
+        if suffix == "weight_packed":
+            out[f"{m}.weight"] = v
+        elif suffix == "weight_scale_inv":  # vLLM's own block fp8: a dequant scale despite the name
+            out[f"{m}.weight_scale"] = v
+        elif suffix == "weight_global_scale":
+            out[f"{m}.weight_scale_2"] = torch.reciprocal(v.float()).reshape(())
+        elif suffix != "input_global_scale":
+            out[name] = v
+    return out
 
 
 def dequantized_copy(src: Path, dst: Path) -> Path:
@@ -158,6 +176,7 @@ def dequantized_copy(src: Path, dst: Path) -> Path:
     t: dict[str, torch.Tensor] = {}
     for f in sorted(Path(src).glob("*.safetensors")):
         t |= load_file(str(f))
+    t = _modelopt_names(t)
     scales = (".weight_scale", ".weight_scale_2", ".input_scale", ".k_scale", ".v_scale", ".pre_quant_scale")
     out = {}
     for name, v in t.items():

@@ -175,6 +175,8 @@ def _check_config(quant: QuantConfig, findings: Findings) -> bool:
     """SGL004-SGL006 (configs/model_config.py :: _parse_modelopt_quant_config and the config classes);
     False where SGLang refuses the checkpoint outright."""
     where, algo = f"{quant.origin}: quant_algo", quant.raw_algo or ""
+    if quant.method == "compressed-tensors":
+        return False  # SGLang's compressed-tensors reading is not restated (SEMANTICS): nothing judged here
     if quant.method != "modelopt":
         return True  # vLLM's serialized fp8 (mocli quantize): SGLang's own Fp8Config, not ModelOpt's
     if algo == "MIXED_PRECISION":

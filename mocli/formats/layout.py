@@ -190,7 +190,7 @@ def _str_list(value: Any, where: str, what: str) -> None:
 _META_INTS = {"experts", "intermediate", "hidden", "n", "k", "padded_n", "padded_k", "expert_offset", "tp_rank",
               "experts_total", "intermediate_total", "padded_intermediate", "padded_hidden"}
 _META_POWERS_OF_TWO = {"scale_factor", "scale_factor_w13", "scale_factor_w2"}  # the marlin target's
-_META_INT_LISTS = {"shard_rows", "intermediate_slice"}
+_META_INT_LISTS = {"shard_rows", "intermediate_slice", "block"}
 
 
 def _check_module(m: Any, where: str) -> None:

@@ -172,3 +172,12 @@ def mxfp8_quant(x: np.ndarray) -> np.ndarray:
         biased = np.clip(np.ceil(np.log2(amax / np.float32(FP8_MAX))) + 127, 0, 254)
     scale = np.exp2(biased - 127).astype(np.float32)[..., None]
     return (e4m3_round(blocks / scale) * scale).reshape(x.shape).astype(np.float32)
+
+
+def fp8_per_group_quant(x: np.ndarray, group: int = 128) -> np.ndarray:
+    """``in_torch.fp8_per_group_dequant`` in numpy: dynamic per-token-group (1 x ``group``) FP8, a float32
+    scale amax / 448 per group (at least 1e-12), returned dequantized."""
+    t, k = x.shape
+    g = np.asarray(x, dtype=np.float32).reshape(t, k // group, group)
+    s = np.maximum(np.abs(g).max(axis=-1, keepdims=True) / np.float32(FP8_MAX), np.float32(1e-12))
+    return (e4m3_round(np.clip(g / s, -FP8_MAX, FP8_MAX)) * s).reshape(t, k).astype(np.float32)

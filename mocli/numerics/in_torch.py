@@ -84,15 +84,17 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequant_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per-tensor (0-dim), per-channel ([N] or [N, 1]) or 128x128 block ([N/128, 1, K/128, 1])."""
+    """Per-tensor (0-dim or [1]), per-channel ([N] or [N, 1]) or 128x128 block ([N/128, 1, K/128, 1], or
+    [ceil(N/128), ceil(K/128)]: a partial last block)."""
     w = q.float()
     s = scale.float().to(w.device)
-    if s.dim() == 0:
-        return w * s
-    if s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1):
+    if s.numel() == 1:
+        return w * s.reshape(())
+    if s.numel() == w.shape[0] and (s.dim() == 1 or s.dim() == 2 and s.shape[1] == 1):
         return w * s.reshape(-1, 1)
     blocks = s.reshape(s.shape[0], s.shape[-2] if s.dim() == 4 else s.shape[1])
-    return w * blocks.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
+    full = blocks.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
+    return w * full[:w.shape[0], :w.shape[1]]
 
 
 def mxfp8_quant(x: torch.Tensor) -> torch.Tensor:

@@ -61,9 +61,14 @@ def encode_fp8(x: np.ndarray) -> np.ndarray:
 @lru_cache(maxsize=4096)
 def _table(kind: str, s: float, big: float) -> np.ndarray:
     """out[code] for every code, in float32, in SEMANTICS' order: "requant" fp8(float(q) * s * (1/S)),
-    1/S rounded once (§3); "rescale" fp8(float(bs) * s2 / S2) (§6). NaN in, NaN (0x7F) out."""
+    1/S rounded once (§3); "requant_f16" the same with q * s taken in float16, scale included, as vLLM's
+    ``per_tensor_dequantize`` computes it on a GPU (§17.2); "rescale" fp8(float(bs) * s2 / S2) (§6). NaN in, NaN (0x7F) out."""
     x = decode_fp8(np.arange(256, dtype=np.uint8)) * np.float32(s)
-    x = x * np.reciprocal(np.float32(big)) if kind == "requant" else x / np.float32(big)
+    if kind == "requant_f16":  # float16(q) * float16(s): the scale is rounded too where both are on a GPU
+        with np.errstate(over="ignore"):  # beyond float16's range is inf, as in torch; encode_fp8 saturates it
+            q16 = decode_fp8(np.arange(256, dtype=np.uint8)).astype(np.float16).astype(np.float32)
+            x = (q16 * np.float32(np.float16(s))).astype(np.float16).astype(np.float32)
+    x = x / np.float32(big) if kind == "rescale" else x * np.reciprocal(np.float32(big))
     table = encode_fp8(x)
     table[[0x7F, 0xFF]] = NAN_CODE
     return table
@@ -79,8 +84,8 @@ def _pair_table(kind: str, s: float, big: float) -> np.ndarray:
 
 def _apply(kind: str, raw: np.ndarray, s: np.floating, big: np.floating) -> np.ndarray:
     """``raw`` (F8_E4M3 bytes, any shape) through the table; the bytes unchanged (not copied) when
-    s == big (mocli policy: the max-scale shard is kept byte for byte)."""
-    if np.float32(s) == np.float32(big):
+    s == big (mocli policy: the max-scale shard is kept byte for byte), except through float16."""
+    if np.float32(s) == np.float32(big) and kind != "requant_f16":
         return raw
     key = kind, float(np.float32(s)), float(np.float32(big))
     flat = np.ascontiguousarray(raw).reshape(-1)
@@ -89,10 +94,11 @@ def _apply(kind: str, raw: np.ndarray, s: np.floating, big: np.floating) -> np.n
     return _pair_table(*key)[flat.view(np.uint16)].view(np.uint8).reshape(raw.shape)
 
 
-def requantize_fp8(raw: np.ndarray, s: np.floating, big: np.floating) -> np.ndarray:
+def requantize_fp8(raw: np.ndarray, s: np.floating, big: np.floating, f16: bool = False) -> np.ndarray:
     """q' = fp8(clamp(float(q) * s * (1/S), ±448)) (SEMANTICS §3): an FP8 shard or w1/w3 half moved to
-    the shared (max) scale S; unchanged when already at S."""
-    return _apply("requant", raw, s, big)
+    the shared (max) scale S; unchanged when already at S. ``f16``: q * s rounded to float16 first and
+    applied at S too, as vLLM's compressed-tensors path does (§17.2: ``Spelling.fp8_requant_f16``)."""
+    return _apply("requant_f16" if f16 else "requant", raw, s, big)
 
 
 def rescale_block_scales(raw: np.ndarray, s2: np.floating, big: np.floating) -> np.ndarray:

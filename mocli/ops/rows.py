@@ -24,6 +24,19 @@ def shuffle_row_indices(m: int) -> np.ndarray:
 
 
 @lru_cache(maxsize=256)
+def shuffle16_row_indices(m: int) -> np.ndarray:
+    """trtllm shuffle_matrix_a(w, 64) (FlashInfer ``get_shuffle_matrix_a_row_indices``, epilogue tile 64:
+    blocks of 16 rows): out[b + r] = in[b + 2*(r % 8) + r // 8] (SEMANTICS §18)."""
+    if m % 16:
+        raise ValueError(f"row count {m} is not a multiple of 16")
+    r = np.arange(m)
+    b, r = r - r % 16, r % 16
+    idx = b + 2 * (r % 8) + r // 8
+    idx.flags.writeable = False
+    return idx
+
+
+@lru_cache(maxsize=256)
 def gated_act_row_indices(m: int) -> np.ndarray:
     """reorder_rows_for_gated_act_gemm: out[2i] = in[i], out[2i+1] = in[M/2 + i]."""
     if m % 2:

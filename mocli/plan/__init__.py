@@ -19,13 +19,15 @@ from mocli.parallel import Heads, ParallelLayout
 from mocli.plan.context import PlanContext
 from mocli.plan.core import ConvertedModule, ConvertPlan
 from mocli.plan.dense import DENSE_PLANNERS
+from mocli.plan.fp8_block_moe import FP8_BLOCK_MOE_PLANNERS
 from mocli.plan.marlin import MARLIN_PLANNERS
 from mocli.plan.moe import MOE_PLANNERS
 from mocli.plan.mxfp8 import MXFP8_PLANNERS
 from mocli.targets import Target, layout_of
 
 # Module kind -> its planner, called as PLANNERS[kind](context, kind, name, modules or MoE layer).plan().
-PLANNERS: dict[ModuleKind, Callable] = {**DENSE_PLANNERS, **MOE_PLANNERS, **MARLIN_PLANNERS, **MXFP8_PLANNERS}
+PLANNERS: dict[ModuleKind, Callable] = {**DENSE_PLANNERS, **MOE_PLANNERS, **MARLIN_PLANNERS, **MXFP8_PLANNERS,
+                                        **FP8_BLOCK_MOE_PLANNERS}
 
 __all__ = ["PLANNERS", "ConvertPlan", "ConvertedModule", "build_plan"]
 

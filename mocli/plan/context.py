@@ -27,3 +27,12 @@ class PlanContext:
 
     def scale(self, m: Module, suffix: str) -> np.ndarray:
         return self.scales[m.tensors[suffix].name].reshape(())
+
+    def inverse_of_max(self, mods: list[Module], suffix: str) -> np.float32:
+        """1 / max over ``mods`` of their scale ``suffix``: the stored divisor of the module holding the max
+        where the source stores divisors (vLLM's compressed-tensors linear keeps it, SEMANTICS §17.3), else
+        the float32 reciprocal."""
+        top = max(mods, key=lambda m: float(self.scale(m, suffix)))
+        name = top.tensors[suffix].name
+        inverse = getattr(self.scales, "inverse", None)
+        return inverse(name) if inverse is not None else np.reciprocal(np.float32(self.scale(top, suffix)))

@@ -151,12 +151,14 @@ class _Fp8TensorDense(_Dense):
         s = [pc.scale(m, WEIGHT_SCALE) for m in shards]
         big_s = np.stack(s).max()
         big_a = np.stack([pc.scale(m, INPUT_SCALE) for m in shards]).max()
-        requant = [bool(si != big_s) for si in s]
-        pc.plan.unified_scales["fp8_requantized_shards"] += sum(requant)
+        f16 = pc.census.spelling.fp8_requant_f16
+        requant = [f16 or bool(si != big_s) for si in s]
+        pc.plan.unified_scales["fp8_requantized_shards"] += sum(bool(si != big_s) for si in s)
         for r in self.ranks:
             sl = self.slice_of(r)
             self.add(r, Role.WEIGHT, "F8_E4M3", (sl.n, sl.k), [w.name for w in weights],
-                     self.fused + self.slice_transforms() + (["requantize_max_scale"] if any(requant) else []))
+                     self.fused + self.slice_transforms()
+                     + ([("requantize_max_scale_f16" if f16 else "requantize_max_scale")] if any(requant) else []))
             self.add(r, Role.WEIGHT_SCALE, "F32", (), self.sources(WEIGHT_SCALE), ["max"] if self.fused else [])
             self.add(r, Role.INPUT_SCALE, "F32", (), self.sources(INPUT_SCALE), ["max"] if self.fused else [])
 
@@ -165,7 +167,7 @@ class _Fp8TensorDense(_Dense):
             for w, si, rq in zip(weights, s, requant, strict=True):
                 raw = ctx.array(w)
                 check_fp8(raw, w)
-                whole.append(fp8.requantize_fp8(raw, si, big_s) if rq else None)
+                whole.append(fp8.requantize_fp8(raw, si, big_s, f16) if rq else None)
             pieces = _weight_pieces(self, ctx, whole, weights)
             for r in self.ranks:
                 pieces += [Piece(self.key(r, Role.WEIGHT_SCALE), 0, np.array(big_s, dtype=F32).reshape(())),
@@ -246,7 +248,7 @@ class _Nvfp4Dense(_Dense):
             self.add(r, Role.ALPHA, "F32", (), [], ["input_scale * weight_scale_2"])
             self.add(r, Role.INPUT_SCALE_INV, "F32", (), [], ["1 / input_scale"])
         scalars = {Role.WEIGHT_SCALE_2: big_s2, Role.INPUT_SCALE: big_a, Role.ALPHA: big_a * big_s2,
-                   Role.INPUT_SCALE_INV: np.reciprocal(big_a)}
+                   Role.INPUT_SCALE_INV: pc.inverse_of_max(shards, INPUT_SCALE)}
         pqs = self._plan_pre_quant_scale()
 
         def run(ctx: UnitContext) -> list[Piece]:

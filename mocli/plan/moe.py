@@ -191,7 +191,7 @@ class _Fp8Moe(_Moe):
             for m, scale in ((u, s3), (g, s1)):
                 raw = ctx.array(m.tensors[WEIGHT], i0, i1)  # mapped, not read (UnitContext.array)
                 _check_bytes(raw, m, WEIGHT)
-                halves.append((m, raw, fp8.requantize_fp8(raw, scale, s)))
+                halves.append((m, raw, fp8.requantize_fp8(raw, scale, s, self.pc.census.spelling.fp8_requant_f16)))
             idx = layout.w13_rows(2 * (i1 - i0))
             if idx is not None:
                 return [nvfp4.gather_rows([q for _, _, q in halves], idx)]

@@ -4,15 +4,23 @@
 
 from mocli.quant_config import Algo
 from mocli.schemes.base import ScaleSpec, Scheme, weight_is
-from mocli.tables import WEIGHT_SCALE
+from mocli.tables import WEIGHT, WEIGHT_SCALE
 
 BLOCK = 128
 
 
 def _detect(tensors) -> bool:
-    s = tensors.get(WEIGHT_SCALE)
-    return (weight_is(tensors, "F8_E4M3") and s is not None and s.dtype != "U8"
-            and (len(s.shape) == 4 or len(s.shape) == 2 and s.shape[1] != 1))
+    """4-D (ModelOpt), or 2-D [ceil(N/128), ceil(K/128)] and not per channel's [N, 1] (with K <= 128 the
+    block grid is [N/128, 1] too: its row count tells them apart)."""
+    s, w = tensors.get(WEIGHT_SCALE), tensors.get(WEIGHT)
+    if not weight_is(tensors, "F8_E4M3") or s is None or s.dtype == "U8":
+        return False
+    if len(s.shape) == 4:
+        return True
+    if len(s.shape) != 2 or len(w.shape) != 2:
+        return False
+    n, k = w.shape
+    return tuple(s.shape) != (n, 1) and (s.shape[1] != 1 or s.shape[0] == -(-n // BLOCK))
 
 
 FP8_BLOCK = Scheme(Algo.FP8_PB_WO, "F8_E4M3",

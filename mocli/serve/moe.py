@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from mocli.kinds import ModuleKind
 from mocli.numerics import FP8_MAX
-from mocli.numerics.in_torch import FP8, mxfp8_quant, nvfp4_quant, unpack_e2m1
+from mocli.numerics.in_torch import FP8, fp8_per_group_dequant, mxfp8_quant, nvfp4_quant, unpack_e2m1
 from mocli.ops import roundup
 from mocli.serve.common import F8, F32, U8, Kernel, ServeError, gemm_dtype, mm, row_order
 from mocli.targets.decode import unswizzle
@@ -278,9 +278,42 @@ class Mxfp8MoeKernel(MoeKernel):
                 self.layout.moe_rows_decode(s, gated=gated))
 
 
+class Fp8BlockMoeKernel(MoeKernel):
+    """FP8 128x128-block experts (SEMANTICS §18.2), either target's layout: emulated, the layout decoded once,
+    the input and the intermediate FP8-quantized per token and group of 128 as the kernels do (FlashInfer's
+    block-scale MoE kernels: CUTLASS on sm_90, TRT-LLM on sm_100, not called here)."""
+
+    kind = ModuleKind.FP8_BLOCK_MOE
+    roles = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+
+    @classmethod
+    def spec(cls, meta, layout):
+        e, i, h = int(meta["experts"]), int(meta["intermediate"]), int(meta["hidden"])
+        return {"w13_weight": (F8, (e, *layout.block_moe_shape(2 * i, h))), "w13_weight_scale": (F32, (e, 2 * i // 128, h // 128)),
+                "w2_weight": (F8, (e, *layout.block_moe_shape(h, i))), "w2_weight_scale": (F32, (e, h // 128, i // 128))}
+
+    def select(self):
+        return "emulated FP8 block-scale MoE (decoded layout, per-group FP8 activations)", True
+
+    def expert(self, e, x, w13, w2):
+        o1 = mm(fp8_per_group_dequant(x), w13)
+        return mm(fp8_per_group_dequant(self.act(o1)), w2)
+
+    def decode_w13(self, e):
+        return self._dequant("w13", e)
+
+    def decode_w2(self, e):
+        return self._dequant("w2", e)
+
+    def _dequant(self, which: str, e: int) -> torch.Tensor:
+        w = self.layout.block_moe_decode(self.t[f"{which}_weight"][e].view(U8)).contiguous().view(FP8).float()
+        s = self.t[f"{which}_weight_scale"][e].float()
+        return w * s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+
+
 def _mx_dequant(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return w.float() * torch.exp2(s.float() - 127.0).repeat_interleave(32, dim=1)
 
 
 MOE: dict[ModuleKind, type[MoeKernel]] = {ModuleKind.FP8_MOE: Fp8MoeKernel, ModuleKind.NVFP4_MOE: Nvfp4MoeKernel,
-                                          ModuleKind.MXFP8_MOE: Mxfp8MoeKernel}
+                                          ModuleKind.MXFP8_MOE: Mxfp8MoeKernel, ModuleKind.FP8_BLOCK_MOE: Fp8BlockMoeKernel}

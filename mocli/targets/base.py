@@ -51,6 +51,10 @@ SHARED_CONSTRAINTS: tuple[Constraint, ...] = (
     # ModelOptMxFp8FusedMoE.create_weights: H % 32 and the rank's I % 32
     Constraint("moe", MXFP8, "H", 32, "MXFP8 experts scale blocks of 32 along H (SEMANTICS §14.1)"),
     Constraint("moe", MXFP8, "2I", 64, "MXFP8 experts scale blocks of 32 along the rank's I (SEMANTICS §14.1)"),
+    # SEMANTICS §18.3: validate_fp8_block_shape_moe (the rank's I % 128), whole 128-blocks along H
+    Constraint("moe", FP8_BLOCK, "2I", 256, "vLLM needs the rank's I % 128 == 0 for 128x128-block experts "
+               "(validate_fp8_block_shape_moe, SEMANTICS §18.3)"),
+    Constraint("moe", FP8_BLOCK, "H", 128, "128x128-block experts need H % 128 == 0 (SEMANTICS §18.3)"),
 )
 
 ROW_SHUFFLE = "shuffle_matrix_a_128"  # the transform FlashInfer's shuffle_matrix_a(., 128) records
@@ -58,7 +62,15 @@ ROW_SHUFFLE = "shuffle_matrix_a_128"  # the transform FlashInfer's shuffle_matri
 # The stored schemes both FlashInfer targets convert, per scope (a scheme outside: TGT002)
 SUPPORTED: dict[str, frozenset[Scheme]] = {
     "linear": frozenset({FP8, FP8_CHANNEL, FP8_BLOCK, NVFP4, NVFP4_AWQ, MXFP8}),
-    "moe": frozenset({FP8, NVFP4, NVFP4_AWQ}),
+    # FP8 per-channel experts: vLLM 0.33 has no FlashInfer MoE path for them (SEMANTICS §18.1)
+    "moe": frozenset({FP8, FP8_BLOCK, NVFP4, NVFP4_AWQ}),
+}
+
+# Why no target takes a (scheme, scope), where that is not a gap of mocli's: the TGT002 hint
+NO_PATH: dict[tuple[Scheme, str], str] = {
+    (FP8_CHANNEL, "moe"): "vLLM 0.33 has no FlashInfer path for FP8 per-channel experts: its CUTLASS or Triton "
+                          "kernels take them as stored (no load-time transform to do offline); serve the "
+                          "checkpoint as it is (SEMANTICS §18.1)",
 }
 
 
@@ -158,3 +170,20 @@ class TargetLayout:
                          a2_inv: torch.Tensor) -> dict[Role, tuple[torch.Tensor, str]]:
         """Extra per-expert scale vectors this target's kernel takes (role -> (value, how))."""
         return {}
+
+    # --- FP8 128x128-block experts (SEMANTICS §18): one expert's [M, K] weight (w13 rows [w3; w1]) -----------
+
+    def block_moe_shape(self, m: int, k: int) -> tuple[int, ...]:
+        """Stored shape of one expert's [M, K] weight (FlashInfer CUTLASS: as it is)."""
+        return m, k
+
+    def block_moe_transforms(self) -> list[str]:
+        return []
+
+    def block_moe_weight(self, w: np.ndarray) -> np.ndarray:
+        """uint8 [M, K] -> the stored bytes of ``block_moe_shape``."""
+        return w
+
+    def block_moe_decode(self, stored: torch.Tensor) -> torch.Tensor:
+        """The inverse: one expert's (or [E, ...] stacked) stored weight -> [M, K] natural rows."""
+        return stored

@@ -165,6 +165,15 @@ def unshuffle_rows(t: Array) -> Array:
     return _as(_unshuffled(w).reshape(w.shape), t)
 
 
+def unshuffle16_block_major(t: Array) -> Array:
+    """Inverse of the FP8 block-scale experts' trtllm layout (SEMANTICS §18), one expert [K/128, M, 128] (or
+    stacked [E, K/128, M, 128]) -> [M, K] ([E, M, K]): BlockMajorK undone, then the 16-row shuffle
+    (in[b + 2c + a] = out[b + 8a + c])."""
+    lead, (kb, m, blk) = tuple(t.shape[:-3]), t.shape[-3:]
+    rows = t.swapaxes(-3, -2).reshape(*lead, m, kb * blk)  # [.., M, K] in shuffled row order
+    return rows.reshape(*lead, m // 16, 2, 8, kb * blk).swapaxes(-3, -2).reshape(*lead, m, kb * blk)
+
+
 def _unshuffled(t: Array) -> Array:
     """The rows of [..., M, cols] in unshuffled order as a view [..., M/32, 8, 4, cols]: row 32a + 4b + c."""
     lead, m = tuple(t.shape[:-2]), t.shape[-2]

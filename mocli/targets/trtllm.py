@@ -8,6 +8,8 @@ from mocli.kinds import ModuleKind, Role
 from mocli.schemes import FP8, MXFP8, NVFP4, NVFP4_AWQ
 from mocli.targets.base import ROW_SHUFFLE, SHARED_CONSTRAINTS, SUPPORTED, Constraint, Target, TargetLayout
 
+BLOCK_SHUFFLE = "shuffle_matrix_a_64"  # the 16-row shuffle of FP8 block-scale experts (SEMANTICS §18.2)
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
@@ -18,6 +20,8 @@ class TrtllmLayout(TargetLayout):
     shuffles_rows = True
     row_shuffled_kinds = frozenset({ModuleKind.NVFP4_LINEAR, ModuleKind.FP8_MOE, ModuleKind.NVFP4_MOE,
                                     ModuleKind.MXFP8_LINEAR, ModuleKind.MXFP8_MOE})
+    # FP8 block-scale experts are shuffled otherwise (16-row blocks) and stored BlockMajorK (SEMANTICS §18.2)
+    weight_transforms = {ModuleKind.FP8_BLOCK_MOE: "block_major_k_128"}
     # vLLM 0.33 runs MXFP8 MoE on FlashInfer's TRT-LLM kernel only (no CUTLASS MXFP8 MoE: SEMANTICS §14.3)
     supported = {"linear": SUPPORTED["linear"], "moe": SUPPORTED["moe"] | {MXFP8}}
     extra_roles = {
@@ -83,6 +87,26 @@ class TrtllmLayout(TargetLayout):
         from mocli.targets import decode
 
         return decode.shuffled_halves(stored, gated) if stored.ndim == 2 and stored.shape[0] % 32 == 0 else None
+
+    # FP8 128x128-block experts: trtllm_fp8_block_scale_moe's DeepSeekFp8 BlockMajorK weights (SEMANTICS §18.2):
+    # rows shuffled in 16-row blocks (shuffle_matrix_a(., 64)), then [K/128, M, 128]
+
+    def block_moe_shape(self, m: int, k: int) -> tuple[int, ...]:
+        return k // 128, m, 128
+
+    def block_moe_transforms(self) -> list[str]:
+        return [BLOCK_SHUFFLE, "block_major_k_128"]
+
+    def block_moe_weight(self, w: np.ndarray) -> np.ndarray:
+        from mocli.ops.rows import shuffle16_row_indices
+
+        m, k = w.shape
+        return w[shuffle16_row_indices(m)].reshape(m, k // 128, 128).transpose(1, 0, 2)
+
+    def block_moe_decode(self, stored: torch.Tensor) -> torch.Tensor:
+        from mocli.targets import decode
+
+        return decode.unshuffle16_block_major(stored)
 
     def moe_extra_scales(self, kind: ModuleKind, g1: torch.Tensor, g2: torch.Tensor,
                          a2_inv: torch.Tensor) -> dict[Role, tuple[torch.Tensor, str]]:

@@ -59,14 +59,23 @@ def check_exclusions(quant: QuantConfig, census: Census, declared: dict[str, boo
         if not want and stored_q:
             findings.add("EXC003", prefix, f"excluded by the config but {len(stored_q)} module(s) are stored "
                          f"quantized ({few([m.name for m in stored_q])})",
-                         hint="the engine will load quantized bytes as BF16; fix exclude_modules")
+                         hint=f"the engine will load quantized bytes as BF16; fix {_key(quant)}")
         elif want and stored_u:
             findings.add("EXC004", prefix, f"not excluded but {len(stored_u)} module(s) are stored unquantized "
                          f"({few([m.name for m in stored_u])})",
-                         hint="add it to exclude_modules (and config.json ignore)")
+                         hint="add it to " + ("ignore" if quant.resolver else "exclude_modules (and config.json ignore)"))
+
+
+def _key(quant: QuantConfig) -> str:
+    return "ignore" if quant.resolver is not None else "exclude_modules"
 
 
 def _check_patterns(quant: QuantConfig, census: Census, findings: Findings) -> None:
+    if quant.resolver is not None:  # compressed-tensors: ignore / targets under its own rules (SEMANTICS §17.4)
+        from mocli.compressed_tensors import check_ignore
+
+        check_ignore(quant.resolver, census, findings)
+        return
     for r in pattern_reports(quant.exclude_modules, census, quant.method):
         loc = f"exclude_modules: {r.pattern}"
         if r.vlm_alias:

@@ -60,7 +60,11 @@ def _check_moe(target: Target, par: ParallelLayout, census: Census, findings: Fi
 
 def _elsewhere(scheme, scope: str) -> str:
     """The hint of a scheme a target does not take: the targets that do, else a re-export."""
+    from mocli.targets.base import NO_PATH
+
     takers = [str(t) for t in Target if scheme in layout_of(t).supported[scope]]
+    if not takers and (scheme, scope) in NO_PATH:
+        return NO_PATH[scheme, scope]
     if takers:
         return f"convert with --target {' or --target '.join(takers)}, which take{'s' if len(takers) == 1 else ''} {scheme}"
     return "no mocli target takes it: re-export in a scheme one takes (mocli validate --target T lists them)"

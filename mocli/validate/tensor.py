@@ -8,7 +8,7 @@ from mocli.census import Census, Kind, Module, MoELayer
 from mocli.findings import Findings, few
 from mocli.io.safetensors_file import TensorEntry
 from mocli.quant_config import QuantConfig
-from mocli.schemes import Scheme, by_algo
+from mocli.schemes import Spelling, by_algo
 from mocli.tables import INPUT_SCALE, SCALE_SUFFIXES, WEIGHT
 
 
@@ -19,6 +19,11 @@ def check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool |
         if m.scheme is None:
             _check_unquantized(m, findings)
             continue
+        if m.kind is Kind.EMBEDDING:
+            findings.add("TNS008", m.name, f"stored {m.scheme}: engines build embeddings and the LM head unquantized "
+                         "and fail to load it", hint="re-export with the embedding excluded (compressed-tensors: add "
+                                                      f"{m.name!r} to ignore; ModelOpt: to exclude_modules)")
+            continue
         w = _checked_weight(m, findings)
         if w is None:
             continue
@@ -28,7 +33,8 @@ def check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool |
         if declared.get(m.engine_name) and configured is not None and by_algo(configured) is not m.scheme:
             findings.add("TNS005", m.name, f"stored as {m.scheme} but the config says {configured}",
                          hint="the engine will build the wrong kernel for it")
-        missing = _check_scale_tensors(m, m.scheme, m.scheme.logical(w.shape), quant.dynamic_activations, findings)
+        missing = _check_scale_tensors(m, census.spelling, m.scheme.logical(w.shape), quant.dynamic_activations,
+                                       findings)
         if INPUT_SCALE in missing and m.kind is Kind.EXPERT:
             no_input_scale.setdefault(m.engine_name, []).append(m)
     for g in census.fused:
@@ -68,24 +74,26 @@ def _checked_weight(m: Module, findings: Findings) -> TensorEntry | None:
                      hint="the export is incomplete; re-export the checkpoint")
         return None
     if w.dtype != scheme.weight_dtype:
-        findings.add("TNS002", f"{m.name}.weight", f"is {w.dtype}, {scheme} stores {scheme.weight_dtype}",
+        findings.add("TNS002", w.name, f"is {w.dtype}, {scheme} stores {scheme.weight_dtype}",
                      hint="the export is broken; re-export the checkpoint")
         return None
     if 0 in w.shape:
-        findings.add("TNS003", f"{m.name}.weight", f"quantized weight {list(w.shape)} has no elements",
+        findings.add("TNS003", w.name, f"quantized weight {list(w.shape)} has no elements",
                      hint="an empty layer cannot be quantized or served; re-export the checkpoint")
         return None
     return w
 
 
-def _check_scale_tensors(m: Module, scheme: Scheme, nk: tuple[int, int], dynamic: bool, findings: Findings) -> set[str]:
-    """The scheme's scale tensors' dtypes and shapes for a module of logical [N, K]; returns the
-    suffixes that are missing (an expert's missing input_scale is judged per layer, not here)."""
+def _check_scale_tensors(m: Module, spelling: Spelling, nk: tuple[int, int], dynamic: bool,
+                         findings: Findings) -> set[str]:
+    """The scheme's scale tensors' dtypes and shapes for a module of logical [N, K], in the source's
+    spelling (its scale dtypes, its one-value shapes, its names); returns the suffixes that are missing
+    (an expert's missing input_scale is judged per layer, not here)."""
     missing: set[str] = set()
-    n, k = nk
+    scheme, (n, k) = m.scheme, nk
     if not (scheme.rows_split(n) and scheme.cols_split(k)):
         rows, cols = max(scheme.scale_rows, 1), max(scheme.scale_cols, 1)
-        findings.add("TNS003", f"{m.name}.weight", f"shape [{n}, {k}] is not a multiple of {rows}x{cols}",
+        findings.add("TNS003", m.weight.name, f"shape [{n}, {k}] is not a multiple of {rows}x{cols}",
                      hint=f"{scheme} needs N % {rows} == K % {cols} == 0")
         return missing
     for suffix, (dtype, shape) in scheme.expected(n, k, dynamic).items():
@@ -93,12 +101,12 @@ def _check_scale_tensors(m: Module, scheme: Scheme, nk: tuple[int, int], dynamic
         if t is None:
             missing.add(suffix)
             if not (suffix == INPUT_SCALE and m.kind is Kind.EXPERT):
-                findings.add("TNS001", m.name, f"{scheme} module has no {suffix}",
+                findings.add("TNS001", m.name, f"{scheme} module has no {spelling.source(suffix)}",
                              hint="the export is incomplete; re-export the checkpoint")
-        elif t.dtype != dtype:
+        elif not spelling.scale_dtype_ok(t.dtype, dtype):
             findings.add("TNS002", t.name, f"is {t.dtype}, {scheme} stores {dtype}",
                          hint="the export is broken; re-export the checkpoint")
-        elif not scheme.same_shape(suffix, t.shape, n, k):
+        elif not (scheme.same_shape(suffix, t.shape, n, k) or shape == () and tuple(t.shape) in spelling.one_value):
             findings.add("TNS003", t.name, f"shape {list(t.shape)}, expected {list(shape)} for weight "
                          f"{list(m.weight.shape)}", hint="the export is broken; re-export the checkpoint")
     return missing

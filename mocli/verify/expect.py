@@ -47,6 +47,10 @@ def _byte_table(kind: str, a: float, b: float) -> np.ndarray:
     sa, sb = np.float32(a), np.float32(b)
     if kind == "requant":  # fp8(clamp(float(q) * s * (1/S), ±448)), 1/S rounded once
         vals = E4M3 * sa * (np.float32(1) / sb)
+    elif kind == "requant_f16":  # vLLM's per_tensor_dequantize: a float16 weight times a 0-dim float32 scale,
+        torch = _torch()          # which torch rounds to float16 too where both are on a GPU (SEMANTICS §17.2)
+        dq = torch.from_numpy(np.nan_to_num(E4M3)).to(torch.float16) * torch.tensor(sa).half()
+        vals = np.where(np.isnan(E4M3), np.nan, dq.float().numpy()) * (np.float32(1) / sb)
     else:  # fp8(float(bs) * s2 / S2)
         vals = E4M3 * sa / sb
     return e4m3_encode(np.clip(vals, -FP8_MAX, FP8_MAX))
@@ -67,16 +71,17 @@ def _pair_table(kind: str, a: float, b: float) -> np.ndarray:
 
 
 def apply_table(kind: str, q, s, big):
-    """Bytes of ``q`` requantized (kind "requant") or rescaled ("rescale") from s to big: uint8, a numpy
-    array for a numpy ``q``, else a tensor on ``q``'s device (a gather through the 256-entry table on a
-    GPU)."""
+    """Bytes of ``q`` requantized (kind "requant", or "requant_f16" through vLLM's float16 intermediate) or
+    rescaled ("rescale") from s to big: uint8, a numpy array for a numpy ``q``, else a tensor on ``q``'s
+    device (a gather through the 256-entry table on a GPU). Unchanged at s == big, but through float16."""
+    same = float(s) == float(big) and kind != "requant_f16"
     if isinstance(q, np.ndarray):
         raw = np.ascontiguousarray(q).view(np.uint8)
-        if float(s) == float(big):
+        if same:
             return raw
         return _lookup(kind, float(s), float(big), raw)
     raw = q.contiguous().view(_torch().uint8)
-    if float(s) == float(big):
+    if same:
         return raw
     if raw.device.type != "cpu":
         return _device_table(kind, float(s), float(big), str(raw.device))[raw.long()]
@@ -160,3 +165,9 @@ def bit_equal(a, b) -> bool:
         return torch.equal(wa, wb)  # views compared in place, strided or not
     # else the same flat byte order on both sides first (a transposed view is copied, as rows of words)
     return torch.equal(wa.contiguous().view(torch.uint8).reshape(-1), wb.contiguous().view(torch.uint8).reshape(-1))
+
+
+def src_requant(src) -> str:
+    """The requantization table of a per-tensor FP8 source: through vLLM's float16 intermediate where its
+    spelling's engine path does that (compressed-tensors, SEMANTICS §17.2), else §3's float32."""
+    return "requant_f16" if src.census.spelling.fp8_requant_f16 else "requant"

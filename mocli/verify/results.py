@@ -69,6 +69,7 @@ THRESHOLDS: dict[ModuleKind, Thresholds] = {
     # bit-identical weights and scales, the same activation quantization: summation order and rounding only
     ModuleKind.MXFP8_LINEAR: Thresholds(0.01, 0.01),
     ModuleKind.MXFP8_MOE: Thresholds(0.01, 0.01, gemm2=0.01),
+    ModuleKind.FP8_BLOCK_MOE: Thresholds(0.01, 0.01, gemm2=0.01),
 }
 # A fused FlashInfer MoE kernel gives only the layer output: the intermediate is re-quantized from
 # slightly different values, so neighbouring codes flip (e2m1 codes are up to 33% apart).

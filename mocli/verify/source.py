@@ -57,10 +57,19 @@ class SourceTensors:
         """A per-tensor scale of module ``m`` (its canonical ``suffix``) as float32."""
         name = m.tensors[suffix].name
         v = self.floats(name)
+        if self.census.spelling.is_divisor(name):  # a divisor on file (compressed-tensors): its reciprocal
+            v = np.reciprocal(v.astype(np.float32))
         if v.size != 1:
             raise CorruptFileError(f"{name}: a per-tensor scale with {v.size} values",
                                    hint="the source is not the per-tensor export it was converted from")
         return np.float32(v.reshape(()))
+
+    def inverse(self, m: Module, suffix: str) -> np.float32:
+        """1 / the per-tensor scale ``suffix`` of ``m``: the divisor itself where the file stores one (vLLM's
+        compressed-tensors linear keeps it, SEMANTICS §17.3), else the float32 reciprocal."""
+        if self.census.spelling.is_divisor(m.tensors[suffix].name):
+            return np.float32(self.floats(m.tensors[suffix].name).reshape(()))
+        return np.reciprocal(self.scalar(m, suffix))
 
     def nvfp4_dequant(self, m: Module, rows: np.ndarray | None = None) -> np.ndarray:
         """float32 [N, K] of one NVFP4 source linear (or its ``rows``), from its own scales."""
@@ -93,7 +102,9 @@ class SourceTensors:
 
     def scalar_t(self, m: Module, suffix: str) -> torch.Tensor:
         """``scalar`` as a 0-dim float32 torch tensor (on the CPU)."""
-        return self.cpu(m.tensors[suffix].name).float().reshape(())
+        import torch
+
+        return torch.from_numpy(np.asarray(self.scalar(m, suffix)))
 
     @contextmanager
     def on_device(self, names: list[str]) -> Iterator[None]:
@@ -129,7 +140,7 @@ class SourceTensors:
         scale = self.near(m.tensors[WEIGHT_SCALE].name)
         if rows is not None:
             w = w.view(torch.uint8)[rows].view(w.dtype)
-        if rows is not None and scale.dim() > 0:
+        if rows is not None and scale.numel() > 1:  # ModelOpt's 0-dim and compressed-tensors' [1] are per tensor
             n = m.out_in[0]
             if scale.numel() == n:  # per channel
                 scale = scale.reshape(-1)[rows]

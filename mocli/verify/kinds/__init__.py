@@ -37,6 +37,7 @@ CHECKS: dict[ModuleKind, KindCheck] = {
     ModuleKind.NVFP4_MARLIN_MOE: KindCheck("marlin_moe", torch=False),
     ModuleKind.MXFP8_LINEAR: KindCheck("mxfp8_linear", torch=False),
     ModuleKind.MXFP8_MOE: KindCheck("mxfp8_moe", torch=False),
+    ModuleKind.FP8_BLOCK_MOE: KindCheck("fp8_block_moe", torch=False),
 }
 
 # Modules checked at once where every check runs in numpy (numpy drops the GIL in its loops, copies and

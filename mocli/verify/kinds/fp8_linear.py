@@ -13,7 +13,7 @@ from mocli.numerics import FP8_MAX
 from mocli.numerics.in_torch import fp8_per_group_dequant, fp8_per_token, fp8_static
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE
 from mocli.verify.common import gen, rows_of, scaled_mm
-from mocli.verify.expect import apply_table, to_numpy
+from mocli.verify.expect import apply_table, src_requant, to_numpy
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.dense import DenseCase, check_dense
 from mocli.verify.results import THRESHOLDS
@@ -79,7 +79,7 @@ class _Fp8Tensor(_Fp8Dense):
         problems.scalar("weight_scale", mod.weight_scale, self.big_s)
         problems.scalar("input_scale", mod.input_scale, self.big_a)
         problems.expect_parts("weight", mod.weight, [
-            apply_table("requant", self.src.cpu(m.tensors[WEIGHT].name)[r0:r1, c0:c1], si, self.big_s)
+            apply_table(src_requant(self.src), self.src.cpu(m.tensors[WEIGHT].name)[r0:r1, c0:c1], si, self.big_s)
             for m, si, (r0, r1, c0, c1) in zip(self.shards, self.s, slices, strict=True)])
 
     def kernel(self, ck, mod, xr, rows):

@@ -21,7 +21,7 @@ from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE
 from mocli.targets.decode import LayoutError
 from mocli.verify import flashinfer_args
 from mocli.verify.common import Kernels, gen, sample_experts, scaled_mm
-from mocli.verify.expect import apply_table, bit_equal, to_numpy
+from mocli.verify.expect import apply_table, bit_equal, src_requant, to_numpy
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.moe import MoeCase, check_moe, done
 from mocli.verify.results import FUSED_MOE_THRESHOLD, Halves, Problems, Stages, rel_error
@@ -110,8 +110,8 @@ class Fp8Moe(MoeCase):
         s1, s3 = src.scalar_t(ex.gate, WEIGHT_SCALE), src.scalar_t(ex.up, WEIGHT_SCALE)
         big = torch.maximum(s1, s3)
         near = lambda m: src.near(m.tensors[WEIGHT].name)  # noqa: E731
-        return {"w13_weight": [apply_table("requant", near(ex.up)[i0:i1].to(dev), s3, big),
-                               apply_table("requant", near(ex.gate)[i0:i1].to(dev), s1, big)],
+        return {"w13_weight": [apply_table(src_requant(src), near(ex.up)[i0:i1].to(dev), s3, big),
+                               apply_table(src_requant(src), near(ex.gate)[i0:i1].to(dev), s1, big)],
                 "w2_weight": [near(ex.down)[:, i0:i1].to(dev)]}
 
     def all_bytes(self, mod, experts, i_slice):

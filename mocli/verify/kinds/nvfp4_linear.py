@@ -57,7 +57,9 @@ class Nvfp4Linear(DenseCase):
         src = self.src
         self.s2 = [src.scalar(m, WEIGHT_SCALE_2) for m in shards]
         self.big_s2 = np.max(self.s2)  # numpy's max: a NaN scale stays NaN (and fails), as torch's did
-        self.big_a = np.max([src.scalar(m, INPUT_SCALE) for m in shards])
+        a = [src.scalar(m, INPUT_SCALE) for m in shards]
+        self.big_a = np.max(a)
+        self.a_inv = src.inverse(shards[int(np.argmax(a))], INPUT_SCALE)
         limits = THRESHOLDS[kind]
         self.threshold = limits.unified if any(v != self.big_s2 for v in self.s2) else limits.kept
         pqs = shards[0].tensors.get(PRE_QUANT_SCALE)  # NVFP4_AWQ (SEMANTICS §15): equal on every shard (AWQ001)
@@ -70,7 +72,7 @@ class Nvfp4Linear(DenseCase):
     def quant(self, x, cols=None):
         if self.pqs is not None:  # x * pre_quant_scale in BF16, before the activation quantization
             x = bf16_round(bf16_round(x) * self.pqs[slice(*cols) if cols else slice(None)])
-        return nvfp4_quant(x, ONE / self.big_a) * self.big_a
+        return nvfp4_quant(x, self.a_inv) * self.big_a
 
     def sampled_weights(self, offsets, sample):
         return np.concatenate([self.src.nvfp4_dequant(m, local) for m, off in zip(self.shards, offsets, strict=True)
@@ -84,7 +86,7 @@ class Nvfp4Linear(DenseCase):
         problems.scalar("weight_scale_2", mod.weight_scale_2, big_s2)
         problems.scalar("input_scale", mod.input_scale, big_a)
         problems.scalar("alpha", mod.alpha, big_a * big_s2)
-        problems.scalar("input_scale_inv", mod.input_scale_inv, ONE / big_a)
+        problems.scalar("input_scale_inv", mod.input_scale_inv, self.a_inv)
         if (self.pqs is None) != (mod.pre_quant_scale is None):
             problems.append("pre_quant_scale: " + ("the source has one, the layout none" if mod.pre_quant_scale is None
                                                    else "the layout has one, the source none"))

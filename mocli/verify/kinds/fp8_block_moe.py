@@ -1,0 +1,120 @@
+"""``fp8_block_moe`` (SEMANTICS §18.2), checked with numpy alone: per rank every expert's weight bytes after the
+layout's inverse (flashinfer-trtllm: BlockMajorK and the 16-row shuffle undone) as [w3; w1] rows of the source,
+its float32 block scales as the source's, clamped to 1e-10 and in the same row order, and emulated stage-wise
+GEMMs on sampled experts (the input and the intermediate FP8-quantized per token and group of 128, as the
+kernels do) against the source."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from mocli.errors import CorruptFileError
+from mocli.kinds import ModuleKind
+from mocli.numerics.in_numpy import E4M3, fp8_per_group_quant, silu
+from mocli.tables import WEIGHT, WEIGHT_SCALE
+from mocli.targets.decode import LayoutError
+from mocli.verify.kinds import WORKERS
+from mocli.verify.kinds.context import CheckContext
+from mocli.verify.kinds.moe import MoeCase, check_moe
+from mocli.verify.results import CPU_SAMPLE_EXPERTS, Problems, Stages, pick_experts, rel_error, rng
+
+EMULATED = "emulated FP8 block-scale MoE (decoded layout, float32 GEMMs)"
+BLOCK = 128
+MIN_SCALE = np.float32(1e-10)  # vLLM's clamp of FlashInfer's block scales (prepare_fp8_moe_layer_for_fi)
+_BYTES = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mocli-verify-fp8-block")
+
+
+def dequant(w: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """uint8 e4m3 codes [M, K] times their [M/128, K/128] block scales, float32."""
+    full = np.repeat(np.repeat(np.asarray(s, dtype=np.float32), BLOCK, axis=0), BLOCK, axis=1)
+    return E4M3[w] * full[:w.shape[0], :w.shape[1]]
+
+
+class Fp8BlockMoe(MoeCase):
+    kind = ModuleKind.FP8_BLOCK_MOE
+
+    def __init__(self, name: str, ctx: CheckContext) -> None:
+        super().__init__(name, ctx)
+        self.layout, self.opts = ctx.layout, ctx.opts
+        self.x = rng(ctx.opts.seed, name).standard_normal((ctx.opts.tokens, self.layer.hidden), dtype=np.float32)
+        self.ref_in = fp8_per_group_quant(self.x)
+
+    def load(self, ck):
+        return ck.module_arrays(self.name)
+
+    def consistency(self, mod, experts, problems: Problems) -> None:
+        if list(getattr(mod, "block", [BLOCK, BLOCK])) != [BLOCK, BLOCK]:
+            problems.append(f"block is {mod.block}, the kernels take [128, 128]")
+
+    def decoded(self, mod, local: int) -> dict[str, np.ndarray]:
+        """Expert ``local`` in logical order: w13 [up; gate] [2I, H] uint8, w2 [H, I], their float32 scales."""
+        out = {}
+        for which in ("w13", "w2"):
+            stored = np.ascontiguousarray(getattr(mod, f"{which}_weight")[local]).view(np.uint8)
+            out[f"{which}_weight"] = np.ascontiguousarray(self.layout.block_moe_decode(stored))
+            out[f"{which}_weight_scale"] = np.asarray(getattr(mod, f"{which}_weight_scale")[local], dtype=np.float32)
+        return out
+
+    def _scale(self, m) -> np.ndarray:
+        e = m.tensors[WEIGHT_SCALE]
+        return np.maximum(self.src.floats(e.name).reshape(-1, e.shape[-1]), MIN_SCALE).astype(np.float32)
+
+    def expected(self, ex, i_slice: tuple[int, int]) -> dict[str, list[np.ndarray]]:
+        (i0, i1), b0, b1 = i_slice, i_slice[0] // BLOCK, i_slice[1] // BLOCK
+        w = lambda m: self.src.arr(m.tensors[WEIGHT].name)  # noqa: E731
+        return {"w13_weight": [w(ex.up)[i0:i1], w(ex.gate)[i0:i1]], "w2_weight": [w(ex.down)[:, i0:i1]],
+                "w13_weight_scale": [self._scale(ex.up)[b0:b1], self._scale(ex.gate)[b0:b1]],
+                "w2_weight_scale": [self._scale(ex.down)[:, b0:b1]]}
+
+    def all_bytes(self, mod, experts, i_slice):
+        return _BYTES.submit(self._all_bytes, mod, experts, i_slice)
+
+    def _all_bytes(self, mod, experts, i_slice) -> tuple[Problems, Exception | None]:
+        found = Problems()
+        try:
+            for local, ex in enumerate(experts):
+                got = self.decoded(mod, local)
+                for role, parts in self.expected(ex, i_slice).items():
+                    found.expect_parts(f"{role} (expert {ex.index})", np.ascontiguousarray(got[role]).view(np.uint8),
+                                       [np.ascontiguousarray(p).view(np.uint8) for p in parts])
+        except (LayoutError, CorruptFileError, ValueError) as e:
+            return found, e
+        return found, None
+
+    def source(self, ex, which: str, rows=None, cols=None) -> np.ndarray:
+        m = getattr(ex, which)
+        w, s = np.ascontiguousarray(self.src.arr(m.tensors[WEIGHT].name)).view(np.uint8), self._scale(m)
+        if rows is not None:
+            w, s = w[rows[0]:rows[1]], s[rows[0] // BLOCK:rows[1] // BLOCK]
+        if cols is not None:
+            w, s = w[:, cols[0]:cols[1]], s[:, cols[0] // BLOCK:cols[1] // BLOCK]
+        return dequant(np.ascontiguousarray(w), s)
+
+    def reference(self, gid: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ex = self.layer.experts[gid]
+        g1 = self.ref_in @ np.concatenate([self.source(ex, "up"), self.source(ex, "gate")]).T
+        return g1, h @ self.source(ex, "down").T
+
+    def numbers(self, ck, mod, off: int, i_slice: tuple[int, int]) -> tuple[Any, ...]:
+        i0, i1 = i_slice
+        sample = pick_experts(mod.experts, CPU_SAMPLE_EXPERTS, self.opts.seed, mod.name)
+        stages, outs = Stages(len(sample)), {}
+        for local in sample:
+            gid, ex, got = off + local, self.layer.experts[off + local], self.decoded(mod, local)
+            ref1 = self.ref_in @ np.concatenate([self.source(ex, "up", rows=i_slice), self.source(ex, "gate", rows=i_slice)]).T
+            o1 = self.ref_in @ dequant(got["w13_weight"], got["w13_weight_scale"]).T
+            i = i1 - i0
+            h_true = fp8_per_group_quant(silu(o1[:, i:]) * o1[:, :i])
+            o2 = h_true @ dequant(got["w2_weight"], got["w2_weight_scale"]).T
+            ref2 = h_true @ self.source(ex, "down", cols=i_slice).T
+            stages.add("gemm1", rel_error(o1, ref1), self.limits.kept)
+            stages.add("gemm2", rel_error(o2, ref2), self.limits.gemm2)
+            outs[gid] = (o1, o2, h_true)
+        return EMULATED, True, stages.errors, stages.result(), outs
+
+
+def check(name: str, infos: dict[int, dict], ctx: CheckContext):
+    return check_moe(name, infos, ctx, Fp8BlockMoe)
