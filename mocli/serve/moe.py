@@ -299,6 +299,13 @@ class Fp8BlockMoeKernel(MoeKernel):
         o1 = mm(fp8_per_group_dequant(x), w13)
         return mm(fp8_per_group_dequant(self.act(o1)), w2)
 
+    def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 on every device: an e4m3 code times a float32 block scale is no BF16 value."""
+        if self._w13 is None:
+            self._w13 = torch.stack([self.decode_w13(e) for e in range(self.experts)])
+            self._w2 = torch.stack([self.decode_w2(e) for e in range(self.experts)])
+        return self._w13, self._w2
+
     def decode_w13(self, e):
         return self._dequant("w13", e)
 
