@@ -16,7 +16,7 @@ import numpy as np
 from mocli.census import Module
 from mocli.kinds import ModuleKind, Role
 from mocli.plan.core import F32
-from mocli.plan.moe import _check_bytes, _Moe
+from mocli.plan.moe import _check_bytes, _Moe, checked_weight
 from mocli.tables import WEIGHT, WEIGHT_SCALE
 
 if TYPE_CHECKING:
@@ -69,18 +69,13 @@ class _Fp8BlockMoe(_Moe):
     def _w2_unit(self, e: int, d: Module) -> None:
         lay = self.pc.layout
 
-        def prepare(ctx: UnitContext) -> np.ndarray:
-            w2 = ctx.array(d.tensors[WEIGHT])
-            _check_bytes(w2, d, WEIGHT)
-            return w2
-
         def emit(ctx: UnitContext, w2: np.ndarray, r: int, rows: tuple[int, int]) -> list:
             i0, i1 = rows
             if i1 - i0 == self.i and not lay.block_moe_transforms():
                 return [ctx.src(d.tensors[WEIGHT])]
             return [np.ascontiguousarray(lay.block_moe_weight(np.ascontiguousarray(w2[:, i0:i1])))]
 
-        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, prepare, compute=True)
+        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, checked_weight(d), compute=True)
 
     def _scale_unit(self, e: int) -> None:
         """An expert's block scales on every rank that holds it: float32 (as read, ``mocli.scales``), the

@@ -139,6 +139,15 @@ def _check_bytes(raw: np.ndarray, m: Module, suffix: str) -> None:
         raise BadData(m.tensors[suffix].name, "FP8 bytes encode NaN (0x7F or 0xFF)")
 
 
+def checked_weight(m: Module) -> Callable:
+    """A unit's ``prepare``: module ``m``'s whole FP8 weight, mapped (``UnitContext.array``), NaN codes refused."""
+    def prepare(ctx: UnitContext) -> np.ndarray:
+        w = ctx.array(m.tensors[WEIGHT])
+        _check_bytes(w, m, WEIGHT)
+        return w
+    return prepare
+
+
 class _Fp8Moe(_Moe):
 
     def plan(self) -> None:
@@ -203,11 +212,6 @@ class _Fp8Moe(_Moe):
     def _w2_unit(self, e: int, d: Module) -> None:
         layout, h = self.pc.layout, self.h
 
-        def prepare(ctx: UnitContext) -> np.ndarray:
-            w2 = ctx.array(d.tensors[WEIGHT])
-            _check_bytes(w2, d, WEIGHT)
-            return w2
-
         def emit(ctx: UnitContext, w2: np.ndarray, r: int, rows: tuple[int, int]) -> list:
             i0, i1 = rows
             whole = i1 - i0 == self.i
@@ -216,7 +220,7 @@ class _Fp8Moe(_Moe):
             part = w2 if whole else w2[:, i0:i1]
             return [np.ascontiguousarray(nvfp4.permute_rows(part, layout.w2_rows(h)))]
 
-        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, prepare, compute=True)  # NaN checks
+        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], emit, checked_weight(d), compute=True)
 
 
 class _Nvfp4Moe(_Moe):

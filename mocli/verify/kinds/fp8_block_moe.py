@@ -6,25 +6,19 @@ kernels do) against the source."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
-
 import numpy as np
 
-from mocli.errors import CorruptFileError
 from mocli.kinds import ModuleKind
-from mocli.numerics.in_numpy import E4M3, fp8_per_group_quant, silu
+from mocli.numerics.in_numpy import E4M3, fp8_per_group_quant
 from mocli.tables import WEIGHT, WEIGHT_SCALE
-from mocli.targets.decode import LayoutError
-from mocli.verify.kinds import WORKERS
 from mocli.verify.kinds.context import CheckContext
-from mocli.verify.kinds.moe import MoeCase, check_moe
-from mocli.verify.results import CPU_SAMPLE_EXPERTS, Problems, Stages, pick_experts, rel_error, rng
+from mocli.verify.kinds.decoded_moe import DecodedMoe
+from mocli.verify.kinds.moe import check_moe
+from mocli.verify.results import Problems
 
 EMULATED = "emulated FP8 block-scale MoE (decoded layout, float32 GEMMs)"
 BLOCK = 128
 MIN_SCALE = np.float32(1e-10)  # vLLM's clamp of FlashInfer's block scales (prepare_fp8_moe_layer_for_fi)
-_BYTES = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mocli-verify-fp8-block")
 
 
 def dequant(w: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -33,17 +27,11 @@ def dequant(w: np.ndarray, s: np.ndarray) -> np.ndarray:
     return E4M3[w] * full[:w.shape[0], :w.shape[1]]
 
 
-class Fp8BlockMoe(MoeCase):
+class Fp8BlockMoe(DecodedMoe):
     kind = ModuleKind.FP8_BLOCK_MOE
-
-    def __init__(self, name: str, ctx: CheckContext) -> None:
-        super().__init__(name, ctx)
-        self.layout, self.opts = ctx.layout, ctx.opts
-        self.x = rng(ctx.opts.seed, name).standard_normal((ctx.opts.tokens, self.layer.hidden), dtype=np.float32)
-        self.ref_in = fp8_per_group_quant(self.x)
-
-    def load(self, ck):
-        return ck.module_arrays(self.name)
+    label = EMULATED
+    quant = staticmethod(fp8_per_group_quant)
+    dequant = staticmethod(dequant)
 
     def consistency(self, mod, experts, problems: Problems) -> None:
         if list(getattr(mod, "block", [BLOCK, BLOCK])) != [BLOCK, BLOCK]:
@@ -69,21 +57,6 @@ class Fp8BlockMoe(MoeCase):
                 "w13_weight_scale": [self._scale(ex.up)[b0:b1], self._scale(ex.gate)[b0:b1]],
                 "w2_weight_scale": [self._scale(ex.down)[:, b0:b1]]}
 
-    def all_bytes(self, mod, experts, i_slice):
-        return _BYTES.submit(self._all_bytes, mod, experts, i_slice)
-
-    def _all_bytes(self, mod, experts, i_slice) -> tuple[Problems, Exception | None]:
-        found = Problems()
-        try:
-            for local, ex in enumerate(experts):
-                got = self.decoded(mod, local)
-                for role, parts in self.expected(ex, i_slice).items():
-                    found.expect_parts(f"{role} (expert {ex.index})", np.ascontiguousarray(got[role]).view(np.uint8),
-                                       [np.ascontiguousarray(p).view(np.uint8) for p in parts])
-        except (LayoutError, CorruptFileError, ValueError) as e:
-            return found, e
-        return found, None
-
     def source(self, ex, which: str, rows=None, cols=None) -> np.ndarray:
         m = getattr(ex, which)
         w, s = np.ascontiguousarray(self.src.arr(m.tensors[WEIGHT].name)).view(np.uint8), self._scale(m)
@@ -92,28 +65,6 @@ class Fp8BlockMoe(MoeCase):
         if cols is not None:
             w, s = w[:, cols[0]:cols[1]], s[:, cols[0] // BLOCK:cols[1] // BLOCK]
         return dequant(np.ascontiguousarray(w), s)
-
-    def reference(self, gid: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        ex = self.layer.experts[gid]
-        g1 = self.ref_in @ np.concatenate([self.source(ex, "up"), self.source(ex, "gate")]).T
-        return g1, h @ self.source(ex, "down").T
-
-    def numbers(self, ck, mod, off: int, i_slice: tuple[int, int]) -> tuple[Any, ...]:
-        i0, i1 = i_slice
-        sample = pick_experts(mod.experts, CPU_SAMPLE_EXPERTS, self.opts.seed, mod.name)
-        stages, outs = Stages(len(sample)), {}
-        for local in sample:
-            gid, ex, got = off + local, self.layer.experts[off + local], self.decoded(mod, local)
-            ref1 = self.ref_in @ np.concatenate([self.source(ex, "up", rows=i_slice), self.source(ex, "gate", rows=i_slice)]).T
-            o1 = self.ref_in @ dequant(got["w13_weight"], got["w13_weight_scale"]).T
-            i = i1 - i0
-            h_true = fp8_per_group_quant(silu(o1[:, i:]) * o1[:, :i])
-            o2 = h_true @ dequant(got["w2_weight"], got["w2_weight_scale"]).T
-            ref2 = h_true @ self.source(ex, "down", cols=i_slice).T
-            stages.add("gemm1", rel_error(o1, ref1), self.limits.kept)
-            stages.add("gemm2", rel_error(o2, ref2), self.limits.gemm2)
-            outs[gid] = (o1, o2, h_true)
-        return EMULATED, True, stages.errors, stages.result(), outs
 
 
 def check(name: str, infos: dict[int, dict], ctx: CheckContext):

@@ -5,38 +5,30 @@ sampled experts (input and intermediate MXFP8-quantized per 32 values) against t
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
-
 import numpy as np
 
-from mocli.errors import CorruptFileError
 from mocli.kinds import ModuleKind
-from mocli.numerics.in_numpy import mxfp8_quant, silu
+from mocli.numerics.in_numpy import mxfp8_quant
 from mocli.tables import WEIGHT, WEIGHT_SCALE
 from mocli.targets.decode import LayoutError, unswizzle
-from mocli.verify.kinds import WORKERS
 from mocli.verify.kinds.context import CheckContext
-from mocli.verify.kinds.moe import MoeCase, check_moe
+from mocli.verify.kinds.decoded_moe import DecodedMoe
+from mocli.verify.kinds.moe import check_moe
 from mocli.verify.kinds.mxfp8_linear import dequant
-from mocli.verify.results import CPU_SAMPLE_EXPERTS, Problems, Stages, pick_experts, rel_error, rng
+from mocli.verify.results import Problems
 
 EMULATED_MOE = "emulated MXFP8 MoE (decoded layout, exact products)"
 SCALE_ONE = 127  # E8M0 2^0, trtllm's padding scale
-_BYTES = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mocli-verify-mxfp8")
 
 
-class Mxfp8Moe(MoeCase):
+class Mxfp8Moe(DecodedMoe):
     kind = ModuleKind.MXFP8_MOE
+    label = EMULATED_MOE
+    quant = staticmethod(mxfp8_quant)
 
-    def __init__(self, name: str, ctx: CheckContext) -> None:
-        super().__init__(name, ctx)
-        self.layout, self.opts = ctx.layout, ctx.opts
-        self.x = rng(ctx.opts.seed, name).standard_normal((ctx.opts.tokens, self.layer.hidden), dtype=np.float32)
-        self.ref_in = mxfp8_quant(self.x)
-
-    def load(self, ck):
-        return ck.module_arrays(self.name)
+    @staticmethod
+    def dequant(w: np.ndarray, s: np.ndarray) -> np.ndarray:
+        return dequant(w, s)
 
     def consistency(self, mod, experts, problems: Problems) -> None:
         ip, hp = -(-mod.intermediate // 128) * 128, -(-mod.hidden // 256) * 256
@@ -67,21 +59,6 @@ class Mxfp8Moe(MoeCase):
                 "w13_weight_scale": [arr(ex.up, WEIGHT_SCALE)[i0:i1], arr(ex.gate, WEIGHT_SCALE)[i0:i1]],
                 "w2_weight": [arr(ex.down, WEIGHT)[:, i0:i1]], "w2_weight_scale": [arr(ex.down, WEIGHT_SCALE)[:, i0 // 32:i1 // 32]]}
 
-    def all_bytes(self, mod, experts, i_slice):
-        return _BYTES.submit(self._all_bytes, mod, experts, i_slice)
-
-    def _all_bytes(self, mod, experts, i_slice) -> tuple[Problems, Exception | None]:
-        found = Problems()
-        try:
-            for local, ex in enumerate(experts):
-                got = self.decoded(mod, local)
-                for role, parts in self.expected(ex, i_slice).items():
-                    found.expect_parts(f"{role} (expert {ex.index})", got[role], [np.ascontiguousarray(p).view(np.uint8)
-                                                                                  for p in parts])
-        except (LayoutError, CorruptFileError) as e:
-            return found, e
-        return found, None
-
     def source(self, ex, which: str, rows=None, cols=None) -> np.ndarray:
         m = getattr(ex, which)
         w, s = self.src.arr(m.tensors[WEIGHT].name), self.src.arr(m.tensors[WEIGHT_SCALE].name)
@@ -90,28 +67,6 @@ class Mxfp8Moe(MoeCase):
         if cols is not None:
             w, s = w[:, cols[0]:cols[1]], s[:, cols[0] // 32:cols[1] // 32]
         return dequant(np.ascontiguousarray(w).view(np.uint8), s)
-
-    def reference(self, gid: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        ex = self.layer.experts[gid]
-        g1 = self.ref_in @ np.concatenate([self.source(ex, "up"), self.source(ex, "gate")]).T
-        return g1, h @ self.source(ex, "down").T
-
-    def numbers(self, ck, mod, off: int, i_slice: tuple[int, int]) -> tuple[Any, ...]:
-        i0, i1 = i_slice
-        sample = pick_experts(mod.experts, CPU_SAMPLE_EXPERTS, self.opts.seed, mod.name)
-        stages, outs = Stages(len(sample)), {}
-        for local in sample:
-            gid, ex, got = off + local, self.layer.experts[off + local], self.decoded(mod, local)
-            ref1 = self.ref_in @ np.concatenate([self.source(ex, "up", rows=i_slice), self.source(ex, "gate", rows=i_slice)]).T
-            o1 = self.ref_in @ dequant(got["w13_weight"], got["w13_weight_scale"]).T
-            i = i1 - i0
-            h_true = mxfp8_quant(silu(o1[:, i:]) * o1[:, :i])
-            o2 = h_true @ dequant(got["w2_weight"], got["w2_weight_scale"]).T
-            ref2 = h_true @ self.source(ex, "down", cols=i_slice).T
-            stages.add("gemm1", rel_error(o1, ref1), self.limits.kept)
-            stages.add("gemm2", rel_error(o2, ref2), self.limits.gemm2)
-            outs[gid] = (o1, o2, h_true)
-        return EMULATED_MOE, True, stages.errors, stages.result(), outs
 
 
 def check(name: str, infos: dict[int, dict], ctx: CheckContext):
