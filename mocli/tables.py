@@ -45,6 +45,12 @@ KV_SUFFIXES = frozenset({"k_scale", "v_scale"})
 # (vLLM VocabParallelEmbedding / ParallelLMHead are not LinearBase).
 NON_LINEAR_NAMES = frozenset({"embed_tokens", "lm_head", "wte", "wpe", "embed_in", "embed_out"})
 
+# Architectures whose MoE router (``<layer>.gate``, beside the experts) vLLM 0.33 builds with the quantization
+# config (``GateLinear(..., quant_config=...)``: models/qwen3_moe.py, k2_horizon.py, lfm2_moe.py). Every other
+# model's router is built without one (mixtral.py, qwen2_moe.py, deepseek_v2.py, glm4_moe.py, ...): it stays
+# unquantized whatever the exclusion list says.
+ROUTER_TAKES_QUANT_CONFIG = frozenset({"Qwen3MoeForCausalLM", "K2HorizonForCausalLM", "Lfm2MoeForCausalLM"})
+
 # VLM prefixes that engines and exporters spell differently (SEMANTICS §2, vLLM hf_to_vllm_mapper).
 VLM_PREFIX_ALIASES: tuple[tuple[str, str], ...] = (
     ("language_model.model.", "model.language_model."),

@@ -161,3 +161,16 @@ def test_native_block_reads_ignored_layers_before_modules_to_not_convert(cli, tm
     q["ignored_layers"] = []  # empty: vLLM falls back to modules_to_not_convert, which misses the gates
     (d / "config.json").write_text(json.dumps(cfg))
     assert "EXC004" in [f["code"] for f in cli("--json", "validate", d).json["findings"]]
+
+
+@pytest.mark.parametrize("arch,flagged", [("mixtral", False), ("qwen3_moe", True)])
+def test_routers_follow_whether_the_model_quantizes_them(cli, tmp_path, arch, flagged):
+    """vLLM 0.33 builds Mixtral's (and DeepSeek's, Qwen2-MoE's, ...) router without the quantization config, and
+    Qwen3-MoE's with it: an unlisted BF16 router is fine in the first and EXC004 in the second."""
+    d = make_native_fp8_block(tmp_path / arch, arch=arch, hidden=256, heads=4, kv_heads=4, head_dim=64,
+                              intermediate=128)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = ["lm_head"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    codes = [f["code"] for f in cli("--json", "validate", d).json["findings"]]
+    assert ("EXC004" in codes) is flagged and set(codes) <= {"EXC004"}, codes

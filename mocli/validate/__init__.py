@@ -77,7 +77,7 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
     parallel = parallel or ParallelLayout()
     engines = ENGINES[engine]
     # vLLM's exclusion reading also tells the tensor checks which modules an engine quantizes
-    declared = declared_quantized(quant, census, findings if "vllm" in engines else Findings())
+    declared = declared_quantized(quant, census, findings if "vllm" in engines else Findings(), ckpt.architecture)
     if "vllm" in engines:
         check_mixed_layers(quant, census, findings)
         check_exclusions(quant, census, declared, findings)

@@ -7,11 +7,16 @@ from mocli.census import Census, Kind, Module
 from mocli.exclusions import PartialFusedExclusion, is_excluded, pattern_reports
 from mocli.findings import Findings, few
 from mocli.quant_config import QuantConfig
+from mocli.tables import ROUTER_TAKES_QUANT_CONFIG
 
 
-def declared_quantized(quant: QuantConfig, census: Census, findings: Findings) -> dict[str, bool | None]:
-    """engine prefix -> will the engine quantize it? None where the engine would refuse (partial fused)."""
+def declared_quantized(quant: QuantConfig, census: Census, findings: Findings,
+                       architecture: str | None = None) -> dict[str, bool | None]:
+    """engine prefix -> will the engine quantize it? None where the engine would refuse (partial fused).
+    An MoE router the model builds without the quantization config is never quantized (``tables``)."""
     out: dict[str, bool | None] = {}
+    if architecture not in ROUTER_TAKES_QUANT_CONFIG:
+        out |= {f"{layer.name.rpartition('.')[0]}.gate": False for layer in census.moe}
     for m in census.modules.values():
         if not m.is_linear or m.engine_name in out:
             continue
