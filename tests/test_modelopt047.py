@@ -116,6 +116,20 @@ def test_mxfp8_export_converts_and_verifies(cli, tmp_path, target):
     assert all(m["kernel"] == "emulated MXFP8 (decoded layout, exact products)" for m in r.json["modules"])
 
 
+def test_mxfp8_layers_below_flashinfers_minimum_are_named(cli):
+    """vLLM 0.33's _check_mm_mxfp8_shape: CUTLASS/CuTe-DSL mm_mxfp8 decline N or K < 128 (a warning:
+    another kernel runs them); trtllm's kernel has no minimum, only K % 256 (errors at tp 4 here)."""
+    src = REAL / "llama-mxfp8"  # o_proj [256, 256], down_proj [256, 512]: K per rank 64 and 128 at tp 4
+    r = cli("--json", "validate", src, "--target", "flashinfer-cutlass", "--tp", 4)
+    assert r.exit_code == 0, r.json["findings"]
+    assert {(f["code"], f["severity"], f["location"]) for f in r.json["findings"]} == {
+        ("TGT003", "warning", f"model.layers.{i}.self_attn.o_proj") for i in (0, 1)}
+    assert all("K = 64 per rank at tp 4" in f["message"] for f in r.json["findings"])
+    assert cli("--json", "validate", src, "--target", "flashinfer-cutlass", "--tp", 2).json["findings"] == []
+    r = cli("--json", "validate", src, "--target", "flashinfer-trtllm", "--tp", 4)
+    assert {f["code"] for f in r.json["findings"]} == {"TGT001"}
+
+
 QKV = "model.layers.0.self_attn.qkv_proj"
 
 

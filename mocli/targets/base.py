@@ -35,6 +35,17 @@ class Constraint:
     why: str
 
 
+@dataclass(frozen=True)
+class Minimum:
+    """``dim >= at_least`` on one rank's linear shapes ("N", "K"), below which the target's kernel declines
+    the layer and the engine runs it on another one (a warning: the layout still serves through mocli's plugin)."""
+
+    scheme: Scheme
+    dim: str
+    at_least: int
+    why: str
+
+
 # Both FlashInfer targets.
 SHARED_CONSTRAINTS: tuple[Constraint, ...] = (
     # cuBLASLt / torch._scaled_mm FP8: both GEMM dims a multiple of 16.
@@ -82,6 +93,7 @@ class TargetLayout:
 
     target: Target
     constraints: tuple[Constraint, ...] = SHARED_CONSTRAINTS
+    minimums: tuple[Minimum, ...] = ()
     supported: dict[str, frozenset[Scheme]] = SUPPORTED
     # FlashInfer's NVFP4 kernels (mm_fp4, NVFP4 cutlass_fused_moe) read this layout (sm_100+)
     fp4_kernels: bool = False

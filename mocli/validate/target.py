@@ -1,5 +1,6 @@
 """Target findings, on each rank's shapes: a stored scheme the target has no kernel path for
-(TGT002) and the target's alignment constraints per scheme (TGT001, ``TargetLayout.constraints``)."""
+(TGT002), the target's alignment constraints per scheme (TGT001, ``TargetLayout.constraints``) and
+the layers too small for the target's kernel (TGT003, a warning: ``TargetLayout.minimums``)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ def check_target(target: Target, par: ParallelLayout, heads: Heads | None, censu
                 if size % c.multiple:
                     findings.add("TGT001", name, f"{c.dim} = {size}{at} is not a multiple of {c.multiple}",
                                  hint=c.why)
+        for m in layout.minimums:
+            size = sl.n if m.dim == "N" else sl.k
+            if m.scheme is scheme and size < m.at_least:
+                findings.add("TGT003", name, f"{m.dim} = {size}{at} is below {target}'s kernel minimum of "
+                             f"{m.at_least}", hint=m.why)
     _check_moe(target, par, census, findings, at)
 
 
