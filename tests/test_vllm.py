@@ -77,7 +77,8 @@ SOURCES = {
     "real-qwen3moe-mixed": Source("nvfp4", real=REAL / "qwen3_moe-mixed"),
     "real-mixtral-mixed": Source("nvfp4", real=REAL / "mixtral-mixed"),
     "real-llama-mxfp8": Source("fp8", real=REAL / "llama-mxfp8"),
-    # NVFP4_AWQ (synthetic: no real export here, see README): kept pre_quant_scale on o_proj and the experts
+    # NVFP4_AWQ: ModelOpt 0.47's real Llama export keeps pre_quant_scale on o_proj; the MoE one is synthetic
+    # (ModelOpt 0.47 cannot export Qwen3-MoE AWQ under transformers 5.x) and keeps it on every expert's gate/up
     "real-llama-nvfp4-awq": Source("nvfp4", real=REAL / "llama-nvfp4_awq"),
     "real-llama-mixed": Source("fp8", real=REAL / "llama-mixed"),  # MXFP8 attention, W4A16 MLP
     "real-qwen3moe-nvfp4-4o6": Source("nvfp4", real=REAL / "qwen3_moe-nvfp4_four_over_six"),
