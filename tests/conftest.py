@@ -41,6 +41,20 @@ def load_tensors(d: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def edit_tensor(d: Path, name: str, fn) -> None:
+    """Replace tensor ``name`` wherever it is stored under ``d`` (any rank's shard) by ``fn`` of a copy: a
+    planted fault, written with the safetensors library."""
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(d.rglob("*.safetensors")):
+        t = load_file(str(f))
+        if name in t:
+            t[name] = fn(t[name].clone()).contiguous()
+            save_file(t, str(f), metadata={"format": "pt"})
+            return
+    raise KeyError(name)
+
+
 def u8(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes, flat."""
     return t.contiguous().reshape(-1).view(torch.uint8)

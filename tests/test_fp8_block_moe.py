@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from fixtures.native_fp8 import make_native_fp8_block
 from tests import reference as ref
-from tests.conftest import REAL
+from tests.conftest import REAL, edit_tensor
 
 CUTLASS, TRTLLM = "flashinfer-cutlass", "flashinfer-trtllm"
 CT_BLOCK = REAL / "qwen3_moe-ct-fp8_block"
@@ -98,16 +98,6 @@ def test_dead_experts_block_scales_are_clamped(cli, tmp_path):
     assert cli("verify", out).exit_code == 0
 
 
-def _edit(out, name: str, fn) -> None:
-    for f in out.rglob("*.safetensors"):
-        t = load_file(str(f))
-        if name in t:
-            t[name] = fn(t[name].clone())
-            save_file(t, str(f), metadata={"format": "pt"})
-            return
-    raise KeyError(name)
-
-
 def _swap_halves(w: torch.Tensor) -> torch.Tensor:
     half = w.shape[1] // 2
     return torch.cat([w[:, half:], w[:, :half]], dim=1).contiguous()
@@ -122,7 +112,7 @@ def _swap_halves(w: torch.Tensor) -> torch.Tensor:
 def test_verify_catches_block_layout_faults(cli, tmp_path, target, role, fault):
     out = tmp_path / "o"
     assert cli("convert", CT_BLOCK, "-o", out, "--target", target).exit_code == 0
-    _edit(out, f"model.layers.0.mlp.experts.{role}", fault)
+    edit_tensor(out, f"model.layers.0.mlp.experts.{role}", fault)
     r = cli("--json", "verify", out)
     assert r.exit_code == 1
     assert {m["module"] for m in r.json["modules"] if not m["passed"]} == {"model.layers.0.mlp.experts"}

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from fixtures.generate import make_checkpoint
 from mocli.numerics.in_torch import FP8
 from tests import reference as ref
-from tests.conftest import REAL, REAL_QWEN
+from tests.conftest import REAL, REAL_QWEN, edit_tensor
 
 MARLIN = "marlin"
 W4A16_LLAMA, W4A16_QWEN = REAL / "llama-w4a16_nvfp4", REAL / "qwen3_moe-w4a16_nvfp4"
@@ -117,16 +117,6 @@ def test_bytes_match_the_reference(converted):
 
 # --- planted faults: verify names each, on its module only ---------------------------------------------
 
-def _edit(out, name: str, fn) -> None:
-    for f in sorted(out.rglob("model-*.safetensors")):
-        t = load_file(str(f))
-        if name in t:
-            t[name] = fn(t[name].clone()).contiguous()
-            save_file(t, str(f), metadata={"format": "pt"})
-            return
-    raise KeyError(name)
-
-
 def _meta(out, module: str, key: str, value) -> None:
     path = out / "mocli-layout.json"
     m = json.loads(path.read_text())
@@ -146,20 +136,20 @@ def _halves(t):
 
 QKV, O_PROJ = "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj"
 FAULTS = {  # (fixture, module, edit, words in the module's message)
-    "weight words swapped": ("w4a16-llama", QKV, lambda o: _edit(o, f"{QKV}.weight", _swap_words), "weight differs"),
-    "global scale x2": ("w4a16-llama", O_PROJ, lambda o: _edit(o, f"{O_PROJ}.weight_global_scale", lambda t: t * 2),
+    "weight words swapped": ("w4a16-llama", QKV, lambda o: edit_tensor(o, f"{QKV}.weight", _swap_words), "weight differs"),
+    "global scale x2": ("w4a16-llama", O_PROJ, lambda o: edit_tensor(o, f"{O_PROJ}.weight_global_scale", lambda t: t * 2),
                         "weight_global_scale is"),
-    "scale byte changed": ("w4a16-llama", QKV, lambda o: _edit(o, f"{QKV}.weight_scale", lambda t: (
+    "scale byte changed": ("w4a16-llama", QKV, lambda o: edit_tensor(o, f"{QKV}.weight_scale", lambda t: (
         t.view(torch.uint8) ^ torch.tensor(0x08, dtype=torch.uint8)).view(FP8)), "weight_scale (block scales"),
     "scale factor lie": ("small", QKV, lambda o: _meta(o, QKV, "scale_factor", 4.0), "scale_factor is 4.0, vLLM computes 8.0"),
     # o_proj: N = K = 192 ties, vLLM keeps (N to 64, K to 128): K rows 192..255 are padding
-    "padding not zero": ("odd", O_PROJ, lambda o: _edit(o, f"{O_PROJ}.weight", lambda t: t.index_fill_(0, torch.tensor([-1]), 7)),
+    "padding not zero": ("odd", O_PROJ, lambda o: edit_tensor(o, f"{O_PROJ}.weight", lambda t: t.index_fill_(0, torch.tensor([-1]), 7)),
                          "padding is not zero"),
-    "moe halves swapped": ("w4a16-qwen", Q0, lambda o: [_edit(o, f"{Q0}.{r}", _halves) for r in
+    "moe halves swapped": ("w4a16-qwen", Q0, lambda o: [edit_tensor(o, f"{Q0}.{r}", _halves) for r in
                                                         ("w13_weight", "w13_weight_scale")], "w13_weight (expert 0) differs"),
     "moe w2 scale factor lie": ("w4a16-qwen", Q0, lambda o: _meta(o, Q0, "scale_factor_w2", 2.0),
                                 "w2_weight_scale: scale factor 2.0"),
-    "moe global scale x2": ("qwen", Q0, lambda o: _edit(o, f"{Q0}.w2_weight_scale_2", lambda t: t * 2), "w2_weight_scale_2 is"),
+    "moe global scale x2": ("qwen", Q0, lambda o: edit_tensor(o, f"{Q0}.w2_weight_scale_2", lambda t: t * 2), "w2_weight_scale_2 is"),
 }
 
 

@@ -15,7 +15,7 @@ from mocli.census import build_census
 from mocli.checkpoint import open_checkpoint
 from mocli.findings import Findings
 from mocli.quant_config import parse_config_json
-from tests.conftest import REAL
+from tests.conftest import REAL, edit_tensor
 
 NVFP4_KV = ["qwen3_moe-nvfp4-nvfp4_kv", "llama-fp8-nvfp4_kv"]
 MIXED_MOE = ["qwen3_moe-mixed", "mixtral-mixed"]
@@ -95,18 +95,6 @@ def test_a_container_entry_removed_leaves_the_experts_declared_unquantized(cli, 
 
 # --- MXFP8 linears (SEMANTICS §14.2) -----------------------------------------------------------------
 
-def _edit(out, name: str, fn) -> None:
-    from safetensors.torch import load_file, save_file
-
-    for f in sorted(out.rglob("model-*.safetensors")) or sorted(out.glob("model.safetensors")):
-        t = load_file(str(f))
-        if name in t:
-            t[name] = fn(t[name].clone()).contiguous()
-            save_file(t, str(f), metadata={"format": "pt"})
-            return
-    raise KeyError(name)
-
-
 @pytest.mark.parametrize("target", ["flashinfer-cutlass", "flashinfer-trtllm"])
 def test_mxfp8_export_converts_and_verifies(cli, tmp_path, target):
     out = tmp_path / "o"
@@ -142,7 +130,7 @@ QKV = "model.layers.0.self_attn.qkv_proj"
 def test_verify_names_a_planted_mxfp8_fault(cli, tmp_path, target, tensor, fault, says):
     out = tmp_path / "o"
     assert cli("convert", REAL / "llama-mxfp8", "-o", out, "--target", target).exit_code == 0
-    _edit(out, f"{QKV}.{tensor}", fault)
+    edit_tensor(out, f"{QKV}.{tensor}", fault)
     r = cli("--json", "verify", out)
     failed = {m["module"]: m for m in r.json["modules"] if not m["passed"]}
     assert r.exit_code == 1 and set(failed) == {QKV} and says in failed[QKV]["message"], failed
@@ -150,7 +138,7 @@ def test_verify_names_a_planted_mxfp8_fault(cli, tmp_path, target, tensor, fault
 
 def test_a_nan_e8m0_scale_is_refused(cli, tmp_path):
     src = shutil.copytree(REAL / "llama-mxfp8", tmp_path / "src")
-    _edit(src, "model.layers.1.mlp.down_proj.weight_scale", lambda t: t.index_fill_(1, torch.tensor([0]), 255))
+    edit_tensor(src, "model.layers.1.mlp.down_proj.weight_scale", lambda t: t.index_fill_(1, torch.tensor([0]), 255))
     r = cli("--json", "validate", src, "--deep")
     assert r.exit_code == 1 and "DAT001" in {f["code"] for f in r.json["findings"]}
     r = cli("convert", src, "-o", tmp_path / "o", "--target", "flashinfer-cutlass")
@@ -206,7 +194,7 @@ E0 = "model.layers.0.mlp.experts"
 def test_verify_names_a_planted_mxfp8_moe_fault(cli, tmp_path, odd_mxfp8_moe, tensor, fault, says):
     out = tmp_path / "o"
     assert cli("convert", odd_mxfp8_moe, "-o", out, "--target", "flashinfer-trtllm").exit_code == 0
-    _edit(out, f"{E0}.{tensor}", fault)
+    edit_tensor(out, f"{E0}.{tensor}", fault)
     r = cli("--json", "verify", out)
     failed = {m["module"]: m for m in r.json["modules"] if not m["passed"]}
     assert r.exit_code == 1 and set(failed) == {E0} and says in failed[E0]["message"], failed
@@ -251,7 +239,7 @@ def test_awq_converts_with_its_pre_quant_scales(cli, tmp_path, awq, target, tp, 
 def test_verify_names_a_wrong_pre_quant_scale(cli, tmp_path, awq):
     out = tmp_path / "o"
     assert cli("convert", awq, "-o", out, "--target", "flashinfer-cutlass").exit_code == 0
-    _edit(out, "model.layers.1.self_attn.o_proj.pre_quant_scale", lambda t: t * 2)
+    edit_tensor(out, "model.layers.1.self_attn.o_proj.pre_quant_scale", lambda t: t * 2)
     r = cli("--json", "verify", out)
     failed = {m["module"]: m["message"] for m in r.json["modules"] if not m["passed"]}
     assert r.exit_code == 1 and set(failed) == {"model.layers.1.self_attn.o_proj"}
@@ -260,7 +248,7 @@ def test_verify_names_a_wrong_pre_quant_scale(cli, tmp_path, awq):
 
 def test_experts_smoothed_apart_are_refused(cli, tmp_path, awq):
     src = shutil.copytree(awq, tmp_path / "src")
-    _edit(src, "model.layers.0.mlp.experts.1.gate_proj.pre_quant_scale", lambda t: t * 1.5)
+    edit_tensor(src, "model.layers.0.mlp.experts.1.gate_proj.pre_quant_scale", lambda t: t * 1.5)
     r = cli("convert", src, "-o", tmp_path / "o", "--target", "flashinfer-cutlass")
     assert r.exit_code == 1 and "AWQ001" in r.stderr and "experts.1.gate_proj" in r.stderr
 

@@ -27,6 +27,7 @@ from mocli.verify.results import (
     rel_error,
     sample_rows,
 )
+from mocli.verify.source import floats
 
 
 class DenseCase:
@@ -79,6 +80,19 @@ class DenseCase:
 
     def from_numpy(self, a: np.ndarray) -> Any:
         return a
+
+
+class NumpyDenseCase(DenseCase):
+    """A dense case computed in numpy on the CPU (the emulated layouts): source rows, biases as float32 arrays."""
+
+    def source_rows(self, m, suffix, a, b):
+        return self.src.arr(m.tensors[suffix].name)[a:b]
+
+    def stored_bias(self, ck, info, mod):
+        return floats(mod.bias, ck.entry(info["tensors"]["bias"]).dtype)
+
+    def bias_full(self):
+        return np.concatenate([self.src.floats(m.tensors["bias"].name) for m in self.shards])
 
 
 def check_dense(name: str, infos: dict[int, dict], ctx: CheckContext,

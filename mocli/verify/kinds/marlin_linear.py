@@ -21,9 +21,8 @@ from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.targets import marlin_decode as lay
 from mocli.verify.expect import apply_table
 from mocli.verify.kinds.context import CheckContext
-from mocli.verify.kinds.dense import DenseCase, check_dense
+from mocli.verify.kinds.dense import NumpyDenseCase, check_dense
 from mocli.verify.results import THRESHOLDS, rng
-from mocli.verify.source import floats
 
 EMULATED = "emulated Marlin W4A16 (decoded layout, exact products)"
 
@@ -57,7 +56,7 @@ def expected_padding(n: int, k: int) -> tuple[int, int]:
     return a if (a[0] * a[1], sum(a)) <= (b[0] * b[1], sum(b)) else b
 
 
-class MarlinLinear(DenseCase):
+class MarlinLinear(NumpyDenseCase):
     def __init__(self, kind: ModuleKind, shards, ctx: CheckContext) -> None:
         super().__init__(kind, shards, ctx)
         self.s2 = [self.src.scalar(m, WEIGHT_SCALE_2) for m in shards]
@@ -106,15 +105,6 @@ class MarlinLinear(DenseCase):
 
     def kernel(self, ck, mod, xr, rows):
         return scaled_matmul(bf16_round(xr), self.w[rows], self.bs[rows]) * self.s2_read, EMULATED, True
-
-    def source_rows(self, m, suffix, a, b):
-        return self.src.arr(m.tensors[suffix].name)[a:b]
-
-    def stored_bias(self, ck, info, mod):
-        return floats(mod.bias, ck.entry(info["tensors"]["bias"]).dtype)
-
-    def bias_full(self):
-        return np.concatenate([self.src.floats(m.tensors["bias"].name) for m in self.shards])
 
 
 def check(name: str, infos: dict[int, dict], ctx: CheckContext):

@@ -12,9 +12,8 @@ from mocli.numerics.in_numpy import E4M3, mxfp8_quant
 from mocli.tables import WEIGHT, WEIGHT_SCALE
 from mocli.targets.decode import LayoutError
 from mocli.verify.kinds.context import CheckContext
-from mocli.verify.kinds.dense import DenseCase, check_dense
+from mocli.verify.kinds.dense import NumpyDenseCase, check_dense
 from mocli.verify.results import THRESHOLDS, rng
-from mocli.verify.source import floats
 
 EMULATED = "emulated MXFP8 (decoded layout, exact products)"
 BLOCK = 32
@@ -25,7 +24,7 @@ def dequant(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return E4M3[codes] * np.repeat(np.exp2(scales.astype(np.float32) - 127), BLOCK, axis=1)
 
 
-class Mxfp8Linear(DenseCase):
+class Mxfp8Linear(NumpyDenseCase):
     def __init__(self, kind: ModuleKind, shards, ctx: CheckContext) -> None:
         super().__init__(kind, shards, ctx)
         self.threshold = THRESHOLDS[kind].kept
@@ -62,15 +61,6 @@ class Mxfp8Linear(DenseCase):
 
     def kernel(self, ck, mod, xr, rows):
         return mxfp8_quant(xr) @ dequant(self.w[rows], self.bs[rows]).T, EMULATED, True
-
-    def source_rows(self, m, suffix, a, b):
-        return self.src.arr(m.tensors[suffix].name)[a:b]
-
-    def stored_bias(self, ck, info, mod):
-        return floats(mod.bias, ck.entry(info["tensors"]["bias"]).dtype)
-
-    def bias_full(self):
-        return np.concatenate([self.src.floats(m.tensors["bias"].name) for m in self.shards])
 
 
 def check(name: str, infos: dict[int, dict], ctx: CheckContext):

@@ -18,7 +18,7 @@ from mocli.numerics.in_numpy import bf16_round, nvfp4_quant, scaled_matmul
 from mocli.tables import INPUT_SCALE, PRE_QUANT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.verify.expect import apply_table
 from mocli.verify.kinds.context import CheckContext
-from mocli.verify.kinds.dense import DenseCase, check_dense
+from mocli.verify.kinds.dense import NumpyDenseCase, check_dense
 from mocli.verify.results import THRESHOLDS, rng
 from mocli.verify.source import floats
 
@@ -51,7 +51,7 @@ class Fp4Kernels:
         return flashinfer_args.run_cutlass_fused_moe_nvfp4(mod, *t).cpu().numpy()
 
 
-class Nvfp4Linear(DenseCase):
+class Nvfp4Linear(NumpyDenseCase):
     def __init__(self, kind: ModuleKind, shards, ctx: CheckContext) -> None:
         super().__init__(kind, shards, ctx)
         src = self.src
@@ -109,15 +109,6 @@ class Nvfp4Linear(DenseCase):
             return self.ctx.fp4.mm(ck, mod.name, xr)[:, rows], "flashinfer.mm_fp4", False
         xa = nvfp4_quant(xr, mod.input_scale_inv)  # e2m1 * sf: exact in float32
         return scaled_matmul(xa, self.w[rows], self.bs[rows]) * mod.alpha, EMULATED, True
-
-    def source_rows(self, m, suffix, a, b):
-        return self.src.arr(m.tensors[suffix].name)[a:b]
-
-    def stored_bias(self, ck, info, mod):
-        return floats(mod.bias, ck.entry(info["tensors"]["bias"]).dtype)
-
-    def bias_full(self):
-        return np.concatenate([self.src.floats(m.tensors["bias"].name) for m in self.shards])
 
 
 def check(name: str, infos: dict[int, dict], ctx: CheckContext):
