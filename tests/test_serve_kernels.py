@@ -372,21 +372,24 @@ def _natural(t):
     ("llama-nvfp4", "model.layers.0.self_attn.qkv_proj", "weight_scale", _natural),
 ], ids=["swapped-w1-w3", "moe-scale-2x", "dense-scale-2x", "unswizzled-block-scale"])
 def test_planted_fault_is_caught(converted, label, module, role, fault):
-    source, out = converted(label, "flashinfer-cutlass", 1, 1)
-    src = load_file(str(source / "model.safetensors"))
+    err, limit = _faulted_error(*converted(label, "flashinfer-cutlass", 1, 1), module, {role: fault})
+    assert err > 2 * limit, (err, limit)
+
+
+def _faulted_error(source, out, module: str, faults: dict) -> tuple[float, float]:
+    """(relative error against the source, the kind's threshold) of ``module``'s serving kernel built on its
+    stored tensors with ``faults`` (role -> edit) applied."""
     ck = open_converted(out)
     info = ck.module_info(module)
     tensors = {r: ck.tensor(t).clone() for r, t in info["tensors"].items()}
-    tensors[role] = fault(tensors[role])
+    tensors |= {role: fault(tensors[role]) for role, fault in faults.items()}
     k = serve.kernel(info["kind"], tensors, info["meta"], ck.target, module)
-    g = torch.Generator().manual_seed(0)
+    src, g = load_file(str(source / "model.safetensors")), torch.Generator().manual_seed(0)
     if isinstance(k, serve.MoeKernel):
         x, w, ids, ref, limit = moe_case(src, info, g)
-        err = rel_error(k(x, w, ids).float(), ref)
-    else:
-        x, ref, limit = dense_case(src, info, g)
-        err = rel_error(k(x).float(), ref)
-    assert err > 2 * limit, (err, limit)
+        return rel_error(k(x, w, ids).float(), ref), limit
+    x, ref, limit = dense_case(src, info, g)
+    return rel_error(k(x).float(), ref), limit
 
 
 def _swap_last_halves(t):
@@ -406,19 +409,7 @@ def _swap_last_halves(t):
 def test_planted_marlin_fault_is_caught(converted, label, module, faults):
     """The marlin kernels read what is stored: a fault in the words' order, the scales' permutation, the
     [w1; w3] halves or the global scale moves the output past twice the threshold."""
-    source, out = converted(label, "marlin", 1, 1)
-    ck = open_converted(out)
-    info = ck.module_info(module)
-    tensors = {r: ck.tensor(t).clone() for r, t in info["tensors"].items()}
-    tensors |= {role: fault(tensors[role]) for role, fault in faults.items()}
-    k = serve.kernel(info["kind"], tensors, info["meta"], ck.target, module)
-    src, g = load_file(str(source / "model.safetensors")), torch.Generator().manual_seed(0)
-    if isinstance(k, serve.MoeKernel):
-        x, w, ids, ref, limit = moe_case(src, info, g)
-        err = rel_error(k(x, w, ids).float(), ref)
-    else:
-        x, ref, limit = dense_case(src, info, g)
-        err = rel_error(k(x).float(), ref)
+    err, limit = _faulted_error(*converted(label, "marlin", 1, 1), module, faults)
     assert err > 2 * limit, (err, limit)
 
 
