@@ -6,7 +6,7 @@ from pathlib import Path
 
 from mocli.errors import CorruptFileError, InputError
 from mocli.formats import INDEX_NAME
-from mocli.io.jsonfile import read_json
+from mocli.io.jsonfile import read_json, two_level_keys
 from mocli.io.paths import entry_path
 from mocli.io.safetensors_file import SafetensorsHeader, TensorEntry, read_header
 
@@ -17,7 +17,8 @@ def read_index(root: Path, follow: bool = True) -> tuple[list[SafetensorsHeader]
     map it to is an error naming it). ``follow``: a source may be a Hugging Face cache snapshot of
     links into ``../../blobs``; mocli's own outputs (``follow=False``) hold no link at all."""
     index_path = root / INDEX_NAME
-    index = read_json(index_path, walk=False, follow=follow)  # fixed structure: weight_map is checked here
+    # fixed structure: weight_map is checked here
+    index = read_json(index_path, walk=False, follow=follow, keys=two_level_keys)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CorruptFileError(f"{index_path}: no \"weight_map\" object of tensor -> file name",
