@@ -17,6 +17,7 @@ from typing import Any
 
 import regex
 
+from mocli.ct_schemes import group_algo, kv_algo
 from mocli.exclusions import PatternReport
 from mocli.findings import Findings
 from mocli.quant_config import Algo, QuantConfig
@@ -114,7 +115,7 @@ def parse(q: dict[str, Any], where: str, findings: Findings) -> QuantConfig:
         return cfg
     targets: dict[str, Algo] = {}
     for gname, group in groups.items():
-        algo = _algo(group, q.get("format"), f"{where}: config_groups.{gname}", findings)
+        algo = group_algo(group, q.get("format"), f"{where}: config_groups.{gname}", findings)
         if algo is not None:
             for t in group.get("targets") or []:
                 if isinstance(t, str):
@@ -126,48 +127,13 @@ def parse(q: dict[str, Any], where: str, findings: Findings) -> QuantConfig:
     algos = set(targets.values())
     cfg.algo = algos.pop() if len(algos) == 1 else Algo.MIXED_PRECISION if algos else None
     cfg.resolver = Resolver(targets, ignore, findings, where)
-    cfg.kv_cache_algo = _kv(q.get("kv_cache_scheme"), where, findings)
+    cfg.kv_cache_algo = kv_algo(q.get("kv_cache_scheme"), where, findings)
     cfg.group_size = 16 if cfg.algo in (Algo.NVFP4, Algo.W4A16_NVFP4) else None
     return cfg
 
 
 def _producer(q: dict) -> dict[str, Any]:
     return {"name": "compressed-tensors", "version": q.get("version")}
-
-
-def _algo(group: Any, top_format: Any, where: str, findings: Findings) -> Algo | None:
-    """The stored scheme a group's weights and input activations describe (SEMANTICS §17.1, §17.2)."""
-    if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
-        findings.add("CFG002", where, "a config group needs a weights object")
-        return None
-    w, acts = group["weights"], group.get("input_activations")
-    fmt = group.get("format") or top_format
-    if w.get("type") == "float" and w.get("num_bits") == 4 and w.get("strategy") == "tensor_group" \
-            and w.get("group_size") == 16:
-        return Algo.W4A16_NVFP4 if acts is None else Algo.NVFP4
-    if w.get("type") == "float" and w.get("num_bits") == 8:
-        strategy = w.get("strategy")
-        if strategy == "tensor" and isinstance(acts, dict) and acts.get("dynamic") is False:
-            return Algo.FP8
-        if strategy == "channel":
-            return Algo.FP8_PER_CHANNEL_PER_TOKEN
-        if strategy == "block" and list(w.get("block_structure") or []) == [128, 128]:
-            return Algo.FP8_PB_WO
-    findings.add("CFG003", where, f"a {fmt or 'compressed-tensors'} scheme mocli does not read "
-                 f"(weights {w.get('type')} {w.get('num_bits')}-bit {w.get('strategy')})",
-                 hint="mocli reads NVFP4, NVFP4A16 and FP8 (tensor with static input, channel, 128x128 block)")
-    return None
-
-
-def _kv(scheme: Any, where: str, findings: Findings) -> str | None:
-    """FP8 only: vLLM 0.33's compressed-tensors KV-cache method refuses anything else (SEMANTICS §17.5)."""
-    if scheme is None:
-        return None
-    if isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8:
-        return "FP8"
-    findings.add("CFG003", f"{where}: kv_cache_scheme", f"KV-cache scheme {scheme} is not one vLLM's compressed-tensors "
-                 "path loads (FP8 only)", hint="re-export with an FP8 KV cache, or none")
-    return None
 
 
 def ignore_reports(resolver: Resolver, census) -> list[PatternReport]:

@@ -210,3 +210,105 @@ def test_fp8_scales_are_dequant_scales_not_divisors(cli, tmp_path):
     for role in ("input_scale", "weight_scale"):
         want = max(float(src[f"{p}{s}.{role}"]) for s in ("gate_proj", "up_proj"))
         assert float(got[f"{p}gate_up_proj.{role}"]) == want
+
+
+# --- the fields vLLM 0.33 reads (issue 43 item 4): compressed_tensors.py :: _get_scheme_from_parts, _is_nvfp4_format,
+# _is_fp8_w8a8, _is_fp8_w8a16, is_activation_quantization_format, validate_kv_cache_scheme -------------------------
+
+def _group(field: str, value, role: str = "weights", group: str = "group_0"):
+    def edit(q):
+        q["config_groups"][group][role][field] = value
+    return edit
+
+
+def _set(key: str, value, group: str | None = "group_0"):
+    def edit(q):
+        (q["config_groups"][group] if group else q)[key] = value
+    return edit
+
+
+def _kv(**fields):
+    def edit(q):
+        q["kv_cache_scheme"] = {k: v for k, v in {**q["kv_cache_scheme"], **fields}.items() if v is not None}
+    return edit
+
+
+Q = "config.json: quantization_config"
+G0 = Q + ": config_groups.group_0"
+FIELD_CASES = {  # id: (real export, edit, code, location, words of the message)
+    "float-quantized over NVFP4": ("llama-ct-nvfp4", _set("format", "float-quantized"), "CFG002", G0,
+                                   "'float-quantized' contradicts its NVFP4 weights"),
+    "top-level format over NVFP4A16": ("qwen3_moe-ct-nvfp4a16", lambda q: (q["config_groups"]["group_0"].pop("format"),
+                                       q.__setitem__("format", "float-quantized")), "CFG002", G0, "contradicts"),
+    "nvfp4-pack-quantized over FP8": ("llama-ct-fp8", _set("format", "nvfp4-pack-quantized"), "CFG002", G0,
+                                      "contradicts its FP8 weights"),
+    "unknown format": ("llama-ct-nvfp4", _set("format", "nvfp4-packed"), "CFG002", G0,
+                       "'nvfp4-packed' is not a compressed-tensors format"),
+    "FP8 under pack-quantized": ("qwen3_moe-ct-fp8", _set("format", "pack-quantized"), "CFG002", G0,
+                                 "vLLM builds no FP8 linear"),
+    "FP8 with no format at all": ("llama-ct-fp8_dynamic", lambda q: (q["config_groups"]["group_0"].pop("format"),
+                                  q.pop("format")), "CFG002", G0, "no format"),
+    "asymmetric NVFP4 weights": ("llama-ct-nvfp4", _group("symmetric", False), "CFG002", G0 + ".weights",
+                                 "asymmetric"),
+    "asymmetric FP8 weights": ("qwen3_moe-ct-fp8_block", _group("symmetric", False), "CFG002", G0 + ".weights",
+                               "asymmetric"),
+    "dynamic FP8 weights": ("llama-ct-fp8", _group("dynamic", True), "CFG002", G0 + ".weights", "dynamic"),
+    "NVFP4 group of 32": ("llama-ct-nvfp4a16", _group("group_size", 32), "CFG002", G0 + ".weights", "group_size 32"),
+    "FP8 inputs beside NVFP4": ("llama-ct-nvfp4", lambda q: q["config_groups"]["group_0"].__setitem__(
+        "input_activations", {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False}),
+        "CFG002", G0 + ".input_activations", "must also be NVFP4"),
+    "asymmetric static FP8 inputs": ("llama-ct-fp8", _group("symmetric", False, "input_activations"), "CFG002",
+                                     G0 + ".input_activations", "asymmetric"),
+    "int8 static inputs beside FP8": ("qwen3_moe-ct-fp8", _group("type", "int", "input_activations"), "CFG002",
+                                      G0 + ".input_activations", "int 8-bit"),
+    "FP4 static inputs beside FP8": ("llama-ct-fp8", _group("num_bits", 4, "input_activations"), "CFG002",
+                                     G0 + ".input_activations", "float 4-bit"),
+    "FP8 channel weight-only": ("llama-ct-fp8_dynamic", _set("input_activations", None), "CFG003", G0,
+                                "weight-only (W8A16)"),
+    "per-tensor FP8 with dynamic inputs": ("llama-ct-fp8", _group("dynamic", True, "input_activations"), "CFG003",
+                                           G0, "a scheme mocli does not read"),
+    "unknown type": ("llama-ct-fp8", _group("type", "floaty"), "CFG002", G0 + ".weights", "'floaty'"),
+    "num_bits as a string": ("llama-ct-fp8", _group("num_bits", "8"), "CFG002", G0 + ".weights", "num_bits '8'"),
+    "unknown strategy": ("llama-ct-fp8", _group("strategy", "per_tensor"), "CFG002", G0 + ".weights",
+                         "'per_tensor'"),
+    "asymmetric KV cache": ("qwen3_moe-nvfp4_kv-ct", _kv(symmetric=False), "CFG002", Q + ": kv_cache_scheme",
+                            "symmetric False"),
+    "KV cache without symmetric": ("qwen3_moe-nvfp4_kv-ct", _kv(symmetric=None), "CFG002",
+                                   Q + ": kv_cache_scheme", "symmetric None"),
+    "KV cache per channel": ("qwen3_moe-nvfp4_kv-ct", _kv(strategy="channel"), "CFG002",
+                             Q + ": kv_cache_scheme", "strategy 'channel'"),
+    "KV cache without a strategy": ("qwen3_moe-nvfp4_kv-ct", _kv(strategy=None), "CFG002",
+                                    Q + ": kv_cache_scheme", "strategy None"),
+}
+
+
+@pytest.mark.parametrize("case", FIELD_CASES)
+def test_fields_vllm_reads_are_checked_as_it_checks_them(cli, tmp_path, case):
+    name, edit, code, location, words = FIELD_CASES[case]
+    d = _ct_copy(tmp_path, name, edit)
+    r = cli("--json", "validate", d)
+    found = [f for f in r.json["findings"] if f["code"] == code]
+    assert r.exit_code == 1 and len(found) == 1, r.json["findings"]
+    assert found[0]["location"] == location and words in found[0]["message"], found[0]
+
+
+@pytest.mark.parametrize("case", ["float-quantized over NVFP4", "asymmetric NVFP4 weights", "asymmetric KV cache"])
+def test_convert_refuses_what_vllm_refuses_or_misreads(cli, tmp_path, case):
+    name, edit, code, _location, _words = FIELD_CASES[case]
+    d = _ct_copy(tmp_path, name, edit)
+    out = tmp_path / "o"
+    r = cli("convert", d, "-o", out, "--target", "marlin")
+    assert r.exit_code == 1 and code in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not out.exists()
+
+
+def test_compressed_tensors_defaults_are_vllms(cli, tmp_path):
+    """Fields left out take QuantizationArgs' defaults (num_bits 8, symmetric true, strategy from group_size),
+    as vLLM reads them: an FP8 per-tensor group that omits them validates clean."""
+    def strip(q):
+        for role in ("weights", "input_activations"):
+            for k in ("num_bits", "symmetric", "strategy"):
+                q["config_groups"]["group_0"][role].pop(k)
+    d = _ct_copy(tmp_path, "llama-ct-fp8", strip)
+    r = cli("--json", "validate", d)
+    assert r.exit_code == 0 and r.json["findings"] == [], r.json["findings"]
