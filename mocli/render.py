@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from rich.markup import escape
@@ -88,20 +89,23 @@ _SEV_STYLE = {"error": "bold red", "warning": "yellow"}
 
 
 def render_validation(report: dict[str, Any], out: Output) -> None:
+    """The findings folded per layer (``mocli.validate.grouping``: one row per fact, ``(×N)`` where it
+    repeats), then the verdict naming what was judged."""
     c = out.stdout
     if report["findings"]:
         t = Table(show_lines=False)
         for col in ("code", "severity", "location", "message", "hint"):
             t.add_column(col, overflow="fold")
-        for f in report["findings"]:
+        for f in report.get("grouped") or report["findings"]:
+            times = f" (×{f['count']})" if f.get("count", 1) > 1 else ""
             t.add_row(f["code"], f"[{_SEV_STYLE[f['severity']]}]{f['severity']}[/]", escape(f["location"]),
-                      escape(f["message"]), escape(f["hint"]))
+                      escape(f["message"]) + times, escape(f["hint"]))
         c.print(t)
     _validation_verdict(report, out)
 
 
 def render_validation_concise(report: dict[str, Any], out: Output) -> None:
-    """One line per finding (ruff's --output-format concise): grep- and CI-log-friendly."""
+    """One line per finding (ruff's --output-format concise), unfolded: grep- and CI-log-friendly."""
     for f in report["findings"]:
         out.stdout.print(f"{escape(f['location'])}: {f['code']} [{_SEV_STYLE[f['severity']]}]{f['severity']}[/]: "
                          f"{escape(f['message'])}" + (f" [dim](hint: {escape(f['hint'])})[/]" if f["hint"] else ""),
@@ -109,10 +113,28 @@ def render_validation_concise(report: dict[str, Any], out: Output) -> None:
     _validation_verdict(report, out)
 
 
+_VERDICT = {"ok": "[bold green]OK[/]", "failed": "[bold red]FAILED[/]", "not judged": "[bold yellow]NOT JUDGED[/]"}
+
+
+def validation_scope(judged: dict[str, Any]) -> str:
+    """What a validate run judged, as its verdict line says it: ``for vLLM 0.32-0.33 (target
+    flashinfer-cutlass, tp 1, ep 1)``."""
+    engines = " and ".join(judged["labels"][e] for e in judged["engines"])
+    where = [f"target {judged['target']}" if judged["target"] else "no target", f"tp {judged['tp']}",
+             f"ep {judged['ep']}"] + (["every byte scanned"] if judged.get("deep") else [])
+    return (f"for {engines} " if engines else "") + f"({', '.join(where)})"
+
+
 def _validation_verdict(report: dict[str, Any], out: Output) -> None:
-    verdict = "[bold green]OK[/]" if report["ok"] else "[bold red]FAILED[/]"
+    verdict = report.get("verdict") or ("ok" if report["ok"] else "failed")
     ignored = f", {report['ignored']} ignored" if report.get("ignored") else ""
-    out.stdout.print(f"{verdict}: {report['errors']} error(s), {report['warnings']} warning(s){ignored}")
+    scope = f" {validation_scope(report['judged'])}" if report.get("judged") else ""
+    counts = f"{report['errors']} error(s), {report['warnings']} warning(s){ignored}"
+    if verdict == "not judged":
+        counts = f"no engine's reading judged; {counts} in the other checks"
+    out.stdout.print(f"{_VERDICT[verdict]}{escape(scope)}: {counts}", soft_wrap=True)
+    for n in report.get("not_judged", []):
+        out.stdout.print(f"not judged: {escape(n['label'])}: {escape(n['why'])}", soft_wrap=True)
 
 
 def render_convert(summary: dict[str, Any], out: Output) -> None:
@@ -138,6 +160,7 @@ def render_convert(summary: dict[str, Any], out: Output) -> None:
         out.stdout.print(f"  repaired: {line}")
     for w in summary["warnings"]:
         out.warn(f"{w['code']} {w['location']}: {w['message']}")
+    out.stdout.print(f"next: mocli verify {escape(shlex.quote(summary['output']))}", soft_wrap=True)
 
 
 def render_repair(summary: dict[str, Any], out: Output) -> None:

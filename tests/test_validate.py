@@ -6,7 +6,7 @@ import pytest
 
 from fixtures.generate import ALGOS, BROKEN, make_broken, make_checkpoint
 from mocli.findings import CODES, Severity
-from tests.conftest import REAL_LLAMA, REAL_QWEN
+from tests.conftest import REAL, REAL_LLAMA, REAL_QWEN
 
 
 def test_every_code_has_a_broken_fixture():
@@ -92,10 +92,13 @@ def test_readme_lists_every_code_with_its_severity_and_text():
 
 def test_concise_format_is_one_line_per_finding(cli, tmp_path):
     path, _ = make_broken("EXC003", tmp_path / "m")
-    full = cli("--json", "validate", path).json["findings"]
+    report = cli("--json", "validate", path).json
+    full = report["findings"]
     r = cli("validate", path, "--output-format", "concise")
     lines = r.stdout.splitlines()
-    assert r.exit_code == 1 and len(lines) == len(full) + 1 and lines[-1].startswith("FAILED")
+    # one line per finding (unfolded), the verdict, then one line per thing not judged (here: no --target)
+    assert r.exit_code == 1 and len(lines) == len(full) + 1 + len(report["not_judged"]) == len(full) + 2
+    assert lines[len(full)].startswith("FAILED for vLLM") and lines[-1].startswith("not judged: target constraints")
     for f, line in zip(full, lines, strict=False):
         assert line == f"{f['location']}: {f['code']} {f['severity']}: {f['message']} (hint: {f['hint']})"
 
@@ -137,3 +140,97 @@ def test_deep_scan_asks_the_scheme_for_nan_codes(cli, real_copy):
     r = cli("--json", "validate", d, "--deep")
     dat = [f for f in r.json["findings"] if f["code"] == "DAT001"]
     assert [f["location"] for f in dat] == [name] and "0xFF" in dat[0]["message"], dat
+
+
+# --- what validate judged (issue 44 items 3 and 4) ----------------------------------------------------------
+
+def test_sglang_on_compressed_tensors_is_not_judged_never_ok(cli):
+    """The false green: SGLang's reading of compressed-tensors is not restated, so --engine sglang judges
+    no engine at all: NOT JUDGED and exit 2 (as for a question mocli cannot answer), never OK and 0."""
+    src = REAL / "llama-ct-nvfp4"
+    r = cli("--json", "validate", src, "--engine", "sglang")
+    assert r.exit_code == 2 and r.json["ok"] is False and r.json["verdict"] == "not judged"
+    assert r.json["findings"] == [] and r.json["judged"]["engines"] == []
+    assert [n["name"] for n in r.json["not_judged"] if n["what"] == "engine"] == ["sglang"]
+    assert "nothing judged" in r.stderr and "compressed-tensors" in r.stderr
+    human = cli("validate", src, "--engine", "sglang")
+    assert human.exit_code == 2 and "OK" not in human.stdout.replace("NOT JUDGED", "")
+    assert human.stdout.startswith("NOT JUDGED (no target, tp 1, ep 1)")
+    assert "not judged: SGLang 0.5.23: its reading of compressed-tensors is not restated" in human.stdout
+    # --engine all judges vLLM's reading and says SGLang's was not
+    r = cli("--json", "validate", src, "--engine", "all")
+    assert r.exit_code == 0 and r.json["ok"] and r.json["judged"]["engines"] == ["vllm"]
+    assert "sglang" in [n["name"] for n in r.json["not_judged"]]
+
+
+def test_the_verdict_names_engines_target_and_layout(cli):
+    r = cli("validate", REAL_LLAMA, "--target", "flashinfer-cutlass", "--tp", "2", "--engine", "all")
+    assert r.exit_code == 0
+    assert r.stdout.splitlines()[0] == ("OK for vLLM 0.32-0.33 and SGLang 0.5.23 (target flashinfer-cutlass, tp 2, "
+                                        "ep 1): 0 error(s), 0 warning(s)")
+    assert "not judged" not in r.stdout
+    j = cli("--json", "validate", REAL_LLAMA, "--target", "flashinfer-cutlass", "--tp", "2", "--engine", "all").json
+    assert j["judged"] == {"engine": "all", "engines": ["vllm", "sglang"], "target": "flashinfer-cutlass", "tp": 2,
+                           "ep": 1, "deep": False, "labels": {"vllm": "vLLM 0.32-0.33", "sglang": "SGLang 0.5.23"}}
+    assert j["not_judged"] == [] and j["ok"] is True and j["verdict"] == "ok"
+    lines = cli("validate", REAL_LLAMA).stdout.splitlines()
+    assert lines == ["OK for vLLM 0.32-0.33 (no target, tp 1, ep 1): 0 error(s), 0 warning(s)",
+                     "not judged: target constraints: no --target given (flashinfer-cutlass, flashinfer-trtllm, marlin)"]
+
+
+def test_a_finding_repeated_per_layer_is_one_row_with_a_count(cli):
+    """llama-ct-nvfp4a16: 2 layers x 4 linears (q/k/v, o, gate/up, down) stored W4A16, which
+    flashinfer-cutlass does not take: 8 findings, one row; qwen3_moe-mxfp8: 2 MoE layers, one row (x2)."""
+    src = REAL / "llama-ct-nvfp4a16"
+    j = cli("--json", "validate", src, "--target", "flashinfer-cutlass").json
+    assert len(j["findings"]) == 8 and j["errors"] == 8  # one entry per finding, as before
+    (row,) = j["grouped"]
+    assert row["code"] == "TGT002" and row["count"] == 8 and len(row["locations"]) == 8
+    assert row["location"].startswith("model.layers.{0,1}: ") and "self_attn.o_proj" in row["location"]
+    r = cli("validate", src, "--target", "flashinfer-cutlass")
+    rows = [x for x in r.stdout.splitlines() if "TGT002" in x]
+    assert len(rows) == 1 and "(×8)" in rows[0] and r.exit_code == 1
+    r = cli("validate", REAL / "qwen3_moe-mxfp8", "--target", "flashinfer-cutlass")
+    rows = [x for x in r.stdout.splitlines() if "TGT002" in x]
+    assert len(rows) == 1 and "model.layers.{0,1}.mlp.experts" in rows[0] and "(×2)" in rows[0]
+    concise = cli("validate", src, "--target", "flashinfer-cutlass", "--output-format", "concise").stdout
+    assert sum("TGT002" in x for x in concise.splitlines()) == 8  # concise stays one line per finding
+
+
+def test_grouping_within_and_across_layers():
+    from mocli.validate.grouping import group_findings
+
+    def f(loc, msg="m", code="TGT001"):
+        return {"code": code, "severity": "error", "location": loc, "message": msg, "hint": "h"}
+
+    found = [f("model.layers.0.a"), f("model.layers.0.b"), f("model.layers.1.a"), f("model.layers.1.b"),
+             f("model.layers.2.a"), f("model.layers.5.a"), f("model.layers.5.b"), f("model.layers.6.a"),
+             f("model.layers.6.b"), f("quant_algo", code="VLL001"),
+             f("model.layers.3.c", "N = 8 at model.layers.3.c"), f("model.layers.4.c", "N = 8 at model.layers.4.c"),
+             f("model.layers.7.a", "other")]
+    rows = {r["location"]: (r["count"], r["message"]) for r in group_findings(found)}
+    assert rows == {"model.layers.{0,1,5,6}: a, b": (8, "m"),  # the same modules in each layer
+                    "model.layers.2.a": (1, "m"),  # a different set of modules: its own row
+                    "quant_algo": (1, "m"),
+                    "model.layers.{3,4}.c": (2, "N = 8 at each"),  # the module's own name taken out
+                    "model.layers.7.a": (1, "other")}
+    numbers = group_findings([f(f"m.layers.{i}.x") for i in (0, 1, 2, 3, 7, 9, 10)])
+    assert [r["location"] for r in numbers] == ["m.layers.{0-3,7,9,10}.x"]
+
+
+@pytest.mark.parametrize("target", [None, "flashinfer-cutlass"])
+def test_vll001_whenever_vllm_is_judged(cli, target):
+    """vLLM refuses NVFP4_AWQ (0.32.0's CPU wheel read: modelopt.py :: ModelOptQuantConfigBase.from_config,
+    QUANT_ALGOS has no NVFP4_AWQ), with or without --target."""
+    args = ["--target", target] if target else []
+    src = REAL / "llama-nvfp4_awq"
+    found = cli("--json", "validate", src, *args).json["findings"]
+    (vll,) = [f for f in found if f["code"] == "VLL001"]
+    assert "vLLM 0.32 and 0.33 refuse NVFP4_AWQ" in vll["message"]
+    assert not [f for f in cli("--json", "validate", src, "--engine", "sglang", *args).json["findings"]
+                if f["code"] == "VLL001"]
+
+
+def test_convert_leaves_vll001_out_of_its_warnings(cli, tmp_path):
+    r = cli("--json", "convert", REAL / "llama-nvfp4_awq", "-o", tmp_path / "o", "--target", "flashinfer-cutlass")
+    assert r.exit_code == 0 and not [w for w in r.json["warnings"] if w["code"] == "VLL001"]

@@ -19,7 +19,7 @@ from mocli.cli.app import (
     run,
 )
 from mocli.engines import Engine
-from mocli.errors import EXIT_FINDINGS
+from mocli.errors import EXIT_FINDINGS, InputError
 from mocli.output import Output
 
 
@@ -49,7 +49,10 @@ def validate_cmd(
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Check config, exclusions, tensors, scales, a target's and a TP/EP layout's constraints; exit 1 on errors."""
+    """Check config, exclusions, tensors, scales, a target's and a TP/EP layout's constraints, as the engine(s)
+    read them; exit 1 on errors. The last line names what was judged (engines, target, tp, ep) and each thing
+    not judged; where no engine's reading could be judged (e.g. --engine sglang on compressed-tensors) the
+    verdict is NOT JUDGED and the exit status 2, never OK."""
 
     def body(out: Output) -> int:
         from mocli.checkpoint import open_checkpoint
@@ -65,6 +68,12 @@ def validate_cmd(
         report.warnings_as_errors = warnings_as_errors
         out.emit(report.to_dict(), render_validation_concise if output_format is OutputFormat.CONCISE
                  else render_validation)
-        return 0 if report.ok else EXIT_FINDINGS
+        if report.failed:
+            return EXIT_FINDINGS
+        if report.nothing_judged:  # never a bare OK: exit 2, as for a question mocli cannot answer
+            raise InputError(f"validate --engine {engine}: nothing judged: "
+                             + "; ".join(f"{n['label']}: {n['why']}" for n in report.not_judged if n["what"] != "target"),
+                             hint="--engine vllm judges this checkpoint" if engine is not Engine.VLLM else None)
+        return 0
 
     run(ctx, json_, body, quiet, verbose)

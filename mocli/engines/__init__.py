@@ -8,6 +8,10 @@ matching and in the algorithms each config class takes (``sglang``: SGL findings
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mocli.quant_config import QuantConfig
 
 
 class Engine(StrEnum):
@@ -22,4 +26,17 @@ ENGINES: dict[Engine, frozenset[str]] = {
     Engine.ALL: frozenset({"vllm", "sglang"}),
 }
 
-__all__ = ["ENGINES", "Engine"]
+# The engines in the order validate names them, and the versions whose source their rules restate
+# (vLLM: the 0.32.0 CPU wheel the tests serve on and 0.33.0, SEMANTICS; SGLang: sglang.VERSION's wheel)
+ORDER = ("vllm", "sglang")
+LABELS = {"vllm": "vLLM 0.32-0.33", "sglang": "SGLang 0.5.23"}
+
+
+def unjudged(engine: str, quant: QuantConfig | None) -> str | None:
+    """Why validate cannot judge this engine's reading of a checkpoint configured so (None: it can)."""
+    if engine == "sglang" and quant is not None and quant.method == "compressed-tensors":
+        return "its reading of compressed-tensors is not restated by mocli (SEMANTICS §17 is vLLM's): no SGL check ran"
+    return None
+
+
+__all__ = ["ENGINES", "LABELS", "ORDER", "Engine", "unjudged"]

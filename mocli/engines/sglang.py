@@ -16,7 +16,7 @@ from mocli.findings import Findings, few
 from mocli.quant_config import QuantConfig
 
 VERSION = "0.5.23"
-ENGINE = f"SGLang {VERSION}"
+ENGINE = f"SGLang {VERSION}"  # as validate's summary names it too (mocli.engines.LABELS)
 
 # utils.py :: is_layer_skipped: fused names it always expands, whatever the model declares
 FALLBACK_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -176,7 +176,7 @@ def _check_config(quant: QuantConfig, findings: Findings) -> bool:
     False where SGLang refuses the checkpoint outright."""
     where, algo = f"{quant.origin}: quant_algo", quant.raw_algo or ""
     if quant.method == "compressed-tensors":
-        return False  # SGLang's compressed-tensors reading is not restated (SEMANTICS): nothing judged here
+        return False  # not restated (mocli.engines.unjudged: validate's summary says "not judged")
     if quant.method != "modelopt":
         return True  # vLLM's serialized fp8 (mocli quantize): SGLang's own Fp8Config, not ModelOpt's
     if algo == "MIXED_PRECISION":

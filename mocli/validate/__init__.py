@@ -24,6 +24,7 @@ from mocli.scales import read_scales
 from mocli.targets import Target
 from mocli.validate.awq import check_awq
 from mocli.validate.exclusion import check_exclusions, check_mixed_layers, declared_quantized
+from mocli.validate.grouping import group_findings
 from mocli.validate.parallel import check_parallel
 from mocli.validate.scale import check_scales
 from mocli.validate.target import check_target
@@ -36,12 +37,31 @@ class ValidationReport:
     census: Census
     stats: dict[str, Any] = field(default_factory=dict)
 
+    # what was judged: the engines whose reading was checked, the target (None: none asked), tp, ep, --deep
+    judged: dict[str, Any] = field(default_factory=dict)
+    # what was asked, or could be, and was not judged: {"what": "engine" | "target" | "checkpoint", "name", "label",
+    # "why"}
+    not_judged: list[dict[str, Any]] = field(default_factory=list)
     ignored: int = 0  # findings --select/--ignore left out
     warnings_as_errors: bool = False
 
     @property
+    def failed(self) -> bool:
+        return bool(self.findings.errors) or self.warnings_as_errors and bool(self.findings.warnings)
+
+    @property
+    def nothing_judged(self) -> bool:
+        """No engine's reading was judged (--engine sglang on compressed-tensors, no quantization config):
+        never reported as OK."""
+        return not self.judged.get("engines")
+
+    @property
     def ok(self) -> bool:
-        return not self.findings.errors and not (self.warnings_as_errors and self.findings.warnings)
+        return not self.failed and not self.nothing_judged
+
+    @property
+    def verdict(self) -> str:
+        return "failed" if self.failed else "not judged" if self.nothing_judged else "ok"
 
     def filter(self, select: list[str], ignore: list[str]) -> None:
         """Keep the findings whose code starts with a ``select`` entry (all when empty) and with no
@@ -55,10 +75,15 @@ class ValidationReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
+            "verdict": self.verdict,
+            "judged": self.judged,
+            "not_judged": self.not_judged,
             "errors": len(self.findings.errors),
             "warnings": len(self.findings.warnings),
             "ignored": self.ignored,
             "findings": [f.to_dict() for f in self.findings],
+            # the findings folded per layer as the human table shows them, each with its count and locations
+            "grouped": group_findings([f.to_dict() for f in self.findings]),
             "stats": self.stats,
         }
 
@@ -72,22 +97,30 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
     census = census or ckpt.census()
     report = ValidationReport(findings, census)
     quant = ckpt.quant
-    if quant is None or quant.algo is None:
-        return report  # CFG00x already says why; nothing else can be judged
     parallel = parallel or ParallelLayout()
     engines = ENGINES[engine]
+    report.judged = {"engine": str(engine), "engines": [], "labels": {}, "target": None if target is None else str(target),
+                     "tp": parallel.tp, "ep": parallel.ep, "deep": deep}
+    if quant is None or quant.algo is None:  # CFG00x already says why; nothing else can be judged
+        report.not_judged.append({"what": "checkpoint", "name": None, "label": "engines, target and layout",
+                                  "why": "no quantization config mocli reads (the CFG findings say why)"})
+        return report
+    _judged_engines(report, ckpt, engines)
+    if target is None:
+        report.not_judged.append({"what": "target", "name": None, "label": "target constraints",
+                                  "why": f"no --target given ({', '.join(t.value for t in Target)})"})
     # vLLM's exclusion reading also tells the tensor checks which modules an engine quantizes
     declared = declared_quantized(quant, census, findings if "vllm" in engines else Findings(), ckpt.architecture)
     if "vllm" in engines:
         check_mixed_layers(quant, census, findings)
         check_exclusions(quant, census, declared, findings)
-    if "sglang" in engines:
+    if "sglang" in report.judged["engines"]:
         from mocli.engines import sglang
 
         sglang.check(sglang_config(ckpt), census, ckpt.architecture, findings)
     check_tensors(quant, census, declared, findings)
     check_kv_cache(quant, ckpt.tensors, findings)
-    check_awq(quant, census, engines, findings, for_target=target is not None)
+    check_awq(quant, census, frozenset(report.judged["engines"]), findings)
     scales = scales if scales is not None else read_scales(census)
     report.stats["scales"] = check_scales(scales, census, findings)
     report.stats["scale_names"] = list(scales) if deep else []
@@ -101,6 +134,20 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
         report.stats["deep"] = scan(ckpt, findings, skip=set(report.stats.get("scale_names", ())), progress=progress,
                                     census=census)
     return report
+
+
+def _judged_engines(report: ValidationReport, ckpt: Checkpoint, engines: frozenset[str]) -> None:
+    """The engines whose reading validate judges for this checkpoint (``mocli.engines.unjudged``: where
+    one is asked but not restated, the reason goes to ``not_judged``)."""
+    from mocli.engines import LABELS, ORDER, unjudged
+
+    for name in sorted(engines, key=ORDER.index):
+        why = unjudged(name, sglang_config(ckpt) if name == "sglang" else ckpt.quant)
+        if why:
+            report.not_judged.append({"what": "engine", "name": name, "label": LABELS[name], "why": why})
+        else:
+            report.judged["engines"].append(name)
+            report.judged["labels"][name] = LABELS[name]
 
 
 def sglang_config(ckpt: Checkpoint):

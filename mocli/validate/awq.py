@@ -1,8 +1,8 @@
 """NVFP4_AWQ findings (SEMANTICS §15): a kept ``pre_quant_scale`` is [K], finite and positive; the shards an
 engine fuses (q/k/v, gate/up) and the experts of a MoE layer (their gate/up: one input) carry one vector,
 which ModelOpt's re-smoothing guarantees and what a converted layer can hold (AWQ001); no fused-MoE kernel
-scales an expert's intermediate (AWQ002). And what each engine does with the checkpoint: vLLM 0.33 refuses
-NVFP4_AWQ (VLL001), SGLang 0.5.23 applies it on linears only (SGL008)."""
+scales an expert's intermediate (AWQ002). And what each engine does with the checkpoint: vLLM 0.32 and 0.33
+refuse NVFP4_AWQ (VLL001), SGLang 0.5.23 applies it on linears only (SGL008)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,23 @@ from mocli.io.safetensors_file import TensorReader
 from mocli.quant_config import Algo, QuantConfig
 from mocli.tables import PRE_QUANT_SCALE
 
+# vLLM refuses NVFP4_AWQ: as quant_algo at load, vllm 0.32.0 (the CPU wheel, read) and 0.33.0
+# model_executor/layers/quantization/modelopt.py :: ModelOptQuantConfigBase.from_config (QUANT_ALGOS has no
+# NVFP4_AWQ: "ModelOpt currently only supports: [...]"); as a MIXED_PRECISION layer, 0.32.0's resolve
+# ("resolve: unsupported ModelOpt linear algo")
+VLL001_MESSAGE = ("vLLM 0.32 and 0.33 refuse NVFP4_AWQ at load (\"ModelOpt currently only supports: ...\"): "
+                  "stock vLLM does not serve this checkpoint as it is")
 
-def check_awq(quant: QuantConfig, census: Census, engines: frozenset[str], findings: Findings,
-              for_target: bool = False) -> None:
-    """``for_target``: checked for a conversion (whose output the plugin serves), so vLLM's refusal of the
-    source is not news."""
+
+def check_awq(quant: QuantConfig, census: Census, engines: frozenset[str], findings: Findings) -> None:
+    """VLL001 whenever vLLM's reading is judged, with or without a target (mocli convert leaves it out of
+    its own warnings: its output serves through mocli's plugin)."""
     if Algo.NVFP4_AWQ not in {quant.algo, *(lq.algo for lq in quant.quantized_layers.values())}:
         return
-    if "vllm" in engines and not for_target:
-        findings.add("VLL001", "quant_algo", "vLLM 0.33 refuses NVFP4_AWQ (\"ModelOpt currently only supports ...\")",
-                     hint="serve mocli convert's output through mocli's vLLM plugin, which applies pre_quant_scale")
+    if "vllm" in engines:
+        findings.add("VLL001", "quant_algo", VLL001_MESSAGE,
+                     hint=f"mocli convert it (--target {' or '.join(_takers())}) and serve the output through "
+                          "mocli's vLLM plugin, which applies pre_quant_scale")
     with TensorReader() as reader:
         values = {m.name: _vector(reader, m, findings) for m in census.modules.values() if PRE_QUANT_SCALE in m.tensors}
     for name, shards, _ in census.dense_units():
@@ -40,6 +47,13 @@ def check_awq(quant: QuantConfig, census: Census, engines: frozenset[str], findi
             if "sglang" in engines:
                 findings.add("SGL008", layer.name, "SGLang 0.5.23 does not apply the experts' pre_quant_scale",
                              hint="serve mocli convert's output through mocli's vLLM plugin, or re-export with it folded")
+
+
+def _takers() -> list[str]:
+    from mocli.schemes import NVFP4_AWQ
+    from mocli.targets import REGISTRY
+
+    return [str(t) for t, layout in REGISTRY.items() if NVFP4_AWQ in layout.supported["linear"]]
 
 
 def _vector(reader: TensorReader, m: Module, findings: Findings) -> np.ndarray | None:
