@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,9 +18,15 @@ from rich.markup import escape
 _UNWRAPPED = 1 << 20
 
 
+# Spaces (and tabs) at the end of a line, before any closing style codes
+_TRAILING = re.compile(r"[ \t]+((?:\x1b\[[0-9;]*m)*)(?=\n)")
+
+
 class _Console(Console):
     """rich exits 1 on a broken pipe by itself; hand it to mocli.cli's one error handler instead.
-    Off a terminal, rich would wrap at 80 columns: it wraps nothing unless COLUMNS says so."""
+    Off a terminal, rich would wrap at 80 columns: it wraps nothing unless COLUMNS says so; and it pads
+    each line of a table (a grid's last column, a title) to the table's width: a pipe or a file gets no
+    trailing whitespace (``mocli inspect M | diff``, a CI log)."""
 
     def __init__(self, file, **kw) -> None:
         import os
@@ -27,6 +34,10 @@ class _Console(Console):
         if not _isatty(file) and not os.environ.get("COLUMNS"):
             kw.setdefault("width", _UNWRAPPED)
         super().__init__(file=file, **kw)
+
+    def _render_buffer(self, buffer) -> str:
+        text = super()._render_buffer(buffer)
+        return text if self.is_terminal else _TRAILING.sub(r"\1", text)
 
     def on_broken_pipe(self) -> None:
         raise BrokenPipeError

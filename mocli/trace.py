@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
 import time
 
 ON = bool(os.environ.get("MOCLI_TRACE"))
@@ -21,9 +22,17 @@ def _since_exec() -> float:
         return time.perf_counter()
 
 
+_LOCK = threading.Lock()
+
+
 def mark(label: str) -> None:
+    """One whole line in one write: ``print`` writes the text and its newline apart, so marks from the
+    threads that hash, convert and verify in parallel ran together on one line."""
     if ON:
-        print(f"[trace] {_since_exec():7.3f} s  {label}", file=sys.stderr, flush=True)
+        line = f"[trace] {_since_exec():7.3f} s  {label}\n"
+        with _LOCK:
+            sys.stderr.write(line)
+            sys.stderr.flush()
 
 
 if ON:

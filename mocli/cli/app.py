@@ -31,7 +31,7 @@ from mocli.output import Output
 from mocli.targets import Target
 
 EXIT_CODES = ("Exit codes: 0 ok; 1 findings (validation or verification failed, nothing written); 2 usage "
-              "error or unusable input; 3 internal error (a mocli bug: MOCLI_DEBUG=1 prints the traceback); 130 "
+              "error or unusable input (validate: no engine's reading could be judged, NOT JUDGED); 3 internal error (a mocli bug: MOCLI_DEBUG=1 prints the traceback); 130 "
               "interrupted (convert, repair, quantize resume when run again); 141 stdout closed.")
 
 
@@ -89,8 +89,9 @@ class _Group(typer.core.TyperGroup):
 app = typer.Typer(
     name="mocli",
     cls=_Group,
-    help="Inspect, validate, repair, quantize, convert and verify quantized checkpoints (NVIDIA ModelOpt exports) "
-         "for serving: kernel-ready, per rank, proved right.",
+    help="Inspect, validate, repair, quantize, convert and verify quantized checkpoints (NVIDIA ModelOpt and "
+         "llm-compressor compressed-tensors exports, vLLM's serialized FP8) for serving: kernel-ready, per rank, "
+         "proved right.",
     epilog=EXIT_CODES,
     pretty_exceptions_enable=False,
     no_args_is_help=True,
@@ -123,7 +124,15 @@ VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True, metavar=
                                          help="Timing on stderr; -vv also prints tracebacks of internal errors.")]
 TARGETS = ", ".join(t.value for t in Target)  # every registered target, as --help lists them
 TargetOpt = Annotated[Target | None, typer.Option("--target", "-t", metavar="TARGET", case_sensitive=False,
-                                                  help=f"Also check this target's constraints: {TARGETS}.")]
+                                                  help=f"Also check this target's constraints: {TARGETS} (mocli "
+                                                       "convert --help says what each takes).")]
+
+
+def target_help() -> str:
+    """Each target as the registry describes it (``mocli.targets.describe``), for convert's --target."""
+    from mocli.targets import describe
+
+    return " ".join(f"{t.value}: {describe(t)}." for t in Target)
 
 
 def _version(value: bool) -> None:

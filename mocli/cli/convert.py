@@ -23,6 +23,7 @@ from mocli.cli.app import (
     on_every_process,
     parse_size,
     run,
+    target_help,
 )
 from mocli.devices import Device, warm_cuda
 from mocli.output import Output
@@ -35,8 +36,7 @@ def convert_cmd(
     model: ModelArg,
     output: OutputOpt,
     target: Annotated[Target, typer.Option("--target", "-t", metavar="TARGET", case_sensitive=False,
-                                           help=f"Kernel layout to write: {TARGETS} (marlin: NVFP4 weight-only, "
-                                                "for vLLM's Marlin kernels on sm_75-sm_90).",
+                                           help=f"Kernel layout to write, one of {TARGETS}. {target_help()}",
                                            show_default=False)],
     tp: TpOpt = 1,
     ep: EpOpt = 1,

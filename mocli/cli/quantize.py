@@ -22,6 +22,7 @@ from mocli.cli.app import (
 )
 from mocli.devices import Device, warm_cuda
 from mocli.output import Output
+from mocli.schemes import FP8
 
 
 @command("quantize")
@@ -29,7 +30,7 @@ def quantize_cmd(
     ctx: typer.Context,
     model: ModelArg,
     output: OutputOpt,
-    scheme: Annotated[str, typer.Option("--scheme", metavar="SCHEME", help="fp8: per-tensor FP8 weights, dynamic per-token "
+    scheme: Annotated[str, typer.Option("--scheme", metavar="SCHEME", help=f"fp8: {FP8.summary}, dynamic per-token "
                                         "activations (SEMANTICS §12).")] = "fp8",
     exclude: Annotated[list[str] | None, typer.Option("--exclude", metavar="PATTERN", help="Keep modules matching this wildcard "
                                                       "unquantized (repeatable).", show_default=False)] = None,
@@ -40,8 +41,9 @@ def quantize_cmd(
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Quantize an unquantized checkpoint to FP8 once, offline, exactly as engines do online with
-    --quantization fp8 (streaming, resumable); serve the output with no --quantization flag."""
+    """Quantize an unquantized checkpoint to FP8 once, offline, exactly as engines do it online at every start
+    (vLLM 0.32-0.33: --quantization fp8_per_tensor; SGLang: --quantization fp8), streaming and resumable; serve
+    the output with no --quantization flag."""
 
     def body(out: Output) -> None:
         from mocli.checkpoint import open_checkpoint

@@ -67,6 +67,8 @@ class Scheme:
     # tensors a module may carry beyond ``scales`` (NVFP4_AWQ's pre_quant_scale, where the export could not
     # fold it): checked where present, dtypes any of the listed
     optional: tuple[tuple[str, tuple[str, ...], Callable[[int, int], Shape]], ...] = ()
+    # one line for a person: what is stored (mocli convert --help, README's tables)
+    summary: str = ""
 
     def __str__(self) -> str:
         return self.algo.value

@@ -13,4 +13,5 @@ def _detect(tensors) -> bool:
 
 
 FP8 = Scheme(Algo.FP8, "F8_E4M3", (ScaleSpec(WEIGHT_SCALE, "F32", scalar), INPUT),
-             merge=Merge.REQUANTIZE, merged_scale=WEIGHT_SCALE, nan_codes=(("weight", (0x7F, 0xFF)),), detect=_detect)
+             merge=Merge.REQUANTIZE, merged_scale=WEIGHT_SCALE, nan_codes=(("weight", (0x7F, 0xFF)),), detect=_detect,
+             summary="FP8 E4M3 weights, one scale per tensor")

@@ -26,4 +26,5 @@ def _detect(tensors) -> bool:
 FP8_BLOCK = Scheme(Algo.FP8_PB_WO, "F8_E4M3",
                    (ScaleSpec(WEIGHT_SCALE, "F32", lambda n, k: (n // BLOCK, 1, k // BLOCK, 1),
                               also=lambda n, k: ((n // BLOCK, k // BLOCK),)),),
-                   scale_rows=BLOCK, scale_cols=BLOCK, nan_codes=(("weight", (0x7F, 0xFF)),), detect=_detect)
+                   scale_rows=BLOCK, scale_cols=BLOCK, nan_codes=(("weight", (0x7F, 0xFF)),), detect=_detect,
+                   summary="FP8 E4M3 weights, one scale per 128x128 block")

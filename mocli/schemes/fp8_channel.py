@@ -15,4 +15,5 @@ def _detect(tensors) -> bool:
 
 FP8_CHANNEL = Scheme(Algo.FP8_PER_CHANNEL_PER_TOKEN, "F8_E4M3",
                      (ScaleSpec(WEIGHT_SCALE, "F32", lambda n, k: (n,), also=lambda n, k: ((n, 1),)),),
-                     scale_rows=1, nan_codes=(("weight", (0x7F, 0xFF)),), detect=_detect)
+                     scale_rows=1, nan_codes=(("weight", (0x7F, 0xFF)),), detect=_detect,
+                     summary="FP8 E4M3 weights, one scale per output channel; activations per token")

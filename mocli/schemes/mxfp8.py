@@ -16,4 +16,4 @@ def _detect(tensors) -> bool:
 
 MXFP8 = Scheme(Algo.MXFP8, "F8_E4M3", (ScaleSpec(WEIGHT_SCALE, "U8", lambda n, k: (n, k // BLOCK)),),
                scale_rows=1, scale_cols=BLOCK, group_size=BLOCK, nan_codes=(("weight", (0x7F, 0xFF)), (WEIGHT_SCALE, (0xFF,))),
-               detect=_detect)
+               detect=_detect, summary="FP8 E4M3 weights, one E8M0 scale per 32 values along K")

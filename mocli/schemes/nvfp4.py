@@ -16,7 +16,9 @@ NVFP4 = Scheme(Algo.NVFP4, "U8",
                 ScaleSpec(WEIGHT_SCALE_2, "F32", scalar), INPUT),
                pack=2, scale_rows=1, scale_cols=NVFP4_GROUP_SIZE, merge=Merge.RESCALE, merged_scale=WEIGHT_SCALE_2,
                group_size=NVFP4_GROUP_SIZE,
-               nan_codes=((WEIGHT_SCALE, (0x7F, 0xFF)),), detect=lambda t: _detect(t) and WEIGHT in t)
+               nan_codes=((WEIGHT_SCALE, (0x7F, 0xFF)),), detect=lambda t: _detect(t) and WEIGHT in t,
+               summary="FP4 E2M1 weights (two per byte), one FP8 E4M3 scale per 16 values and a global scale; "
+                       "FP4 activations")
 
 
 # W4A16_NVFP4: the NVFP4 weights without an input scale, activations left in BF16/FP16 (SEMANTICS §13.1).
@@ -26,7 +28,8 @@ W4A16_NVFP4 = Scheme(Algo.W4A16_NVFP4, "U8",
                      (ScaleSpec(WEIGHT_SCALE, "F8_E4M3", lambda n, k: (n, k // NVFP4_GROUP_SIZE)),
                       ScaleSpec(WEIGHT_SCALE_2, "F32", scalar)),
                      pack=2, scale_rows=1, scale_cols=NVFP4_GROUP_SIZE, merge=Merge.RESCALE, merged_scale=WEIGHT_SCALE_2,
-                     group_size=NVFP4_GROUP_SIZE, nan_codes=((WEIGHT_SCALE, (0x7F, 0xFF)),), stores_like=Algo.NVFP4)
+                     group_size=NVFP4_GROUP_SIZE, nan_codes=((WEIGHT_SCALE, (0x7F, 0xFF)),), stores_like=Algo.NVFP4,
+                     summary="NVFP4's weights and scales, BF16/FP16 activations (weight-only)")
 
 
 # NVFP4_AWQ (ModelOpt 0.47, SEMANTICS §15): NVFP4's tensors, plus a pre_quant_scale [K] on the modules whose
@@ -35,4 +38,5 @@ W4A16_NVFP4 = Scheme(Algo.W4A16_NVFP4, "U8",
 NVFP4_AWQ = Scheme(Algo.NVFP4_AWQ, "U8", NVFP4.scales, pack=2, scale_rows=1, scale_cols=NVFP4_GROUP_SIZE,
                    merge=Merge.RESCALE, merged_scale=WEIGHT_SCALE_2, group_size=NVFP4_GROUP_SIZE,
                    nan_codes=((WEIGHT_SCALE, (0x7F, 0xFF)),), stores_like=Algo.NVFP4,
-                   optional=((PRE_QUANT_SCALE, ("BF16", "F16", "F32"), lambda n, k: (k,)),))
+                   optional=((PRE_QUANT_SCALE, ("BF16", "F16", "F32"), lambda n, k: (k,)),),
+                   summary="NVFP4, with an AWQ pre_quant_scale per input channel where the export kept one")

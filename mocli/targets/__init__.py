@@ -23,4 +23,18 @@ def layout_of(target: Target | str) -> TargetLayout:
     return REGISTRY[Target(target)]
 
 
-__all__ = ["REGISTRY", "Constraint", "Target", "TargetLayout", "layout_of"]
+def takes(target: Target | str, scope: str) -> str:
+    """The stored schemes a target converts in ``scope`` ("linear" or "moe"), in the registry's order."""
+    from mocli.schemes import SCHEMES
+
+    return ", ".join(str(s) for s in SCHEMES if s in layout_of(target).supported[scope])
+
+
+def describe(target: Target | str) -> str:
+    """One line for a person (mocli convert --help, README's target table): the kernels, the GPUs, and
+    the schemes taken, from the registry."""
+    layout = layout_of(target)
+    return f"{layout.kernels} on {layout.gpus}; linears: {takes(target, 'linear')}; experts: {takes(target, 'moe')}"
+
+
+__all__ = ["REGISTRY", "Constraint", "Target", "TargetLayout", "describe", "layout_of", "takes"]

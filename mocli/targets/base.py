@@ -92,6 +92,10 @@ class TargetLayout:
     torch."""
 
     target: Target
+    # what the target is for, as --help and README's target table say it (``mocli.targets.describe`` adds the
+    # schemes it takes, from ``supported``)
+    kernels: str = ""
+    gpus: str = ""
     constraints: tuple[Constraint, ...] = SHARED_CONSTRAINTS
     minimums: tuple[Minimum, ...] = ()
     supported: dict[str, frozenset[Scheme]] = SUPPORTED

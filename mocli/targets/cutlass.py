@@ -16,6 +16,8 @@ CUTLASS_FP4_PAD = 32
 
 class CutlassLayout(TargetLayout):
     target = Target.FLASHINFER_CUTLASS
+    kernels = "FlashInfer's CUTLASS GEMMs and cutlass_fused_moe"
+    gpus = "sm_100/sm_103 (B200, GB200, B300)"
     fp4_kernels = True
     # SEMANTICS §14.2: FlashInfer's CUTLASS and CuTe-DSL mm_mxfp8 decline N < 128 or K < 128
     # (vllm 0.33 kernels/linear/mxfp8/flashinfer.py :: _check_mm_mxfp8_shape); vLLM falls through to the

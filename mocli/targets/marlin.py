@@ -27,6 +27,9 @@ FP8_KINDS = frozenset({ModuleKind.FP8_LINEAR, ModuleKind.FP8_CHANNEL_LINEAR, Mod
 
 class MarlinLayout(TargetLayout):
     target = Target.MARLIN
+    kernels = ("vLLM's Marlin kernels, weight-only with BF16 activations (FP8 and MXFP8 linears keep the layout "
+               "the FlashInfer targets share)")
+    gpus = "sm_75-sm_90 (T4 ... A100, L40S, H100, H200)"
     kinds = MARLIN_KINDS | FP8_KINDS
     supported = {"linear": frozenset({FP8, FP8_CHANNEL, FP8_BLOCK, NVFP4, W4A16_NVFP4, MXFP8}),
                  "moe": frozenset({FP8, NVFP4, W4A16_NVFP4})}

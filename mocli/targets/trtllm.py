@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 class TrtllmLayout(TargetLayout):
     target = Target.FLASHINFER_TRTLLM
+    kernels = "FlashInfer's TensorRT-LLM kernels (rows shuffled)"
+    gpus = "sm_100/sm_103 (B200, GB200, B300)"
     shuffles_rows = True
     row_shuffled_kinds = frozenset({ModuleKind.NVFP4_LINEAR, ModuleKind.FP8_MOE, ModuleKind.NVFP4_MOE,
                                     ModuleKind.MXFP8_LINEAR, ModuleKind.MXFP8_MOE})
