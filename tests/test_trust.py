@@ -356,3 +356,29 @@ def test_real_export_output_verifies(cli, tmp_path):
     out = _convert(cli, REAL_QWEN, tmp_path / "o")
     r = _verify(cli, out)
     assert r.exit_code == 0 and r.json["completeness"]["problems"] == []
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_an_internal_error_leaves_nothing_behind(cli, tmp_path, monkeypatch, resumed):
+    """A mocli bug in a unit (exit 3): the partial directory is removed, the message says so, and nothing at
+    OUT; also where the run had resumed an interrupted one's partial (a resume would meet the same bug)."""
+    import mocli.ops.nvfp4
+
+    out = tmp_path / "o"
+    partial = tmp_path / ".o.mocli-partial"
+    (tmp_path / "notes.txt").write_text("mine")
+    if resumed:
+        restore = interrupt_after(monkeypatch, 2)
+        assert cli("convert", REAL_QWEN, "-o", out, "--target", CUTLASS).exit_code == 130 and partial.is_dir()
+        restore()
+
+    def bug(*a, **k):
+        raise RuntimeError("planted bug")
+
+    monkeypatch.setattr(mocli.ops.nvfp4, "swizzle_block_scales", bug)
+    r = cli("convert", REAL_QWEN, "-o", out, "--target", CUTLASS)
+    assert r.exit_code == 3 and "internal error: RuntimeError: planted bug" in r.stderr, r.stderr
+    assert "nothing was kept" in r.stderr and str(partial) in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists() and not partial.exists()
+    # what mocli did not create is left alone (the lock file went with the run)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"] and (tmp_path / "notes.txt").read_text() == "mine"

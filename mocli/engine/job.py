@@ -37,7 +37,7 @@ from mocli.engine.outdir import (
 )
 from mocli.engine.pool import BufferPool, UnitContext
 from mocli.engine.unit_runner import UNIT_WORKERS, compute_threads, ran_in_order, to_host
-from mocli.engine.units import BadData, Key, Plan, Unit
+from mocli.engine.units import BadData, Key, Plan, Unit, check_finite
 from mocli.engine.writer import Writer, writer_lanes
 from mocli.errors import FindingsError, InputError, Interrupted, MocliError, os_error
 from mocli.findings import Findings
@@ -248,24 +248,30 @@ def _run(job: Job) -> JobResult:
         result = _execute(job, partial, done, ends)
         result.discarded_partial = discarded
     except BaseException as e:
-        if lock is not None:
-            lock.__exit__(None, None, None)
-        raise _failure(e, partial, dist) from e
+        try:
+            failure = _failure(e, partial, dist)  # under the lock: no other run takes the partial meanwhile
+        finally:
+            if lock is not None:
+                lock.__exit__(None, None, None)
+        raise failure from e
     if lock is not None:
         lock.__exit__(None, None, None)
     return result
 
 
 def _failure(e: BaseException, partial: Path, dist: Dist) -> BaseException:
-    """Say what happened to the partial output; drop it when the input is at fault."""
+    """Say what happened to the partial output. It is kept for a resume where the run was stopped from
+    outside (Ctrl-C, a full disk, another process at OUT) and dropped where the input is at fault or mocli
+    itself failed (an internal error: what a bug wrote is not trusted, and a resume would meet it again).
+    The partial directory is mocli's own (``_prepare`` made it, or checked its journal before resuming)."""
     if isinstance(e, BadData | FindingsError) or (isinstance(e, InputError) and getattr(e, "input_fault", False)):
         if dist.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         if isinstance(e, BadData):
             findings = Findings()
-            findings.add("DAT001", e.tensor, e.message, hint="the export is broken; re-export the checkpoint")
-            err = FindingsError(f"refusing to finish: DAT001 {e.tensor}: {e.message}",
-                                hint="nothing was written; the export is broken, re-export it")
+            findings.add(e.code, e.tensor, e.message, hint=e.hint)
+            err = FindingsError(f"refusing to finish: {e.code} {e.tensor}: {e.message}",
+                                hint=e.hint if "nothing was written" in e.hint else f"nothing was written; {e.hint}")
             err.findings = findings
             return err
         return e
@@ -279,6 +285,11 @@ def _failure(e: BaseException, partial: Path, dist: Dist) -> BaseException:
     if isinstance(e, OSError):
         msg, why = os_error(e)
         return InputError(msg, hint=f"{why}; {hint}" if hint else why)
+    if isinstance(e, Exception):  # an internal error (exit 3): nothing of this run is kept
+        if dist.rank == 0 and partial.exists():
+            shutil.rmtree(partial, ignore_errors=True)
+            e.add_note(f"nothing was kept: {partial} removed (a resume would meet the same error)")
+        return e
     if hint:
         e.add_note(hint)
     return e
@@ -385,6 +396,7 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
                     recorded = True
                 if ctx.device is not None and ctx.device.type == "cuda":
                     pieces = to_host(pieces, ctx)
+                check_finite(pieces, job.plan.tensors)
                 sink.put(unit, pieces, ctx.release(pieces))
                 job.progress.advance(unit.input_bytes, name=unit.id)
             if not recorded:  # publishing waits for the digests anyway
