@@ -79,11 +79,56 @@ class Piece:
 
 
 class BadData(Exception):
-    """Source bytes that no layout can carry (NaN codes in FP8 weights or block scales)."""
+    """Bytes that no layout can carry: NaN codes in FP8 weights or block scales (DAT001), a scale computed
+    from finite ones that is not finite (SCL006, ``check_finite``). The run is refused, nothing is kept."""
 
-    def __init__(self, tensor: str, message: str) -> None:
+    def __init__(self, tensor: str, message: str, code: str = "DAT001", hint: str = "") -> None:
         super().__init__(f"{tensor}: {message}")
-        self.tensor, self.message = tensor, message
+        self.tensor, self.message, self.code = tensor, message, code
+        self.hint = hint or "the export is broken; re-export the checkpoint"
+
+
+# Output dtypes a scale is written in -> (word, exponent mask): all exponent bits set is Inf or NaN.
+_FLOAT_WORDS = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}
+# Roles whose values are not scales: weights (and a bias) are the source's own values, moved, never computed
+# here; ``passthrough`` tensors are copied as they are.
+NOT_SCALES = frozenset({"weight", "w13_weight", "w2_weight", "bias", "passthrough"})
+
+
+def check_finite(pieces: list[Piece], tensors: dict[Key, OutTensor]) -> None:
+    """Every scale a unit computed (a piece of memory, not a source range, of a float tensor whose role is a
+    scale) is finite, whatever the command or target: the one check at the point computed scales are
+    written. Raises BadData (SCL006) naming the tensor and the value; validate predicts the same cases
+    from the plan (``mocli.validate.computed``), so this fires only where a prediction missed one."""
+    import numpy as np
+
+    for p in pieces:
+        t = tensors.get(p.key)
+        if isinstance(p.data, SourceRange) or t is None or t.role in NOT_SCALES or t.dtype not in _FLOAT_WORDS:
+            continue
+        word, mask = _FLOAT_WORDS[t.dtype]
+        data = p.data if isinstance(p.data, np.ndarray) else p.data.detach().cpu().contiguous().view(-1).numpy()
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        if raw.size % np.dtype(word).itemsize:
+            continue
+        bad = np.flatnonzero((raw.view(word) & mask) == mask)
+        if bad.size:
+            value = _decoded(raw, t.dtype, int(bad[0]))
+            where = f" on {t.group}" if t.group else ""
+            raise BadData(t.name + where, f"computed {t.role} is {value} (element {int(bad[0])}; "
+                          f"{', '.join(t.transforms) or 'computed'}), not a finite {t.dtype}", code="SCL006",
+                          hint="the source's scales are finite but this target's arithmetic overflows on them; "
+                               "nothing was written: convert for another target or re-calibrate the export")
+
+
+def _decoded(raw, dtype: str, i: int) -> str:
+    import numpy as np
+
+    if dtype == "BF16":
+        v = (raw.view("<u2")[i:i + 1].astype(np.uint32) << 16).view(np.float32)[0]
+    else:
+        v = raw.view("<f4" if dtype == "F32" else "<f2")[i]
+    return str(float(v))
 
 
 
