@@ -51,8 +51,8 @@ def validate_cmd(
 ) -> None:
     """Check config, exclusions, tensors, scales, a target's and a TP/EP layout's constraints, as the engine(s)
     read them; exit 1 on errors. The verdict line names what was judged (engines, target, tp, ep), a "not judged"
-    line follows for each thing that was not; where no engine's reading could be judged (e.g. --engine sglang on compressed-tensors) the
-    verdict is NOT JUDGED and the exit status 2, never OK."""
+    line follows for each thing that was not; where no engine's reading could be judged (e.g. --engine sglang
+    on compressed-tensors) the verdict is NOT JUDGED and the exit status 2, never OK."""
 
     def body(out: Output) -> int:
         from mocli.checkpoint import open_checkpoint
