@@ -52,7 +52,8 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
     if report.findings.errors:
         raise Refused(report.findings)
 
-    plan = build_plan(census, scales, target, parallel, Heads.from_config(ckpt.config))
+    # validate planned it to judge what it computes (SCL006): the same census, scales, target and ranks
+    plan = report.plan or build_plan(census, scales, target, parallel, Heads.from_config(ckpt.config))
     layouts = group_layouts(list(plan.tensors.values()), max_shard_bytes)
     fp = engine.fingerprint("convert", ckpt.files, layouts, {
         "layout_version": layout.LAYOUT_VERSION, "target": str(target), "parallel": parallel.to_dict(),

@@ -60,6 +60,7 @@ CODES: dict[str, tuple[Severity, str]] = {
     "SCL003": (Severity.ERROR, "MoE expert has no input_scale"),
     "SCL004": (Severity.WARNING, "FP8 fused shards have widely different weight scales"),
     "SCL005": (Severity.WARNING, "NVFP4 fused shards have different weight_scale_2"),
+    "SCL006": (Severity.ERROR, "a scale the target computes from finite ones overflows (not finite)"),
     # target constraints (SEMANTICS §4-§7), judged on each rank's shapes
     "TGT001": (Severity.ERROR, "shape violates the target's alignment"),
     "TGT002": (Severity.ERROR, "scheme not supported by the target"),

@@ -37,7 +37,8 @@ def build_plan(census: Census, scales: dict[str, np.ndarray], target: Target,
     """The whole conversion: quantized dense modules and MoE layers through their kind's planner,
     everything else passed through unchanged at the top level (SEMANTICS §10: not sliced)."""
     pc = PlanContext(census, scales, layout_of(target), parallel or ParallelLayout(), heads)
-    with pc.reader:
+    # a value that overflows is not a warning here: every computed one is judged (``ConvertPlan.computed``)
+    with pc.reader, np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         for name, shards, scheme in census.dense_units():
             _plan(pc, pc.layout.kind_for(scheme, moe=False), name, shards)
         for layer, scheme in census.moe_units():

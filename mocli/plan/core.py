@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mocli.engine.units import Plan
+from mocli.engine.units import Key, Plan
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +50,17 @@ class ConvertPlan(Plan):
 
     modules: list[ConvertedModule] = field(default_factory=list)
     unified_scales: dict[str, Any] = field(default_factory=no_unified_scales)
+    # every scale value a planner computed rather than copied (alphas, reciprocals, merged maxima, Marlin's
+    # globals), by output tensor: validate judges them before anything is written (SCL006,
+    # ``mocli.validate.computed``); the engine checks them again as they are written (``check_finite``)
+    computed: dict[Key, np.ndarray] = field(default_factory=dict)
+
+    def computed_value(self, key: Key, value) -> np.ndarray:
+        """``value`` as the float32 array a unit writes to ``key``, recorded in ``computed``."""
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            v = np.asarray(value, dtype=F32)
+        self.computed[key] = v
+        return v
 
 
 def scalar(v: float | np.ndarray | np.floating) -> torch.Tensor:

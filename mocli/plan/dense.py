@@ -161,6 +161,8 @@ class _Fp8TensorDense(_Dense):
                      + ([("requantize_max_scale_f16" if f16 else "requantize_max_scale")] if any(requant) else []))
             self.add(r, Role.WEIGHT_SCALE, "F32", (), self.sources(WEIGHT_SCALE), ["max"] if self.fused else [])
             self.add(r, Role.INPUT_SCALE, "F32", (), self.sources(INPUT_SCALE), ["max"] if self.fused else [])
+        values = {(r, role): pc.plan.computed_value(self.key(r, role), v) for r in self.ranks
+                  for role, v in ((Role.WEIGHT_SCALE, big_s), (Role.INPUT_SCALE, big_a))}
 
         def run(ctx: UnitContext) -> list[Piece]:
             whole: list[np.ndarray | None] = []
@@ -169,9 +171,7 @@ class _Fp8TensorDense(_Dense):
                 check_fp8(raw, w)
                 whole.append(fp8.requantize_fp8(raw, si, big_s, f16) if rq else None)
             pieces = _weight_pieces(self, ctx, whole, weights)
-            for r in self.ranks:
-                pieces += [Piece(self.key(r, Role.WEIGHT_SCALE), 0, np.array(big_s, dtype=F32).reshape(())),
-                           Piece(self.key(r, Role.INPUT_SCALE), 0, np.array(big_a, dtype=F32).reshape(()))]
+            pieces += [Piece(self.key(r, role), 0, v.reshape(())) for (r, role), v in values.items()]
             return pieces + self.bias_pieces(ctx)
 
         self.finish(lambda r: {}, weights, run)
@@ -249,6 +249,7 @@ class _Nvfp4Dense(_Dense):
             self.add(r, Role.INPUT_SCALE_INV, "F32", (), [], ["1 / input_scale"])
         scalars = {Role.WEIGHT_SCALE_2: big_s2, Role.INPUT_SCALE: big_a, Role.ALPHA: big_a * big_s2,
                    Role.INPUT_SCALE_INV: pc.inverse_of_max(shards, INPUT_SCALE)}
+        values = {(r, role): pc.plan.computed_value(self.key(r, role), v) for r in self.ranks for role, v in scalars.items()}
         pqs = self._plan_pre_quant_scale()
 
         def run(ctx: UnitContext) -> list[Piece]:
@@ -268,8 +269,7 @@ class _Nvfp4Dense(_Dense):
                 for r in ranks:
                     pieces += concat_pieces(self.key(r, Role.WEIGHT), wparts)
                     pieces.append(Piece(self.key(r, Role.WEIGHT_SCALE), 0, swz))
-                    pieces += [Piece(self.key(r, role), 0, np.array(v, dtype=F32).reshape(()))
-                               for role, v in scalars.items()]
+                    pieces += [Piece(self.key(r, role), 0, values[r, role].reshape(())) for role in scalars]
                     if pqs is not None:
                         pieces.append(Piece(self.key(r, Role.PRE_QUANT_SCALE), 0,
                                             bf16_bytes(ctx.array(pqs)[c0:c1], pqs.dtype).copy()))

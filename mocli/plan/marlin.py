@@ -84,6 +84,10 @@ class _MarlinDense(_Dense):
             self.add(r, Role.WEIGHT_GLOBAL_SCALE, "F32", (), self.sources(WEIGHT_SCALE_2), ["max", "* 2^119 / sf"])
             if w4a4:
                 self.add(r, Role.INPUT_GLOBAL_SCALE, "F32", (), self.sources(INPUT_SCALE), ["max (unused by Marlin)"])
+        glob = {r: pc.plan.computed_value(self.key(r, Role.WEIGHT_GLOBAL_SCALE),
+                                          marlin.global_scale(big, sf[self.slice_of(r).tp_rank], ACT_DTYPE))
+                for r in self.ranks}
+        inputs = {r: pc.plan.computed_value(self.key(r, Role.INPUT_GLOBAL_SCALE), big_a) for r in self.ranks} if w4a4 else {}
 
         def run(ctx: UnitContext) -> list[Piece]:
             bs = [fp8.rescale_block_scales(_checked(ctx, b), si, big) for b, si in zip(bscales, s2, strict=True)]
@@ -93,12 +97,11 @@ class _MarlinDense(_Dense):
                 w = np.concatenate([ctx.array(e)[a:b, c0 // 2:c1 // 2] for e, (a, b) in zip(weights, sl.rows, strict=True)])
                 codes = np.concatenate([x[a:b, c0 // 16:c1 // 16] for x, (a, b) in zip(bs, sl.rows, strict=True)])
                 out = {Role.WEIGHT: marlin.repack(w, np_, kp),
-                       Role.WEIGHT_SCALE: marlin.permute_scales(codes, np_, kp, marlin.scale_table(sf[t])),
-                       Role.WEIGHT_GLOBAL_SCALE: np.array(marlin.global_scale(big, sf[t], ACT_DTYPE), dtype=F32)}
-                if w4a4:
-                    out[Role.INPUT_GLOBAL_SCALE] = np.array(big_a, dtype=F32)
+                       Role.WEIGHT_SCALE: marlin.permute_scales(codes, np_, kp, marlin.scale_table(sf[t]))}
                 for r in (r for r in self.ranks if self.pc.parallel.tp_rank(r) == t):
                     pieces += [Piece(self.key(r, role), 0, v) for role, v in out.items()]
+                    pieces.append(Piece(self.key(r, Role.WEIGHT_GLOBAL_SCALE), 0, glob[r]))
+                    pieces += [Piece(self.key(r, Role.INPUT_GLOBAL_SCALE), 0, inputs[r])] if w4a4 else []
             return pieces + self._bias(ctx, shape)
 
         self.finish(lambda r: {"padded_n": shape[self.slice_of(r).tp_rank][0], "padded_k": shape[self.slice_of(r).tp_rank][1],
@@ -242,7 +245,7 @@ class _MarlinMoe(_Moe):
                     part = np.array([marlin.global_scale(x, factors[r], ACT_DTYPE) for x in part], dtype=F32)
                 self.add(r, role, "F32", tuple(part.shape), sources if self.pc.parallel.single else
                          [s for s in sources if self._expert_of(s) in range(e0, e1)], [how])
-                values[self.key(r, role)] = part
+                values[self.key(r, role)] = self.pc.plan.computed_value(self.key(r, role), part)
         self.pc.plan.units.append(Unit(f"scales:{self.p}", [], list(values),
                                        lambda ctx: [Piece(k, 0, v) for k, v in values.items()], torch_free=True))
 

@@ -113,7 +113,7 @@ class _Moe:
                 part = v[e0:e1].copy() if v.ndim else v.copy()
                 self.add(r, role, "F32", tuple(part.shape), sources if self.pc.parallel.single else
                          [s for s in sources if self._expert_of(s) in range(e0, e1)], [how])
-                frozen[r, role] = part
+                frozen[r, role] = self.pc.plan.computed_value(self.key(r, role), part)
         keys = {(r, role): self.key(r, role) for r, role in frozen}
 
         self.pc.plan.units.append(Unit(f"scales:{self.p}", [], list(keys.values()),

@@ -23,6 +23,7 @@ from mocli.parallel import Heads, ParallelLayout
 from mocli.scales import read_scales
 from mocli.targets import Target
 from mocli.validate.awq import check_awq
+from mocli.validate.computed import check_computed
 from mocli.validate.exclusion import check_exclusions, check_mixed_layers, declared_quantized
 from mocli.validate.grouping import group_findings
 from mocli.validate.parallel import check_parallel
@@ -36,6 +37,7 @@ class ValidationReport:
     findings: Findings
     census: Census
     stats: dict[str, Any] = field(default_factory=dict)
+    plan: Any = field(default=None, repr=False)  # the target's conversion plan, where one was judged (SCL006)
 
     # what was judged: the engines whose reading was checked, the target (None: none asked), tp, ep, --deep
     judged: dict[str, Any] = field(default_factory=dict)
@@ -128,6 +130,7 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
     sliceable = check_parallel(parallel, heads, census, findings)
     if target is not None:
         check_target(target, parallel, heads, census, sliceable, findings)
+        report.plan = check_computed(target, parallel, heads, census, scales, findings)
     if deep:
         from mocli.deep_scan import scan
 
