@@ -24,11 +24,16 @@ def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
 
 
 def bf16_bytes(raw, dtype: str):
-    """A float vector read as stored (``TensorReader.array``: BF16 as its 16-bit words) as BF16 words,
-    rounded to nearest even from F32 / F16 (the activation dtype a pre_quant_scale multiplies in)."""
+    """A float vector's stored bytes (``UnitContext.array``: [n, itemsize] uint8, or the values themselves) as
+    BF16 words: BF16 as it is, F32 / F16 rounded to nearest even, as torch's ``copy_`` into a BF16 parameter
+    casts (the activation dtype a pre_quant_scale multiplies in, SEMANTICS §15.3). Widening F16 to F32 is
+    exact, so F16 is rounded once."""
     import numpy as np
 
+    stored = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[dtype]
+    a = np.ascontiguousarray(raw)
+    v = (a.view(stored) if a.dtype == np.uint8 else a.astype(stored, copy=False)).reshape(-1)
     if dtype == "BF16":
-        return np.ascontiguousarray(raw).view(np.uint16)
-    u = np.ascontiguousarray(raw, dtype=np.float32).view(np.uint32)
+        return v
+    u = v.astype(np.float32).view(np.uint32)
     return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
