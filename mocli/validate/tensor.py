@@ -1,6 +1,7 @@
 """Tensor findings (SEMANTICS §1's table, per stored scheme): every quantized module holds its
-scheme's weight and scales with their dtypes and shapes (TNS001-TNS005, TNS007), MoE experts are
-complete and alike (TNS006), and experts calibration never reached are told apart (SCL003)."""
+scheme's weight and scales with their dtypes and shapes (TNS001-TNS005, TNS007), KV-cache scales are one
+float each (TNS002, TNS003), MoE experts are complete and alike (TNS006), and experts calibration never
+reached are told apart (SCL003)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from mocli.census import Census, Kind, Module, MoELayer
 from mocli.findings import Findings, few
 from mocli.io.safetensors_file import TensorEntry
 from mocli.quant_config import QuantConfig
+from mocli.scales import FLOAT_SCALES
 from mocli.schemes import Spelling, by_algo
 from mocli.tables import INPUT_SCALE, SCALE_SUFFIXES, WEIGHT
 
@@ -53,6 +55,27 @@ def check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool |
     for layer in census.moe:
         _check_moe_layer(layer, findings)
         _check_expert_input_scales(layer, no_input_scale.get(layer.name, []), findings)
+    _check_kv_scales(census, findings)
+
+
+# The shapes a KV-cache scale loads as (one value, SEMANTICS §16.3): vLLM 0.32's (the CPU wheel, read) and
+# 0.33's model_executor/layers/quantization/kv_cache.py :: KVCacheScaleParameter.weight_loader refuses any
+# tensor whose numel() != 1 and copies it as reshape(()) into a float32 parameter (copy_ casts F32, BF16,
+# F16 alike); its docstring names () and (1,), the shapes ModelOpt and compressed-tensors write.
+KV_SCALE_SHAPES = ((), (1,))
+
+
+def _check_kv_scales(census: Census, findings: Findings) -> None:
+    """k_scale / v_scale: a float dtype mocli reads and one value; copied as stored by convert, so anything
+    else would reach the engine (which refuses more than one value at load) or be read as a wrong scale."""
+    for e in census.kv_scales:
+        if e.dtype not in FLOAT_SCALES:
+            findings.add("TNS002", e.name, f"KV-cache scale is {e.dtype}, engines load it as one float "
+                         f"({', '.join(FLOAT_SCALES)})", hint="the export is broken; re-export the checkpoint")
+        elif tuple(e.shape) not in KV_SCALE_SHAPES:
+            findings.add("TNS003", e.name, f"KV-cache scale has shape {list(e.shape)}, engines load one value "
+                         "(shape [] or [1]; vLLM refuses more at load)", hint="the export is broken; re-export "
+                         "the checkpoint")
 
 
 def _check_unquantized(m: Module, findings: Findings) -> None:
