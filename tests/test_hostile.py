@@ -280,3 +280,135 @@ def test_fuzzed_inputs_never_crash(cli, tmp_path, seed):
         assert "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
         if args[0] == "convert" and r.exit_code != 0:
             assert not (tmp_path / "out").exists()
+
+
+# --- issue 43: a dtype the planner trusted, a scale that overflows for one target, a KV scale of many values.
+# Each case is a fresh copy of a real export with one tensor edited (``edit_tensor``); a refusal is exit 1 with
+# one line naming the tensor, and leaves neither OUT nor its partial directory.
+
+def _fresh(tmp_path: Path, name: str, tensor: str, fn) -> Path:
+    from tests.conftest import REAL, edit_tensor
+
+    d = tmp_path / name
+    shutil.copytree(REAL / name, d)
+    edit_tensor(d, tensor, fn)
+    return d
+
+
+def _refused(cli, src: Path, out: Path, target: str, code: str, tensor: str) -> None:
+    v = cli("--json", "validate", src, "--target", target)
+    assert v.exit_code == 1, (v.stdout, v.stderr)
+    assert any(f["code"] == code and tensor in f["location"] for f in v.json["findings"]), v.json["findings"]
+    r = cli("convert", src, "-t", target, "-o", out)
+    line = _one_error_line(r, 1)
+    assert code in line and tensor in line, line
+    assert not out.exists() and not (out.parent / f".{out.name}.mocli-partial").exists()
+
+
+AWQ_PQS = "model.layers.0.self_attn.o_proj.pre_quant_scale"
+
+
+def test_float32_pre_quant_scale_is_cast_to_bf16_as_the_engine_casts_it(cli, tmp_path):
+    """vLLM-style loading (a BF16 parameter, ``copy_`` from whatever float the file holds) rounds a float32
+    pre_quant_scale to nearest even: convert writes those BF16 values (it once wrote the float32 bytes over a
+    BF16 slot: exit 3 and a partial left behind). Golden: torch's own cast."""
+    import torch
+
+    from tests.conftest import load_tensors
+
+    nudged = {}
+
+    def f32(t):  # values between two BF16 numbers, so the rounding is exercised (ties included)
+        v = t.float() * (1 + 2.0 ** -9) + torch.linspace(0, 2.0 ** -12, t.numel())
+        nudged["v"] = v
+        return v
+
+    src = _fresh(tmp_path, "llama-nvfp4_awq", AWQ_PQS, f32)
+    assert cli("validate", src, "--target", "flashinfer-cutlass").exit_code == 0
+    out = tmp_path / "o"
+    r = cli("convert", src, "-t", "flashinfer-cutlass", "-o", out)
+    assert r.exit_code == 0, r.stderr
+    got = load_tensors(out)[AWQ_PQS]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, nudged["v"].to(torch.bfloat16))
+    assert cli("verify", out).exit_code == 0
+
+
+@pytest.mark.parametrize("fault,code", [("float64", "TNS002"), ("int32", "TNS002"), ("twice", "TNS003"),
+                                        ("row", "TNS003")])
+def test_pre_quant_scale_no_engine_reads_is_refused(cli, tmp_path, fault, code):
+    import torch
+
+    edits = {"float64": lambda t: t.double(), "int32": lambda t: t.float().round().int(),
+             "twice": lambda t: torch.cat([t, t]), "row": lambda t: t.reshape(1, -1)}
+    src = _fresh(tmp_path, "llama-nvfp4_awq", AWQ_PQS, edits[fault])
+    _refused(cli, src, tmp_path / "o", "flashinfer-cutlass", code, AWQ_PQS)
+
+
+W4A16_S2 = "model.layers.0.self_attn.o_proj.weight_scale_2"
+
+
+def test_a_marlin_global_scale_that_overflows_is_refused_before_anything_is_written(cli, tmp_path):
+    """weight_scale_2 = 1e4 is finite, but Marlin's global scale is weight_scale_2 * 2^119 / sf (SEMANTICS §13.5),
+    which is no float32 for any power-of-two sf the fixture's block scales give (>= 2^8 * sf would be needed)."""
+    src = _fresh(tmp_path, "llama-w4a16_nvfp4", W4A16_S2, lambda t: t.fill_(1e4))
+    _refused(cli, src, tmp_path / "o", "marlin", "SCL006", W4A16_S2)
+    line = cli("convert", src, "-t", "marlin", "-o", tmp_path / "o").stderr
+    assert "weight_global_scale = inf" in line and "10000" in line
+    # the other targets as before: they refuse W4A16 linears (TGT002) whatever the scale, SCL006 not among them
+    for target in ("flashinfer-cutlass", "flashinfer-trtllm"):
+        v = cli("--json", "validate", src, "--target", target)
+        assert {f["code"] for f in v.json["findings"] if f["severity"] == "error"} == {"TGT002"}, v.json["findings"]
+
+
+def test_an_nvfp4_scale_finite_for_flashinfer_but_not_for_marlin(cli, tmp_path):
+    """The same 1e4 on an NVFP4 (W4A4) export: FlashInfer's alpha = input_scale * weight_scale_2 stays finite
+    and converts; Marlin's global scale does not, and only marlin is refused."""
+    src = _fresh(tmp_path, "llama-nvfp4_four_over_six", W4A16_S2, lambda t: t.fill_(1e4))
+    for target in ("flashinfer-cutlass", "flashinfer-trtllm"):
+        r = cli("convert", src, "-t", target, "-o", tmp_path / target)
+        assert r.exit_code == 0, r.stderr
+    _refused(cli, src, tmp_path / "o", "marlin", "SCL006", W4A16_S2)
+
+
+def test_the_engine_refuses_a_computed_scale_validate_did_not_predict(cli, tmp_path, monkeypatch):
+    """The write-time check behind the prediction, for every target and command: with validate's judgement
+    of computed scales taken away, the engine meets the Inf as the unit writes it and refuses the same way."""
+    import mocli.validate
+
+    src = _fresh(tmp_path, "llama-w4a16_nvfp4", W4A16_S2, lambda t: t.fill_(1e4))
+    monkeypatch.setattr(mocli.validate, "check_computed", lambda *a, **k: None)
+    out = tmp_path / "o"
+    line = _one_error_line(cli("convert", src, "-t", "marlin", "-o", out), 1)
+    assert "SCL006" in line and "model.layers.0.self_attn.o_proj.weight_global_scale" in line and "inf" in line
+    assert not out.exists() and not (tmp_path / ".o.mocli-partial").exists()
+
+
+K_SCALE = "model.layers.0.self_attn.k_proj.k_scale"
+
+
+@pytest.mark.parametrize("fault,code", [("two", "TNS003"), ("matrix", "TNS003"), ("int", "TNS002")])
+def test_a_kv_scale_that_is_not_one_float_is_refused(cli, tmp_path, fault, code):
+    import torch
+
+    edits = {"two": lambda t: t.reshape(1).repeat(2), "matrix": lambda t: t.reshape(1, 1).repeat(2, 2),
+             "int": lambda t: t.round().to(torch.int32)}
+    src = _fresh(tmp_path, "llama-fp8_kv", K_SCALE, edits[fault])
+    _refused(cli, src, tmp_path / "o", "flashinfer-cutlass", code, K_SCALE)
+
+
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_a_kv_scale_of_one_value_converts(cli, tmp_path, shape):
+    """() and [1]: what vLLM's KVCacheScaleParameter.weight_loader takes (numel() == 1)."""
+    src = _fresh(tmp_path, "llama-fp8_kv", K_SCALE, lambda t: t.reshape(shape))
+    assert cli("convert", src, "-t", "flashinfer-cutlass", "-o", tmp_path / "o").exit_code == 0
+
+
+def test_a_float32_pre_quant_scale_beyond_bf16_is_refused(cli, tmp_path):
+    """3.4e38 is a float32 and no BF16: the cast the engine does overflows (SCL006 before anything is written)."""
+    def huge(t):
+        v = t.float()
+        v[3] = 3.4e38
+        return v
+
+    src = _fresh(tmp_path, "llama-nvfp4_awq", AWQ_PQS, huge)
+    _refused(cli, src, tmp_path / "o", "flashinfer-cutlass", "SCL006", AWQ_PQS)
