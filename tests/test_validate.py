@@ -207,13 +207,17 @@ def test_grouping_within_and_across_layers():
              f("model.layers.2.a"), f("model.layers.5.a"), f("model.layers.5.b"), f("model.layers.6.a"),
              f("model.layers.6.b"), f("quant_algo", code="VLL001"),
              f("model.layers.3.c", "N = 8 at model.layers.3.c"), f("model.layers.4.c", "N = 8 at model.layers.4.c"),
-             f("model.layers.7.a", "other")]
+             f("model.layers.7.a", "other"),
+             # a layer's location starts its experts' names: they keep theirs, the layer's number taken out
+             f("model.layers.8.experts", "w1 of model.layers.8.experts.3 differs", "SCL005"),
+             f("model.layers.9.experts", "w1 of model.layers.9.experts.3 differs", "SCL005")]
     rows = {r["location"]: (r["count"], r["message"]) for r in group_findings(found)}
     assert rows == {"model.layers.{0,1,5,6}: a, b": (8, "m"),  # the same modules in each layer
                     "model.layers.2.a": (1, "m"),  # a different set of modules: its own row
                     "quant_algo": (1, "m"),
                     "model.layers.{3,4}.c": (2, "N = 8 at each"),  # the module's own name taken out
-                    "model.layers.7.a": (1, "other")}
+                    "model.layers.7.a": (1, "other"),
+                    "model.layers.{8,9}.experts": (2, "w1 of model.layers.{8,9}.experts.3 differs")}
     numbers = group_findings([f(f"m.layers.{i}.x") for i in (0, 1, 2, 3, 7, 9, 10)])
     assert [r["location"] for r in numbers] == ["m.layers.{0-3,7,9,10}.x"]
 

@@ -49,8 +49,10 @@ def group_findings(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _generic(text: str, location: str, layer: str) -> str:
-    """``text`` with the finding's own module and its layer's prefix taken out (put back by ``_row``)."""
-    return text.replace(location, _MODULE).replace(layer + ".", _LAYER_MARK + ".")
+    """``text`` with the finding's own module (a whole name: not the start of a longer one, as a layer's
+    location is of its experts' names) and its layer's prefix taken out (put back by ``_row``)."""
+    text = re.sub(re.escape(location) + r"(?!\w|\.\w)", _MODULE, text)
+    return text.replace(layer + ".", _LAYER_MARK + ".")
 
 
 def _row(rows: list[dict[str, Any]]) -> dict[str, Any]:
