@@ -7,8 +7,9 @@ per tensor, per channel or in 128x128 blocks. A module's scheme is the first tar
 included); ``ignore`` entries match the same way, on the module's name or its fused layer's (§17.4). A
 later group's repeated target overrides the earlier one's (the engine's map is built in order).
 
-Patterns come from files mocli does not control: ``re:`` ones run with a time limit (the ``regex`` module's),
-so a pathological pattern is named, never hangs.
+Patterns come from files mocli does not control: ``re:`` ones run with a time limit under the ``regex`` module,
+the one vLLM 0.33 matches with (``utils/config_utils.py``: ``import regex as re``), so a pathological pattern is
+named (CFG008), never hangs; mocli.ct_patterns judges them under Python's ``re`` as well (CFG009).
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ class Resolver:
     A ``re:`` pattern that times out or does not compile is reported once (CFG008) and matches nothing
     from then on; answers are cached, so ``prime`` at open time does every match once."""
 
-    def __init__(self, targets: dict[str, Algo], ignore: list[str], findings: Findings, where: str) -> None:
+    def __init__(self, targets: dict[str, Algo], ignore: list[str], findings: Findings, where: str,
+                 origins: dict[str, str] | None = None) -> None:
         self.targets, self.ignore = targets, ignore
         self.findings, self.where = findings, where
+        self.origins = origins or {}  # pattern -> the list that holds it ("ignore", "config_groups.g.targets")
         self.broken: set[str] = set()
         self._cache: dict[str, Algo | None] = {}
 
@@ -72,10 +75,31 @@ class Resolver:
             return [f"{parent}.{SHARD_TO_FUSED[last]}", module]
         return [module]
 
-    def prime(self, modules, findings: Findings) -> None:
+    def prime(self, modules, findings: Findings, re_seconds: float | None = None) -> None:
+        """Match every module once (CFG008 under the engine's matcher), then judge the ``re:`` patterns
+        under Python's ``re`` on the same names (CFG009, mocli.ct_patterns)."""
         self.findings = findings
-        for m in sorted(modules):
+        modules = sorted(modules)
+        for m in modules:
             self(m)
+        self._check_python_re(modules, findings, re_seconds)
+
+    def _check_python_re(self, modules: list[str], findings: Findings, seconds: float | None) -> None:
+        from mocli import ct_patterns
+
+        patterns = [p for p in (*self.ignore, *self.targets) if p.startswith("re:") and p not in self.broken]
+        if not patterns:
+            return
+        names = sorted({n for m in modules for n in self.names(m)})
+        limit = ct_patterns.RE_SECONDS if seconds is None else seconds
+        for slow in ct_patterns.slow_under_re(patterns, names, limit):
+            how = (f"ran past {limit} s under Python's re on {slow.name!r} ({slow.reason})" if slow.name
+                   else f"is {slow.reason}")
+            findings.add("CFG009", f"{self.where}: {self.origins.get(slow.pattern, 'targets')}",
+                         f"pattern {slow.pattern!r} {how}: vLLM 0.33 matches it with the regex module and is "
+                         "unaffected; SGLang and compressed-tensors' own matcher run Python's re",
+                         hint="write exact module names, or a re: pattern without a quantified group that holds "
+                              "another quantifier, an alternation or a back-reference")
 
     def _match(self, pattern: str, names: list[str]) -> bool:
         if pattern in self.broken:
@@ -84,7 +108,8 @@ class Resolver:
             return any(matches(pattern, n) for n in names)
         except PatternTimeout as e:
             self.broken.add(pattern)
-            self.findings.add("CFG008", self.where, f"{e}; it is treated as matching nothing",
+            self.findings.add("CFG008", f"{self.where}: {self.origins.get(pattern, 'targets')}",
+                              f"{e}; it is treated as matching nothing",
                               hint="write an exact module name or a simple re: prefix pattern")
             return False
 
@@ -114,19 +139,22 @@ def parse(q: dict[str, Any], where: str, findings: Findings) -> QuantConfig:
         findings.add("CFG001", where, "compressed-tensors config has no config_groups")
         return cfg
     targets: dict[str, Algo] = {}
+    origins: dict[str, str] = {}
     for gname, group in groups.items():
         algo = group_algo(group, q.get("format"), f"{where}: config_groups.{gname}", findings)
         if algo is not None:
             for t in group.get("targets") or []:
                 if isinstance(t, str):
                     targets[t] = algo  # a later group's repeated target overrides the earlier one's
+                    origins[t] = f"config_groups.{gname}.targets"
     ignore = q.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
         findings.add("CFG002", where, "ignore must be a list of strings")
         ignore = []
     algos = set(targets.values())
     cfg.algo = algos.pop() if len(algos) == 1 else Algo.MIXED_PRECISION if algos else None
-    cfg.resolver = Resolver(targets, ignore, findings, where)
+    origins |= {p: "ignore" for p in ignore}
+    cfg.resolver = Resolver(targets, ignore, findings, where, origins)
     cfg.kv_cache_algo = kv_algo(q.get("kv_cache_scheme"), where, findings)
     cfg.group_size = 16 if cfg.algo in (Algo.NVFP4, Algo.W4A16_NVFP4) else None
     return cfg

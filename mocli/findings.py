@@ -22,6 +22,8 @@ CODES: dict[str, tuple[Severity, str]] = {
     "CFG006": (Severity.ERROR, "MIXED_PRECISION layer names a module that is not in the checkpoint"),
     "CFG007": (Severity.WARNING, "a stale hf_quant_config.json beside another format's config.json (ignored)"),
     "CFG008": (Severity.ERROR, "a compressed-tensors re: pattern is invalid or too slow to match"),
+    "CFG009": (Severity.WARNING, "a compressed-tensors re: pattern hangs or fails under Python's re (SGLang), "
+                                 "not under vLLM's regex"),
     # exclusions (SEMANTICS §2)
     "EXC001": (Severity.WARNING, "exclude pattern matches no module"),
     "EXC002": (Severity.ERROR, "fused group partly excluded"),

@@ -5,7 +5,10 @@ converted for every target that serves them and verified."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -13,7 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from mocli import ct_patterns
 from mocli.compressed_tensors import PatternTimeout, Resolver, matches
+from mocli.ct_patterns import slow_under_re, static_hazard
 from mocli.findings import Findings
 from mocli.ops import fp8
 from mocli.quant_config import Algo
@@ -312,3 +317,101 @@ def test_compressed_tensors_defaults_are_vllms(cli, tmp_path):
     d = _ct_copy(tmp_path, "llama-ct-fp8", strip)
     r = cli("--json", "validate", d)
     assert r.exit_code == 0 and r.json["findings"] == [], r.json["findings"]
+
+
+# --- re: patterns under Python's re (issue 43 item 3, mocli.ct_patterns): vLLM 0.33 matches with the regex module
+# (utils/config_utils.py `import regex as re`), which mocli's matcher is (CFG008); SGLang and compressed-tensors'
+# own matcher run Python's re, on which nested quantifiers backtrack exponentially (CFG009, a warning) -------------
+
+EXPONENTIAL = r"re:((\w+\.?)+)+Z"  # hours under re on a 30-character name; 0.1 ms under regex
+REGEX_ONLY_SLOW = r"re:(?:Qodel\.(\w+\.?)+){e<=3}[#!]"  # regex's fuzzy match backtracks; re fails at "Q" at once
+NAME = "model.layers.0.self_attn.q_proj"
+
+
+def _re_runs_past(pattern: str, name: str, seconds: float) -> bool:
+    """Independent of mocli: does Python's re.match take longer than ``seconds`` (in a child killed after)?"""
+    code = f"import re; re.match({pattern[3:]!r}, {name!r})"
+    try:
+        subprocess.run([sys.executable, "-c", code], timeout=seconds, check=True)
+    except subprocess.TimeoutExpired:
+        return True
+    return False
+
+
+def test_the_static_rule_flags_the_shapes_that_backtrack():
+    for p in (r"((\w+\.?)+)+Z", r"(\w+)*\1\1\1\1Z", r"(?:[\w.]+)+\W", r"(.|.)*Z", r"model\.(\d+\.)+mlp", r"(a)\1"):
+        assert static_hazard(p), p
+    for p in (r".*mlp\.gate$", r"model\.layers\.\d+\.self_attn\..*", r".*(q|k|v)_proj$", r"lm_head", r"a++",
+              r"(?:q|k|v)_proj", r"(?>\w+\.)*Z"):
+        assert static_hazard(p) is None, p
+    assert static_hazard(r"(?<=\w+)lm_head").startswith("not a Python re pattern")  # regex accepts it, re does not
+
+
+@pytest.mark.parametrize("where", ["ignore", "targets"])
+def test_a_pattern_slow_under_re_but_not_regex_is_cfg009(cli, tmp_path, where):
+    assert _re_runs_past(EXPONENTIAL, NAME, 1.0)
+    start = time.monotonic()
+    assert not matches(EXPONENTIAL, NAME) and time.monotonic() - start < 0.05  # mocli's (vLLM's) matcher: at once
+
+    def edit(q):
+        (q["ignore"] if where == "ignore" else q["config_groups"]["group_0"]["targets"]).append(EXPONENTIAL)
+    d = _ct_copy(tmp_path, "llama-ct-nvfp4", edit)
+    start = time.monotonic()
+    r = cli("--json", "validate", d)
+    assert time.monotonic() - start < 20
+    found = [f for f in r.json["findings"] if f["code"] == "CFG009"]
+    assert r.exit_code == 0 and len(found) == 1 and "CFG008" not in {f["code"] for f in r.json["findings"]}
+    assert found[0]["severity"] == "warning"
+    assert found[0]["location"] == "config.json: quantization_config: " + (
+        "ignore" if where == "ignore" else "config_groups.group_0.targets")
+    msg = found[0]["message"]
+    assert repr(EXPONENTIAL) in msg and "quantified group holding a quantifier" in msg
+    assert re.search(r"on 'model\.[\w.]+'", msg)  # the module name it ran past the limit on
+
+
+def test_a_pattern_slow_under_regex_but_not_re_is_cfg008(cli, tmp_path):
+    """The reverse: vLLM's matcher (regex) is the engine's, so a pattern only it backtracks on is CFG008 (an error,
+    the pattern treated as matching nothing); Python's re answers it at once, so no CFG009 beside it."""
+    assert not _re_runs_past(REGEX_ONLY_SLOW, NAME, 1.0)
+    with pytest.raises(PatternTimeout):
+        matches(REGEX_ONLY_SLOW, NAME)
+    assert slow_under_re([REGEX_ONLY_SLOW], [NAME] * 3, limit=0.5) == []
+    d = _ct_copy(tmp_path, "llama-ct-nvfp4", lambda q: q["ignore"].append(REGEX_ONLY_SLOW))
+    r = cli("--json", "validate", d)
+    codes = [f["code"] for f in r.json["findings"]]
+    assert r.exit_code == 1 and codes.count("CFG008") == 1 and "CFG009" not in codes, r.json["findings"]
+    assert next(f for f in r.json["findings"] if f["code"] == "CFG008")["location"].endswith(": ignore")
+
+
+def _prime(patterns: list[str], names: list[str], seconds: float) -> Findings:
+    f = Findings()
+    r = Resolver({p: Algo.NVFP4 for p in patterns}, [], f, "config.json", {p: "config_groups.g.targets" for p in patterns})
+    r.prime(names, f, re_seconds=seconds)
+    return f
+
+
+def test_plain_patterns_spawn_no_worker(monkeypatch):
+    def no_worker(*a, **k):
+        raise AssertionError("a worker was started for plain patterns")
+    monkeypatch.setattr(ct_patterns.subprocess, "Popen", no_worker)
+    names = [f"model.layers.{i}.self_attn.{s}_proj" for i in range(4) for s in "qkvo"]
+    assert list(_prime([r"re:.*self_attn\.(q|k|v)_proj$", r"re:model\.layers\.\d+\.", "lm_head", "Linear"],
+                       names, 0.05)) == []
+
+
+def test_suspicious_patterns_that_answer_in_time_are_no_finding():
+    names = [f"model.layers.{i}.self_attn.{s}_proj" for i in range(8) for s in "qkvo"]
+    start = time.monotonic()
+    assert list(_prime([r"re:model\.layers\.(\d+\.)+self_attn", r"re:(\w+)*\1\1\1\1Z"], names, 1.0)) == []
+    assert time.monotonic() - start < 3
+
+
+def test_several_slow_patterns_each_named_in_one_bounded_pass():
+    names = [NAME, "model.layers.1.mlp.down_proj"]
+    slow = [EXPONENTIAL, r"re:(?:[\w.]+)+[A-Z]", r"re:(.|.)*Z"]
+    start = time.monotonic()
+    found = _prime([r"re:model\.(\d+\.)+x", *slow], names, 0.2)
+    assert time.monotonic() - start < 5
+    assert [f.code for f in found] == ["CFG009"] * 3
+    assert [next(p for p in slow if repr(p) in f.message) for f in found] == slow
+    assert all(f.location == "config.json: config_groups.g.targets" and repr(NAME) in f.message for f in found)
