@@ -1,3 +1,3 @@
 """mocli: inspect, validate, convert and verify NVIDIA ModelOpt quantized checkpoints."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
