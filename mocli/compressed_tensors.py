@@ -18,7 +18,7 @@ from typing import Any
 
 import regex
 
-from mocli.ct_schemes import group_algo, kv_algo
+from mocli.ct_schemes import attention_only, group_algo, group_targets, kv_algo
 from mocli.exclusions import PatternReport
 from mocli.findings import Findings
 from mocli.quant_config import Algo, QuantConfig
@@ -141,12 +141,15 @@ def parse(q: dict[str, Any], where: str, findings: Findings) -> QuantConfig:
     targets: dict[str, Algo] = {}
     origins: dict[str, str] = {}
     for gname, group in groups.items():
-        algo = group_algo(group, q.get("format"), f"{where}: config_groups.{gname}", findings)
+        gwhere = f"{where}: config_groups.{gname}"
+        names = group_targets(group, gwhere, findings)
+        if names is None or attention_only(names):
+            continue
+        algo = group_algo(group, q.get("format"), gwhere, findings)
         if algo is not None:
-            for t in group.get("targets") or []:
-                if isinstance(t, str):
-                    targets[t] = algo  # a later group's repeated target overrides the earlier one's
-                    origins[t] = f"config_groups.{gname}.targets"
+            for t in names:
+                targets[t] = algo  # a later group's repeated target overrides the earlier one's
+                origins[t] = f"config_groups.{gname}.targets"
     ignore = q.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
         findings.add("CFG002", where, "ignore must be a list of strings")

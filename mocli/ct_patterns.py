@@ -114,11 +114,17 @@ def slow_under_re(patterns: list[str], names: list[str], limit: float = RE_SECON
 def _run_worker(patterns: list[str], names: list[str], limit: float) -> tuple[int, int] | None:
     """Match every pattern on every name in a fresh interpreter; the (pattern, name) indices of the first
     match that ran past ``limit`` (the worker is then killed), or None when all answered."""
-    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WORKER], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
-        proc.stdin.write(json.dumps({"patterns": patterns, "names": names}).encode())
-        proc.stdin.close()
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WORKER], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    except OSError:
+        return None  # no interpreter to run it in (an embedded Python): no verdict rather than a hang
+    try:
+        try:
+            proc.stdin.write(json.dumps({"patterns": patterns, "names": names}).encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            return None  # the worker died before reading: no verdict
         return _watch(proc, limit)
     finally:
         if proc.poll() is None:

@@ -56,6 +56,10 @@ def read_args(d: Any, where: str, findings: Findings) -> Args | None:
     if not isinstance(d, dict):
         findings.add("CFG002", where, "must be an object of quantization arguments")
         return None
+    if d.get("actorder") in ("group", "dynamic"):  # _quantization_scheme_map_from_config raises on these
+        findings.add("CFG002", where, f"actorder {d['actorder']!r}: vLLM no longer loads group or dynamic "
+                     "activation ordering", hint="re-export with actorder static or none")
+        return None
     fields = {"type": d.get("type", "int"), "num_bits": d.get("num_bits", 8), "symmetric": d.get("symmetric", True),
               "dynamic": d.get("dynamic", False), "group_size": d.get("group_size"),
               "block": d.get("block_structure"), "strategy": d.get("strategy")}
@@ -116,6 +120,21 @@ FP8_SCHEMES = {
     "channel": Fp8Scheme(Algo.FP8_PER_CHANNEL_PER_TOKEN, dynamic=True, input_strategy="token"),
     "block": Fp8Scheme(Algo.FP8_PB_WO, dynamic=True, input_strategy="group", input_group=128, block=(128, 128)),
 }
+
+
+def group_targets(group: Any, where: str, findings: Findings) -> list[str] | None:
+    """A group's ``targets``: a list of strings (vLLM iterates it; a bare string would be its characters)."""
+    targets = group.get("targets") if isinstance(group, dict) else None
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        findings.add("CFG002", where, f"targets must be a list of strings, not {targets!r}"[:200], hint=_HINT)
+        return None
+    return targets
+
+
+def attention_only(targets: list[str]) -> bool:
+    """compressed_tensors.py :: from_config skips a group whose one target is an attention class
+    (``LlamaAttention``): attention quantization is coupled with the KV cache there, not a layer scheme."""
+    return len(targets) == 1 and targets[0].endswith("Attention")
 
 
 def group_algo(group: Any, top_format: Any, where: str, findings: Findings) -> Algo | None:

@@ -276,6 +276,9 @@ FIELD_CASES = {  # id: (real export, edit, code, location, words of the message)
     "num_bits as a string": ("llama-ct-fp8", _group("num_bits", "8"), "CFG002", G0 + ".weights", "num_bits '8'"),
     "unknown strategy": ("llama-ct-fp8", _group("strategy", "per_tensor"), "CFG002", G0 + ".weights",
                          "'per_tensor'"),
+    "group activation ordering": ("llama-ct-fp8", _group("actorder", "group"), "CFG002", G0 + ".weights",
+                                  "actorder 'group'"),
+    "targets as one string": ("llama-ct-nvfp4", _set("targets", "Linear"), "CFG002", G0, "list of strings"),
     "asymmetric KV cache": ("qwen3_moe-nvfp4_kv-ct", _kv(symmetric=False), "CFG002", Q + ": kv_cache_scheme",
                             "symmetric False"),
     "KV cache without symmetric": ("qwen3_moe-nvfp4_kv-ct", _kv(symmetric=None), "CFG002",
@@ -415,3 +418,13 @@ def test_several_slow_patterns_each_named_in_one_bounded_pass():
     assert [f.code for f in found] == ["CFG009"] * 3
     assert [next(p for p in slow if repr(p) in f.message) for f in found] == slow
     assert all(f.location == "config.json: config_groups.g.targets" and repr(NAME) in f.message for f in found)
+
+
+def test_an_attention_only_group_is_skipped_as_vllm_skips_it(cli, tmp_path):
+    """compressed_tensors.py :: from_config drops a group whose one target is an attention class (its quantization
+    is the KV cache's): llm-compressor's attention recipes write one, with no weights."""
+    def edit(q):
+        q["config_groups"]["attn"] = {"targets": ["LlamaAttention"], "weights": None, "input_activations": {
+            "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
+    r = cli("--json", "validate", _ct_copy(tmp_path, "llama-ct-fp8", edit))
+    assert r.exit_code == 0 and r.json["findings"] == [], r.json["findings"]
