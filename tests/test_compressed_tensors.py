@@ -428,3 +428,15 @@ def test_an_attention_only_group_is_skipped_as_vllm_skips_it(cli, tmp_path):
             "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
     r = cli("--json", "validate", _ct_copy(tmp_path, "llama-ct-fp8", edit))
     assert r.exit_code == 0 and r.json["findings"] == [], r.json["findings"]
+
+
+def test_an_fp8_group_over_packed_nvfp4_tensors_is_tns005(cli, tmp_path):
+    """The whole group respelled FP8 (float-quantized, as the FP8 export writes it) over the NVFP4 export's packed
+    U8 weights: the config is consistent in itself, so the stored tensors are what contradict it."""
+    fp8 = json.loads((REAL / "llama-ct-fp8" / "config.json").read_text())["quantization_config"]
+    d = _ct_copy(tmp_path, "llama-ct-nvfp4", lambda q: (q["config_groups"].__setitem__("group_0", fp8["config_groups"][
+        "group_0"]), q.__setitem__("format", "float-quantized")))
+    r = cli("--json", "validate", d)
+    codes = {f["code"] for f in r.json["findings"]}
+    assert r.exit_code == 1 and codes == {"TNS005"}, r.json["findings"]
+    assert all("stored as NVFP4 but the config says FP8" in f["message"] for f in r.json["findings"])
