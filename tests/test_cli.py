@@ -347,3 +347,31 @@ def test_trace_writes_each_mark_as_one_line(monkeypatch):
         t.join()
     assert len(writes) == 200
     assert all(w.startswith("[trace] ") and w.endswith("\n") and w.count("\n") == 1 for w in writes)
+
+
+def _readme_table(header: str) -> dict[str, list[str]]:
+    """README's table under ``header`` (its first row), as first cell (backticks off) -> the row's cells."""
+    from tests.conftest import ROOT
+
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index(header)
+    rows: dict[str, list[str]] = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0].strip("`")] = cells
+    return rows
+
+
+def test_readme_tables_of_targets_and_schemes_are_the_registry():
+    """README's target and scheme tables say what the registries say (and so what --help says), row for row."""
+    from mocli.schemes import SCHEMES
+    from mocli.targets import REGISTRY, takes
+
+    targets = _readme_table("| target | GPUs | kernels | linears | experts |")
+    assert list(targets) == [t.value for t in REGISTRY]
+    for t, layout in REGISTRY.items():
+        assert targets[t.value][1:] == [layout.gpus, layout.kernels, takes(t, "linear"), takes(t, "moe")], t
+    schemes = _readme_table("| scheme | what is stored |")
+    assert schemes == {str(s): [f"`{s}`", s.summary] for s in SCHEMES}
