@@ -26,8 +26,11 @@ def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
 def bf16_bytes(raw, dtype: str):
     """A float vector's stored bytes (``UnitContext.array``: [n, itemsize] uint8, or the values themselves) as
     BF16 words: BF16 as it is, F32 / F16 rounded to nearest even, as torch's ``copy_`` into a BF16 parameter
-    casts (the activation dtype a pre_quant_scale multiplies in, SEMANTICS §15.3). Widening F16 to F32 is
-    exact, so F16 is rounded once."""
+    casts (the activation dtype a pre_quant_scale multiplies in, SEMANTICS §15.3). That is how a vLLM-style
+    loader reads a wider file dtype: vllm 0.32.0 (CPU wheel, read) model_loader/weight_utils.py ::
+    default_weight_loader does ``param.data.copy_(loaded_weight)``. Stock vLLM has no NVFP4_AWQ path
+    (modelopt.py refuses the algorithm, VLL001) and no pre_quant_scale parameter; mocli's plugin loads the
+    converted BF16 vector. Widening F16 to F32 is exact, so F16 is rounded once."""
     import numpy as np
 
     stored = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[dtype]
