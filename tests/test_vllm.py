@@ -707,8 +707,9 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_openai_server_recipe(models, tmp_path):
     """The README's CPU server recipe on a converted real export with its tokenizer: the OpenAI server
-    starts with only VLLM_CPU_KVCACHE_SPACE set, answers curl and the openai client with the same greedy
-    text, and that text is what vLLM's offline LLM gives for the same prompt."""
+    starts with only VLLM_CPU_KVCACHE_SPACE set, bound to 127.0.0.1 as the recipe binds it, answers curl
+    and the openai client with the same greedy text, and that text is what vLLM's offline LLM gives for
+    the same prompt."""
     import time
     import urllib.request
 
@@ -718,7 +719,8 @@ def test_openai_server_recipe(models, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")} | {"VLLM_CPU_KVCACHE_SPACE": "1"}
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below, after the server
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(out),
-                               "--served-model-name", "demo", "--max-model-len", "128", "--port", str(port)],
+                               "--served-model-name", "demo", "--max-model-len", "128", "--host", "127.0.0.1",
+                               "--port", str(port)],
                               env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 300
