@@ -107,6 +107,10 @@ class Scheme:
     def static_input(self) -> bool:
         return any(s.activation for s in self.scales)
 
+    def optional_spec(self, suffix: str) -> tuple[tuple[str, ...], Callable[[int, int], Shape]] | None:
+        """(dtypes, shape rule) of an optional tensor ``suffix`` (None: the scheme has no such tensor)."""
+        return next(((dtypes, shape) for s, dtypes, shape in self.optional if s == suffix), None)
+
     def nan_codes_of(self, suffix: str) -> tuple[int, ...]:
         return dict(self.nan_codes).get(suffix, ())
 

@@ -12,6 +12,7 @@ from mocli.census import Census, Module
 from mocli.findings import Findings, few
 from mocli.io.safetensors_file import TensorReader
 from mocli.quant_config import Algo, QuantConfig
+from mocli.schemes import NVFP4_AWQ
 from mocli.tables import PRE_QUANT_SCALE
 
 # vLLM refuses NVFP4_AWQ: as quant_algo at load, vllm 0.32.0 (the CPU wheel, read) and 0.33.0
@@ -50,7 +51,6 @@ def check_awq(quant: QuantConfig, census: Census, engines: frozenset[str], findi
 
 
 def _takers() -> list[str]:
-    from mocli.schemes import NVFP4_AWQ
     from mocli.targets import REGISTRY
 
     return [str(t) for t, layout in REGISTRY.items() if NVFP4_AWQ in layout.supported["linear"]]
@@ -58,11 +58,14 @@ def _takers() -> list[str]:
 
 def _vector(reader: TensorReader, m: Module, findings: Findings) -> np.ndarray | None:
     e = m.tensors[PRE_QUANT_SCALE]
-    if e.dtype not in ("BF16", "F16", "F32"):
-        findings.add("TNS002", e.name, f"pre_quant_scale is {e.dtype}", hint="ModelOpt writes it in a float dtype")
+    dtypes, shape = NVFP4_AWQ.optional_spec(PRE_QUANT_SCALE)  # the registry's: BF16, or a float convert casts
+    if e.dtype not in dtypes:
+        findings.add("TNS002", e.name, f"pre_quant_scale is {e.dtype}, {NVFP4_AWQ} stores {', '.join(dtypes)}",
+                     hint="ModelOpt writes it in a float dtype; re-export the checkpoint")
         return None
-    if tuple(e.shape) != (m.out_in[1],):
-        findings.add("TNS003", e.name, f"pre_quant_scale is {list(e.shape)}, the module's input is {m.out_in[1]}")
+    if tuple(e.shape) != shape(*m.out_in):
+        findings.add("TNS003", e.name, f"pre_quant_scale is {list(e.shape)}, expected {list(shape(*m.out_in))} for "
+                     f"the module's input of {m.out_in[1]}", hint="the export is broken; re-export the checkpoint")
         return None
     raw = reader.array(e)  # BF16 as its raw 16-bit words
     v = (raw.astype(np.uint32) << 16).view(np.float32) if e.dtype == "BF16" else raw.astype(np.float32)
