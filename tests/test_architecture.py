@@ -24,8 +24,10 @@ LAYERS: list[list[str]] = [
     ["mocli.quant_config", "mocli.schemes", "mocli.schemes.*", "mocli.kinds", "mocli.module_classes"],
     ["mocli.checkpoint", "mocli.compressed_tensors", "mocli.census", "mocli.exclusions", "mocli.engines", "mocli.engines.*", "mocli.scales", "mocli.deep_scan", "mocli.targets",
      "mocli.targets.*", "mocli.formats.*"],
-    ["mocli.validate", "mocli.validate.*", "mocli.inspection", "mocli.engine", "mocli.engine.*", "mocli.loader"],
-    ["mocli.plan", "mocli.plan.*", "mocli.verify", "mocli.verify.*", "mocli.serve", "mocli.serve.*"],
+    ["mocli.inspection", "mocli.engine", "mocli.engine.*", "mocli.loader"],
+    # validate --target plans the conversion to judge the scales it computes (SCL006): beside the planner
+    ["mocli.plan", "mocli.plan.*", "mocli.validate", "mocli.validate.*", "mocli.verify", "mocli.verify.*", "mocli.serve",
+     "mocli.serve.*"],
     ["mocli.convert", "mocli.repair", "mocli.quantize"],
     ["mocli.output", "mocli.render", "mocli.cli", "mocli.cli.*", "mocli.__main__", "mocli.vllm_plugin", "mocli.vllm_plugin.*"],
 ]
