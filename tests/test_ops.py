@@ -337,3 +337,27 @@ def test_row_halves_are_views_of_the_decoded_rows(target, gated):
     for h, p in zip(halves, parts, strict=True):
         assert torch.equal(h.reshape(p.shape), p)
     assert layout.moe_rows_halves(stored[:127], gated) is None or not gated and target == "flashinfer-cutlass"
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_check_finite_judges_every_float_scale_piece_and_no_weight(dtype):
+    """The engine's write-time check (issue 43.2): an Inf or NaN in a computed scale piece, a torch tensor or the
+    numpy words a unit writes, is SCL006 naming tensor, rank and value; weights and copies are not judged."""
+    from mocli.engine.units import BadData, OutTensor, Piece, SourceRange, check_finite
+
+    td = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[dtype]
+    key = ("rank-1", "m.alpha")
+    tensors = {key: OutTensor("m.alpha", dtype, (3,), "alpha", [], ["input_scale * weight_scale_2"], "rank-1"),
+               ("", "m.weight"): OutTensor("m.weight", dtype, (3,), "weight", [], [])}
+    good = torch.tensor([1.0, 2.0, 65504.0], dtype=td)
+    words = good.view(torch.int16).numpy() if dtype != "F32" else good.numpy()
+    check_finite([Piece(key, 0, good), Piece(key, 0, words)], tensors)
+    check_finite([Piece(("", "m.weight"), 0, torch.full((3,), float("inf"), dtype=td))], tensors)
+    check_finite([Piece(key, 0, SourceRange(None, 0, 0))], tensors)  # verbatim bytes: validated as the source
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        t = torch.tensor([1.0, 2.0, bad], dtype=td)
+        for data in (t, t.view(torch.int16).numpy() if dtype != "F32" else t.numpy()):
+            with pytest.raises(BadData) as e:
+                check_finite([Piece(key, 0, data)], tensors)
+            assert e.value.code == "SCL006" and e.value.tensor == "m.alpha on rank-1"
+            assert f"is {bad}" in e.value.message and "element 2" in e.value.message

@@ -107,8 +107,8 @@ def check_finite(pieces: list[Piece], tensors: dict[Key, OutTensor]) -> None:
         if isinstance(p.data, SourceRange) or t is None or t.role in NOT_SCALES or t.dtype not in _FLOAT_WORDS:
             continue
         word, mask = _FLOAT_WORDS[t.dtype]
-        data = p.data if isinstance(p.data, np.ndarray) else p.data.detach().cpu().contiguous().view(-1).numpy()
-        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        raw = np.ascontiguousarray(p.data).reshape(-1).view(np.uint8) if isinstance(p.data, np.ndarray) \
+            else _tensor_bytes(p.data)
         if raw.size % np.dtype(word).itemsize:
             continue
         bad = np.flatnonzero((raw.view(word) & mask) == mask)
@@ -119,6 +119,13 @@ def check_finite(pieces: list[Piece], tensors: dict[Key, OutTensor]) -> None:
                           f"{', '.join(t.transforms) or 'computed'}), not a finite {t.dtype}", code="SCL006",
                           hint="the source's scales are finite but this target's arithmetic overflows on them; "
                                "nothing was written: convert for another target or re-calibrate the export")
+
+
+def _tensor_bytes(t):
+    """A torch tensor's bytes as a uint8 numpy array (bfloat16 has no numpy dtype; torch is loaded already)."""
+    import torch
+
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def _decoded(raw, dtype: str, i: int) -> str:
