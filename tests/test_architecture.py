@@ -135,8 +135,7 @@ def test_serving_stands_on_no_part_of_verify(graph):
 def test_stored_schemes_are_asked_not_branched_on():
     """``Algo.`` (a configured algorithm) is named outside ``mocli.schemes`` and the config parsers
     (``quant_config``, ``compressed_tensors`` and its ``ct_schemes``: they map a file's words to algorithms) at most
-    a few times: the
-    rest of mocli asks a module's scheme (``mocli.schemes``) what differs."""
+    a few times: the rest of mocli asks a module's scheme (``mocli.schemes``) what differs."""
     import re
 
     refs = [f"{p.relative_to(ROOT.parent)}:{i}" for p in ROOT.rglob("*.py")
