@@ -33,6 +33,7 @@ from tests.vllm_support import (  # noqa: E402
     add_qk_norms,
     amplify_experts,
     copy_tree,
+    cpu_build_cannot_run,
     dequantized_copy,
     disagreements,
     edit_source,
@@ -43,6 +44,7 @@ from tests.vllm_support import (  # noqa: E402
     relative_rms,
     run_engine,
     shutdown,
+    skip_unless_cpu_build_runs,
     swap_halves,
     tokens_agree,
 )
@@ -564,18 +566,119 @@ def test_refuses_what_verify_fails(models, tmp_path, damage):
     assert str(err).startswith("mocli: ") and "\n" not in str(err)
 
 
+def _serve(model: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """The OpenAI server as README "Serving the output" starts it; returns when it exits (a refusal)."""
+    return subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                           "--max-model-len", "128", "--skip-tokenizer-init", "--port", "0", *args],
+                          env={**os.environ, **ENGINE_ENV, **env}, capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
 @pytest.mark.slow
 def test_server_refusal_is_the_last_line(models, tmp_path):
-    """The OpenAI server, started as README "Serving the output" says, on a layout_version 1 output:
-    the process exits and the last line it prints is the plugin's refusal."""
+    """The OpenAI server on a layout_version 1 output: the process exits 1 and the last line of its stderr is
+    the plugin's one-line refusal, with no traceback above it (what is left there: Python's and vLLM's
+    warnings at import); MOCLI_DEBUG=1 brings vLLM's traceback back, still ending in the refusal."""
     out = copy_tree(models.converted("real-llama-fp8"), tmp_path / "out")
     DAMAGES["layout-v1"].edit(out)
-    env = {**os.environ, **ENGINE_ENV}
-    r = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(out),
-                        "--max-model-len", "128", "--skip-tokenizer-init", "--port", "0"],
-                       env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    last = (r.stdout + r.stderr).strip().splitlines()[-1]
-    assert r.returncode != 0 and "mocli: " in last and "layout_version 1" in last, (r.stderr or r.stdout)[-3000:]
+    r = _serve(out)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and err[-1].startswith(f"mocli: {out}: layout_version 1"), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and not any(x.startswith("mocli:") for x in err[:-1]), r.stderr[-3000:]
+    debug = _serve(out, MOCLI_DEBUG="1")
+    assert "Traceback" in debug.stderr and debug.stderr.strip().splitlines()[-1].endswith(err[-1]), debug.stderr[-3000:]
+
+
+def test_a_refusal_prints_as_its_one_line(monkeypatch, capsys):
+    """The hook the plugin installs prints a refusal that reaches the interpreter as its one line, without
+    the traceback: raised as is, wrapped in a pydantic ValidationError (vLLM's configs) or as the cause of
+    another error. Anything else, and a refusal under MOCLI_DEBUG=1, goes to the hook it replaced."""
+    import pydantic
+
+    from mocli.vllm_plugin import refuse
+    from mocli.vllm_plugin.checks import LayoutMismatch
+
+    line = "mocli: DIR: a refusal; convert again"
+
+    class Config(pydantic.BaseModel):
+        x: int
+
+        @pydantic.field_validator("x")
+        @classmethod
+        def refuse(cls, v):
+            raise LayoutMismatch(line)
+
+    caught = []
+    for raising in (lambda: Config(x=1), lambda: _raise_from(RuntimeError("engine failed"), LayoutMismatch(line)),
+                    lambda: _raise_from(LayoutMismatch(line), None)):
+        try:
+            raising()
+        except Exception as e:  # noqa: BLE001 - the three shapes a refusal reaches the interpreter in
+            caught.append(e)
+    assert type(caught[0]).__name__ == "ValidationError" and line in str(caught[0]) and str(caught[0]) != line
+    passed = []
+    monkeypatch.setattr(sys, "excepthook", lambda t, e, tb: passed.append(e))
+    refuse.install_excepthook()
+    hook = sys.excepthook
+    refuse.install_excepthook()
+    assert sys.excepthook is hook  # once per process
+    for e in caught:
+        sys.excepthook(type(e), e, e.__traceback__)
+        assert capsys.readouterr().err == line + "\n"
+    other = RuntimeError("mocli: not a refusal's type")
+    sys.excepthook(RuntimeError, other, None)
+    monkeypatch.setenv(refuse.DEBUG_ENV, "1")
+    sys.excepthook(type(caught[0]), caught[0], None)
+    assert passed == [other, caught[0]] and capsys.readouterr().err == ""
+
+
+def _raise_from(e: Exception, cause: Exception | None):
+    raise e from cause
+
+
+def test_source_checkpoint_notice(models, tmp_path):
+    """The line the plugin logs for a source served with it installed names the source's format and scheme as
+    mocli reads them, says that vLLM serves it on its own path, and gives the convert command; a converted
+    directory, a BF16 checkpoint and a mocli quantize output (vLLM's fp8 format) get none."""
+    from mocli.vllm_plugin.source import source_notice
+
+    for name, described in (("qwen3_moe-nvfp4_kv", "ModelOpt NVFP4"), ("qwen3_moe-mixed", "ModelOpt MIXED_PRECISION"),
+                            ("llama-ct-fp8_block", "compressed-tensors FP8_PB_WO"),
+                            ("qwen3_moe-nvfp4_kv-ct", "compressed-tensors NVFP4")):
+        d = REAL / name
+        assert source_notice(d) == (
+            f"mocli: {d} is a {described} checkpoint, not a mocli convert output (no mocli-layout.json): vLLM serves "
+            "it on its own path and mocli's plugin takes no part; to serve it on mocli's instead: mocli convert "
+            f"{d} -o OUT --target flashinfer-cutlass|flashinfer-trtllm|marlin, then serve OUT"), name
+    bf16 = make_checkpoint(tmp_path / "bf16", arch="llama", algo="BF16")
+    quantized = tmp_path / "fp8"
+    assert run_cli("quantize", bf16, "-o", quantized).exit_code == 0
+    for d in (models.converted("real-llama-fp8"), bf16, quantized):
+        assert source_notice(d) is None, d
+
+
+@pytest.mark.parametrize("label", ["ct-llama-ct-fp8_dynamic", "ct-llama-ct-fp8_block", "real-llama-fp8"])
+def test_source_checkpoint_is_named_before_workers_start(models, label):
+    """A source (not a conversion) served with the plugin installed, as a script would (engine core in its own
+    process): the plugin's one line about it comes before that process starts, and vLLM then serves the source
+    on its own path, mocli's loader taking no part. Skipped where vLLM's CPU build cannot run the source's
+    scheme on this CPU (tests/vllm_support.py cpu_build_cannot_run: vLLM's own probes)."""
+    src = models.source(label)
+    skip_unless_cpu_build_runs(src)
+    code = ("from vllm import LLM, SamplingParams\n"
+            f"llm = LLM(model={str(src)!r}, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, "
+            "kv_cache_memory_bytes=1 << 27)\n"
+            "out = llm.generate([{'prompt_token_ids': [1, 5, 17, 42]}], SamplingParams(max_tokens=4, detokenize=False), "
+            "use_tqdm=False)\n"
+            "print('TOKENS=' + str(len(out[0].outputs[0].token_ids)))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")} | {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, cwd=ROOT, timeout=600)
+    lines = r.stdout.splitlines()
+    notes = [i for i, x in enumerate(lines) if f"mocli: {src} is a " in x]
+    core = next((i for i, x in enumerate(lines) if "(EngineCore" in x), len(lines))
+    assert r.returncode == 0 and len(notes) == 1 and notes[0] < core < len(lines), r.stdout[-3000:]
+    assert "mocli convert" in lines[notes[0]] and not any("mocli: rank" in x for x in lines), r.stdout[-3000:]
+    assert "TOKENS=4" in lines, r.stdout[-3000:]
 
 
 # --- KV-cache scales ---------------------------------------------------------------------------------
@@ -588,6 +691,8 @@ def test_kv_cache_scales_load_as_modelopt_does(models):
     import torch
     from safetensors.torch import load_file
 
+    if reason := cpu_build_cannot_run("fp8_kv"):  # the fallback: test_fp8_kv_cache_without_avx512_or_amx
+        pytest.skip(f"an FP8 KV cache: {reason}")
     src = load_file(str(REAL_LLAMA / "model.safetensors"))
     want = [(float(src[f"model.layers.{i}.self_attn.k_proj.k_scale"].bfloat16()),
              float(src[f"model.layers.{i}.self_attn.v_proj.v_scale"].bfloat16())) for i in range(2)]
@@ -630,6 +735,69 @@ def _kv_state(model):
     from vllm.model_executor.layers.attention import Attention
 
     return [(m.kv_cache_dtype, m._k_scale_float, m._v_scale_float) for m in model.modules() if isinstance(m, Attention)]
+
+
+def _cpu_flags() -> set[str]:
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    return set(next((x.split(":", 1)[1] for x in lines if x.startswith("flags")), "").split())
+
+
+def test_cpu_isa_is_vllms_own_decision(monkeypatch):
+    """The plugin decides whether vLLM's CPU build can run an FP8 KV cache as vLLM does (cpu_attn._get_attn_isa:
+    AVX-512 or AMX, by torch's probes): unforced, it reads this CPU as /proc/cpuinfo's flags do, and for every
+    answer the two probes can give, vLLM's own function refuses exactly where the plugin says it cannot run.
+    MOCLI_CPU_ISA (tests only) answers as another CPU would; an unknown value is refused naming the known ones."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from mocli.vllm_plugin import cpu_isa
+
+    monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
+    flags = _cpu_flags()
+    if flags:
+        assert cpu_isa.cpu_isa() == cpu_isa.CpuIsa("avx512f" in flags, "amx_tile" in flags)
+    for avx512, amx in ((False, False), (True, False), (False, True), (True, True)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda v=avx512: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        try:
+            _get_attn_isa(torch.bfloat16, 16, 64, "fp8_e4m3")
+            vllm_runs = True
+        except NotImplementedError as e:
+            assert "AVX-512 or AMX" in str(e)
+            vllm_runs = False
+        assert cpu_isa.fp8_kv_cache_runs() is vllm_runs is (avx512 or amx), (avx512, amx)
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
+    assert not cpu_isa.fp8_kv_cache_runs() and cpu_isa.cpu_isa().describe().endswith("(MOCLI_CPU_ISA=avx2, tests only)")
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "avx512")
+    assert cpu_isa.fp8_kv_cache_runs()
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "sse4")
+    with pytest.raises(ValueError, match="avx2, avx512, amx"):
+        cpu_isa.cpu_isa()
+
+
+def test_fp8_kv_cache_without_avx512_or_amx(models, monkeypatch, caplog):
+    """On vLLM's CPU build on a CPU without AVX-512 and AMX (MOCLI_CPU_ISA=avx2 answers as one), where vLLM
+    would load every weight and then stop ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX"): the FP8 KV
+    cache the source declares becomes a BF16 one under --kv-cache-dtype auto, with one log line saying why,
+    and the engine is the one --kv-cache-dtype bfloat16 gives (bit-identical logprobs: an FP8 cache would
+    round every key and value); an explicit --kv-cache-dtype fp8 is refused in one line naming bfloat16."""
+    from mocli.vllm_plugin import cpu_isa
+    from mocli.vllm_plugin.checks import LayoutMismatch
+
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
+    out = models.converted("real-llama-fp8")
+    caplog.clear()
+    auto = run_engine(out, kv_cache_dtype="auto")
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mocli: ")]
+    lines = [x for x in logged if x.startswith("mocli: this CPU has neither AVX-512 nor AMX")]
+    assert len(lines) == 1 and "serving with a BF16 KV cache instead of the fp8_e4m3 one" in lines[0], logged
+    assert any("KV cache bfloat16 (the layout was written for fp8_e4m3)" in x for x in logged), logged
+    bf16 = run_engine(out)
+    assert torch.equal(auto.logprobs, bf16.logprobs) and auto.tokens == bf16.tokens
+    for asked in ("fp8", "fp8_e4m3"):
+        err = engine_error(out, kv_cache_dtype=asked)
+        assert isinstance(err, LayoutMismatch) and "\n" not in str(err), repr(err)
+        assert str(err).startswith(f"mocli: --kv-cache-dtype {asked} cannot run here") and str(err).endswith(
+            "pass --kv-cache-dtype bfloat16"), str(err)
 
 
 # --- what the CPU build does with mocli quantize / repair outputs ---------------------------------------
@@ -746,9 +914,12 @@ def test_openai_server_recipe(models, tmp_path):
         log.close()
     served = (tmp_path / "server.log").read_text()
     assert "mocli: rank 0 loaded" in served and "Attempted to load weight" not in served, served[-3000:]
-    # the release-dependent rules, as the manifest records them and as this engine resolved them
-    assert f"mocli: vLLM {vllm.__version__} (the plugin is tested with 0.32.x, 0.33.x): KV cache fp8_e4m3 (the layout " \
+    # the release-dependent rules, as the manifest records them and as this engine resolved them: the source's FP8
+    # KV cache, or BF16 (said once) where vLLM's CPU build cannot run one on this CPU
+    kv = "bfloat16" if cpu_build_cannot_run("fp8_kv") else "fp8_e4m3"
+    assert f"mocli: vLLM {vllm.__version__} (the plugin is tested with 0.32.x, 0.33.x): KV cache {kv} (the layout " \
            "was written for fp8_e4m3); MoE layers run on mocli's kernels" in served, served[-3000:]
+    assert served.count("mocli: this CPU has neither AVX-512 nor AMX") == (kv == "bfloat16"), served[-3000:]
     assert curl_text == openai_text and len(lps) == 8 and all(x <= 0 for x in lps), (curl_text, openai_text)
     # vLLM's offline LLM in a process set up as the server's (the same threads: this random-weight model's
     # logits are nearly flat, and another summation order can flip a greedy pick)

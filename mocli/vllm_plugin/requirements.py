@@ -114,12 +114,13 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     R("vllm.engine.arg_utils", "EngineArgs.create_engine_config", METHOD, patched=True),  # engine: wrapped
     R("vllm.engine.arg_utils", "EngineArgs.model", ATTRIBUTE),  # engine.create_engine_config: precheck a directory
     R("vllm.engine.arg_utils", "EngineArgs.revision", ATTRIBUTE),  # engine.create_engine_config: with a default
+    R("vllm.engine.arg_utils", "EngineArgs.kv_cache_dtype", ATTRIBUTE),  # engine.prepare: auto, or asked for
     R(CONFIG, "VllmConfig.model_config", ATTRIBUTE),  # engine.create_engine_config and prepare
     R(CONFIG, "VllmConfig.load_config", ATTRIBUTE),  # engine.prepare: the load format
     R(CONFIG, "VllmConfig.quant_config", ATTRIBUTE),  # engine.prepare: MocliConfig, manifest read
     R(CONFIG, "VllmConfig.parallel_config", ATTRIBUTE),  # engine.prepare: checked against the layout
     R(CONFIG, "VllmConfig.cache_config", ATTRIBUTE),  # engine.prepare: an NVFP4 KV cache on the CPU refused
-    R(CONFIG, "CacheConfig.cache_dtype", ATTRIBUTE),  # engine._check_kv_cache, engine._log_rules
+    R(CONFIG, "CacheConfig.cache_dtype", ATTRIBUTE),  # engine._check_kv_cache (set to bfloat16 there), _log_rules
     R(CONFIG, "VllmConfig.device_config", ATTRIBUTE),  # engine._check_kv_cache
     R(CONFIG, "DeviceConfig.device_type", ATTRIBUTE),  # engine._check_kv_cache: "cpu" on vLLM's CPU build
     R(CONFIG, "ModelConfig.quantization", ATTRIBUTE),  # engine.create_engine_config: "mocli"?
