@@ -73,3 +73,21 @@ def test_vllm_refuses_or_misreads_what_mocli_refuses(choose, case):
                                          ("llama-ct-fp8_block", "W8A8Fp8"), ("qwen3_moe-nvfp4_kv-ct", "W4A4Fp4")])
 def test_the_real_exports_are_read_as_mocli_reads_them(choose, name, scheme):
     assert choose(json.loads((REAL / name / "config.json").read_text())["quantization_config"]) == scheme
+
+
+def test_vllms_matcher_is_the_regex_module_mocli_judges_with():
+    """CFG008 vs CFG009 (mocli.ct_patterns): vLLM's ``is_equal_or_regex_match`` runs the regex module, on which the
+    pattern that is exponential under Python's re answers at once, and the fuzzy one mocli calls CFG008 runs long."""
+    import time
+
+    import regex
+    from vllm.model_executor.layers.quantization.utils import config_utils
+
+    from tests.test_compressed_tensors import EXPONENTIAL, NAME, REGEX_ONLY_SLOW
+
+    assert config_utils.re is regex
+    start = time.monotonic()
+    assert not config_utils.is_equal_or_regex_match(NAME, EXPONENTIAL)
+    assert time.monotonic() - start < 0.5
+    with pytest.raises(TimeoutError):
+        config_utils.re.match(REGEX_ONLY_SLOW[3:], NAME, timeout=1.0)
