@@ -53,9 +53,11 @@ class SlowPattern:
 
 def static_hazard(pattern: str) -> str | None:
     """Why ``pattern`` (without ``re:``) may backtrack exponentially under Python's ``re``, or None."""
-    from re import _constants as c
-    from re import _parser
-
+    try:
+        from re import _constants as c
+        from re import _parser
+    except ImportError:  # a Python whose re keeps its parser elsewhere: let the worker decide
+        return "a pattern this Python's re cannot show its shape"
     try:
         re.compile(pattern)  # a look-behind of variable width, say, fails only here
         tree = _parser.parse(pattern)
