@@ -56,6 +56,14 @@ class Interrupted(MocliError):
     exit_code = EXIT_INTERRUPTED
 
 
+class PeerLost(MocliError):
+    """Another process of a torchrun world stopped (killed, or failed on its own): this one's collective
+    failed through no fault of its own, so its partial output is kept for a resume (exit 130, as stopped
+    from outside)."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
 # errno -> what the user can do about it, for reads and writes alike.
 _ERRNO_HINTS = {
     errno.ENOSPC: "the disk is full; free space or write elsewhere, then run the same command again",

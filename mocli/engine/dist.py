@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
+
+from mocli.errors import PeerLost
 
 
 class Dist:
@@ -43,17 +46,27 @@ class TorchDist(Dist):
         # objects travel over gloo whatever the default backend is
         self.group = td.new_group(backend="gloo") if torch.cuda.is_available() else None
 
+    def _collective(self, call: Callable[[], Any]) -> Any:
+        """A collective that fails does so because a peer is gone (killed, or stopped on its own error,
+        which that process reports): said as such, never as this process's internal error."""
+        try:
+            return call()
+        except Exception as e:
+            raise PeerLost(f"process {self.rank} of {self.world}: another process of this run stopped "
+                           f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else 'no message'})",
+                           hint="see the other processes' output for why") from e
+
     def barrier(self) -> None:
-        self.td.barrier(group=self.group)
+        self._collective(lambda: self.td.barrier(group=self.group))
 
     def gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
-        self.td.all_gather_object(out, obj, group=self.group)
+        self._collective(lambda: self.td.all_gather_object(out, obj, group=self.group))
         return out
 
     def broadcast(self, obj: Any) -> Any:
         box = [obj]
-        self.td.broadcast_object_list(box, src=0, group=self.group)
+        self._collective(lambda: self.td.broadcast_object_list(box, src=0, group=self.group))
         return box[0]
 
     def close(self) -> None:
