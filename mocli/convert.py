@@ -1,6 +1,6 @@
 """``mocli convert``: validate, plan, then stream one work unit at a time into kernel-ready shards.
 
-Convert decides what to write (``mocli.plan``); the engine (``mocli.engine``) streams, resumes,
+Convert decides what to write (``mocli.plan``); the stream runner (``mocli.stream``) streams, resumes,
 locks and publishes; ``mocli.formats.layout`` writes the index and manifest around the tensors.
 Never prints: progress goes through a callback, the result is a summary dict.
 """
@@ -28,7 +28,7 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
     Nothing imports torch: every unit of a conversion is ``torch_free`` (bytes copied or moved, FP8
     shards requantized and NVFP4 block scales rescaled through 256-entry tables, in numpy on the CPU),
     so it runs on the CPU whatever ``device`` says, and the summary says so where a GPU was asked for."""
-    from mocli import engine
+    from mocli import stream
     from mocli.devices import check_device
     from mocli.formats import layout
     from mocli.plan import build_plan
@@ -37,14 +37,14 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
 
     digests = digests or SourceDigests([h.path for h in ckpt.files])
     t0 = time.perf_counter()
-    progress = progress or engine.Progress()
-    dist = dist or engine.Dist()
+    progress = progress or stream.Progress()
+    dist = dist or stream.Dist()
     out = Path(out)
     if tp < 1 or ep < 1:
         raise InputError(f"--tp {tp} --ep {ep}: sizes must be at least 1", hint="e.g. --tp 8, or --tp 2 --ep 2")
     parallel = ParallelLayout(tp, ep)
     ckpt.require_convertible()
-    engine.check_output(out, overwrite, ckpt.path)
+    stream.check_output(out, overwrite, ckpt.path)
     progress.phase("planning")
     census = ckpt.census()
     scales = read_scales(census)
@@ -55,7 +55,7 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
     # validate planned it to judge what it computes (SCL006): the same census, scales, target and ranks
     plan = report.plan or build_plan(census, scales, target, parallel, Heads.from_config(ckpt.config))
     layouts = group_layouts(list(plan.tensors.values()), max_shard_bytes)
-    fp = engine.fingerprint("convert", ckpt.files, layouts, {
+    fp = stream.fingerprint("convert", ckpt.files, layouts, {
         "layout_version": layout.LAYOUT_VERSION, "target": str(target), "parallel": parallel.to_dict(),
         "tensors": {f"{g}/{n}": t.to_dict() for (g, n), t in plan.tensors.items()}})
     body = layout.manifest_body(plan, target, parallel, ckpt.quant.kv_cache_algo if ckpt.quant else None)
@@ -67,10 +67,10 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
         layout.write_layout(partial, ckpt.path, body, layouts, files, provenance)
 
     check_device(device)  # refused before anything is written (the driver answered while we planned)
-    job = engine.Job("convert", out, ckpt.path, plan, layouts, fp, finish, overwrite=overwrite, device=device,
+    job = stream.Job("convert", out, ckpt.path, plan, layouts, fp, finish, overwrite=overwrite, device=device,
                      progress=progress, dist=dist, source_digests=digests,
                      args={"--target": target, "--tp": tp, "--ep": ep, "--max-shard-size": max_shard_bytes})
-    result = engine.run(job)
+    result = stream.run(job)
     return {
         "output": str(out), "target": str(target), **result.device_fields(), "tensors": len(plan.tensors),
         "parallel": parallel.to_dict(), "bytes": result.bytes, "shards": len(result.files),

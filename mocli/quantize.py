@@ -6,7 +6,7 @@ Quantized as one tensor, with one scale, exactly as the engine groups them: a fu
 ``s = amax(|float32(w)|) / 448`` (1 where amax is 0), values ``fp8(clamp(float32(w) * (1/s), ±448))``.
 Embeddings, lm_head, norms, routers, biases, 1-D tensors, vision towers and user excludes stay as
 they are. The output is vLLM/SGLang's serialized FP8 format (``quant_method: fp8``, dynamic
-activations). Streaming, resume, lock and publish are ``mocli.engine``'s.
+activations). Streaming, resume, lock and publish are ``mocli.stream``'s.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
              progress=None, digests: SourceDigests | None = None, dist=None) -> dict[str, Any]:
     """Quantize ``ckpt`` into ``out``; returns the summary."""
 
-    from mocli import engine
+    from mocli import stream
     from mocli.devices import resolve_device
     from mocli.formats.fp8 import write_fp8
 
@@ -176,11 +176,11 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
     if ckpt.quant is not None:
         raise InputError(f"{ckpt.path}: already quantized ({ckpt.quant.method} {ckpt.quant.algo})",
                          hint="quantize takes an unquantized (BF16/FP16) checkpoint")
-    progress = progress or engine.Progress()
-    dist = dist or engine.Dist()
+    progress = progress or stream.Progress()
+    dist = dist or stream.Dist()
     dev = resolve_device(device)
     out = Path(out)
-    engine.check_output(out, overwrite, ckpt.path)
+    stream.check_output(out, overwrite, ckpt.path)
     progress.phase("planning")
     census = ckpt.census()
     qp = plan_groups(census, exclude or [])
@@ -190,7 +190,7 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
     layouts = group_layouts(list(plan.tensors.values()), max_shard_bytes)
     ignored = sorted(set(qp.kept) | {m.name for m in census.modules.values() if m.kind is Kind.EMBEDDING},
                      key=_natural)
-    fp = engine.fingerprint("quantize", ckpt.files, layouts, {
+    fp = stream.fingerprint("quantize", ckpt.files, layouts, {
         "scheme": scheme, "ignored": ignored, "tensors": {n: t.to_dict() for (_, n), t in plan.tensors.items()}})
 
     def finish(partial: Path, files: dict[str, str]) -> None:
@@ -198,10 +198,10 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
                                 output_shards=dict(sorted(files.items())))
         write_fp8(partial, ckpt.path, layouts[""], ignored, prov)
 
-    job = engine.Job("quantize", out, ckpt.path, plan, layouts, fp, finish, overwrite=overwrite, device=str(dev),
+    job = stream.Job("quantize", out, ckpt.path, plan, layouts, fp, finish, overwrite=overwrite, device=str(dev),
                      progress=progress, dist=dist, source_digests=digests,
                      args={"--scheme": scheme, "--exclude": sorted(exclude or []), "--max-shard-size": max_shard_bytes})
-    result = engine.run(job)
+    result = stream.run(job)
     online = ONLINE_QUANTIZED_ROUTERS.get(ckpt.architecture or "")
     deviations = [{"layer": n, "here": "kept in the source dtype (SEMANTICS §12)", "engine_online": online}
                   for n in ignored if online and any(n.endswith("." + r) for r in ROUTERS)]
@@ -215,7 +215,7 @@ def quantize(ckpt: Checkpoint, out: Path, scheme: str = "fp8", exclude: list[str
 def _plan(ckpt: Checkpoint, qp: QuantizePlan):
     """Output order = unit order (files are appended front to back): groups and kept tensors in the
     model's natural order, runs of kept tensors batched into verbatim-copy units."""
-    from mocli.engine.units import OutTensor, Plan, Unit
+    from mocli.stream.units import OutTensor, Plan, Unit
 
     plan = Plan()
     copies: list = []
@@ -257,7 +257,7 @@ def _group_run(g: Group):
     def run(ctx):
         import torch
 
-        from mocli.engine.units import BadData, Piece
+        from mocli.stream.units import BadData, Piece
 
         loaded = [ctx.load(m.tensors[WEIGHT]) for m in g.modules]
         amax = torch.stack([amax_of(w) for w in loaded]).max()

@@ -4,7 +4,7 @@ Plans from validate's findings (with the deep byte scan, so NaN bytes are refuse
 is written): every repairable finding gets a repair, anything else refuses the whole run. The
 output keeps the source's shard names and tensor order; every tensor not repaired is a verbatim
 copy (never a hard link); both config files are rewritten consistently with a provenance block
-listing each repair. Streaming, resume, lock and atomic publish are ``mocli.engine``'s.
+listing each repair. Streaming, resume, lock and atomic publish are ``mocli.stream``'s.
 """
 
 from __future__ import annotations
@@ -240,8 +240,8 @@ def _rescaler(entry: TensorEntry, s2: float, big: float) -> Callable:
     def make(ctx):
         import numpy as np
 
-        from mocli.engine.units import BadData
         from mocli.ops import fp8
+        from mocli.stream.units import BadData
 
         raw = ctx.array(entry)
         if fp8.has_nan_fp8(raw):
@@ -263,14 +263,14 @@ def _constant(value: float, shape: tuple[int, ...]) -> Callable:
 def repair(ckpt: Checkpoint, out: Path | None, dry_run: bool = False, overwrite: bool = False, progress=None,
            digests: SourceDigests | None = None, dist=None) -> dict[str, Any]:
     """Plan (and unless ``dry_run``, write) the repaired checkpoint; returns the summary."""
-    from mocli import engine
+    from mocli import stream
 
     t0 = time.perf_counter()
-    progress = progress or engine.Progress()
+    progress = progress or stream.Progress()
     if not dry_run:
         if out is None:
             raise InputError("repair needs -o OUT (or --dry-run)", hint="e.g. mocli repair MODEL -o MODEL-fixed")
-        engine.check_output(Path(out), overwrite, ckpt.path)
+        stream.check_output(Path(out), overwrite, ckpt.path)
     progress.phase("checking every byte")
     plan = plan_repair(ckpt, progress)
     summary = {"source": ckpt.source.describe(), "output": None if dry_run else str(out), **plan.to_dict()}
@@ -288,7 +288,7 @@ def repair(ckpt: Checkpoint, out: Path | None, dry_run: bool = False, overwrite:
     digests = digests or SourceDigests([h.path for h in ckpt.files])
     job_plan, layouts = _stream_plan(ckpt, plan)
     repairs = [r.to_dict() for r in plan.repairs]
-    fp = engine.fingerprint("repair", ckpt.files, layouts, {"repairs": repairs, "fields": plan.config_fields})
+    fp = stream.fingerprint("repair", ckpt.files, layouts, {"repairs": repairs, "fields": plan.config_fields})
 
     def finish(partial: Path, files: dict[str, str]) -> None:
         from mocli.formats.modelopt import write_modelopt
@@ -297,9 +297,9 @@ def repair(ckpt: Checkpoint, out: Path | None, dry_run: bool = False, overwrite:
                                       output_shards=dict(sorted(files.items())))
         write_modelopt(partial, ckpt.path, layouts[""], ckpt.sharded, plan.config_fields, provenance)
 
-    job = engine.Job("repair", Path(out), ckpt.path, job_plan, layouts, fp, finish, overwrite=overwrite,
-                     progress=progress, dist=dist or engine.Dist(), source_digests=digests)
-    result = engine.run(job)
+    job = stream.Job("repair", Path(out), ckpt.path, job_plan, layouts, fp, finish, overwrite=overwrite,
+                     progress=progress, dist=dist or stream.Dist(), source_digests=digests)
+    result = stream.run(job)
     summary.update(bytes=result.bytes, tensors=len(job_plan.tensors), resumed_units=result.resumed_units,
                    units=result.units, seconds=round(time.perf_counter() - t0, 3))
     return summary
@@ -308,8 +308,8 @@ def repair(ckpt: Checkpoint, out: Path | None, dry_run: bool = False, overwrite:
 def _stream_plan(ckpt: Checkpoint, rp: RepairPlan):
     """Output tensors file by file in the source's order (added ones after their module), units in
     file order: runs of verbatim copies batched, each repaired tensor computed in a unit of its own."""
-    from mocli.engine.units import OutTensor, Piece, Plan, Unit
     from mocli.io.shard_writer import ShardLayout, TensorSpec
+    from mocli.stream.units import OutTensor, Piece, Plan, Unit
 
     plan = Plan()
     out = []

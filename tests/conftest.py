@@ -118,7 +118,7 @@ def map_every_input(monkeypatch):
     """CPU units map their large inputs instead of reading them (``UnitContext.rows``, from
     ``MAP_MIN`` bytes). The fixtures' tensors are all small: here every input is mapped, the path a
     real checkpoint's weights take. The read path is checked against it in test_convert."""
-    monkeypatch.setattr("mocli.engine.pool.MAP_MIN", 1)
+    monkeypatch.setattr("mocli.stream.pool.MAP_MIN", 1)
 
 
 @dataclass

@@ -18,13 +18,13 @@ ROOT = Path(__file__).resolve().parents[1] / "mocli"
 # Lower layers first; a module may import its own layer and those below (README "Code layout").
 LAYERS: list[list[str]] = [
     ["mocli", "mocli.errors", "mocli.progress", "mocli.trace", "mocli.findings", "mocli.tables", "mocli.io", "mocli.io.*",
-     "mocli.ops", "mocli.ops.*", "mocli.parallel", "mocli.engine.dist", "mocli.targets.decode",
+     "mocli.ops", "mocli.ops.*", "mocli.parallel", "mocli.stream.dist", "mocli.targets.decode",
      "mocli.numerics", "mocli.numerics.*", "mocli.verify.expect", "mocli.verify.html", "mocli.verify.junit"],
     ["mocli.formats", "mocli.devices", "mocli.procenv"],
     ["mocli.quant_config", "mocli.schemes", "mocli.schemes.*", "mocli.kinds", "mocli.module_classes"],
     ["mocli.checkpoint", "mocli.compressed_tensors", "mocli.ct_schemes", "mocli.ct_patterns", "mocli.census", "mocli.exclusions", "mocli.engines", "mocli.engines.*", "mocli.scales", "mocli.deep_scan", "mocli.targets",
      "mocli.targets.*", "mocli.formats.*"],
-    ["mocli.inspection", "mocli.engine", "mocli.engine.*", "mocli.loader"],
+    ["mocli.inspection", "mocli.stream", "mocli.stream.*", "mocli.loader"],
     # validate --target plans the conversion to judge the scales it computes (SCL006): beside the planner
     ["mocli.plan", "mocli.plan.*", "mocli.validate", "mocli.validate.*", "mocli.verify", "mocli.verify.*", "mocli.serve",
      "mocli.serve.*"],
@@ -170,7 +170,7 @@ def test_verify_shares_no_code_with_what_it_checks(graph):
     reads the stored schemes (``mocli.schemes``) as data, never the converter's, repair's or the serving
     kernels' code."""
     shared = [f"{m} imports {d}" for m, deps in graph.items() if m.startswith("mocli.verify") for d in deps
-              if d.startswith(("mocli.plan", "mocli.ops", "mocli.engine", "mocli.convert", "mocli.quantize",
+              if d.startswith(("mocli.plan", "mocli.ops", "mocli.stream", "mocli.convert", "mocli.quantize",
                                "mocli.repair", "mocli.serve"))]
     assert not shared, shared
     # and the schemes hold no transform: data and predicates over headers only (no numpy, no torch)
@@ -218,7 +218,7 @@ sys.modules["torch"] = None  # any import of torch fails from here on
 import numpy as np
 from mocli.census import build_census
 from mocli.checkpoint import open_checkpoint
-from mocli.engine import BufferPool, SourceRange, UnitContext, fingerprint
+from mocli.stream import BufferPool, SourceRange, UnitContext, fingerprint
 from mocli.formats import layout
 from mocli.io.safetensors_file import TensorReader
 from mocli.io.shard_writer import group_layouts

@@ -265,7 +265,7 @@ def test_inputs_mapped_or_read_give_the_same_bytes(cli, tmp_path, monkeypatch, a
     src = make_checkpoint(tmp_path / "src", arch=arch, algo=algo, unify_scale_2=False, shards=2)
     before = digest_tree(src)
     convert(cli, src, tmp_path / "mapped", target)
-    monkeypatch.setattr("mocli.engine.pool.MAP_MIN", 1 << 62)
+    monkeypatch.setattr("mocli.stream.pool.MAP_MIN", 1 << 62)
     convert(cli, src, tmp_path / "read", target)
     assert digest_tree(tmp_path / "mapped") == digest_tree(tmp_path / "read")
     assert digest_tree(src) == before
@@ -534,12 +534,12 @@ def test_numpy_units_wait_for_the_pool_behind_a_slow_disk(tmp_path, monkeypatch)
 
     import numpy as np
 
-    import mocli.engine.job as job_mod
-    import mocli.engine.writer as writer_mod
     import mocli.io.shard_writer as shard_writer
+    import mocli.stream.job as job_mod
+    import mocli.stream.writer as writer_mod
     from mocli.checkpoint import open_checkpoint
     from mocli.convert import convert as convert_fn
-    from mocli.engine.pool import BufferPool
+    from mocli.stream.pool import BufferPool
     from mocli.targets import Target
 
     src = make_checkpoint(tmp_path / "src", algo="NVFP4", layers=8, hidden=256, intermediate=512)

@@ -343,7 +343,7 @@ def test_row_halves_are_views_of_the_decoded_rows(target, gated):
 def test_check_finite_judges_every_float_scale_piece_and_no_weight(dtype):
     """The engine's write-time check (issue 43.2): an Inf or NaN in a computed scale piece, a torch tensor or the
     numpy words a unit writes, is SCL006 naming tensor, rank and value; weights and copies are not judged."""
-    from mocli.engine.units import BadData, OutTensor, Piece, SourceRange, check_finite
+    from mocli.stream.units import BadData, OutTensor, Piece, SourceRange, check_finite
 
     td = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[dtype]
     key = ("rank-1", "m.alpha")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fixtures.generate import make_checkpoint
-from mocli import engine
+from mocli import stream
 from tests.conftest import PYTHONPATH, digest_tree, interrupt_after, run_killed
 
 
@@ -108,13 +108,13 @@ def test_parallel_writer_lanes_give_the_same_bytes_and_resume(cli, tmp_path, moe
     assert len(files) >= 4
     monkeypatch.setattr(os, "cpu_count", lambda: 16)  # four writer lanes, four hashing threads
     lanes = []
-    real_init = engine.writer.Writer.__init__
+    real_init = stream.writer.Writer.__init__
 
     def init(self, *a, **k):
         real_init(self, *a, **k)
         lanes.append(len(self.threads))
 
-    monkeypatch.setattr(engine.writer.Writer, "__init__", init)
+    monkeypatch.setattr(stream.writer.Writer, "__init__", init)
     assert cli("convert", moe_src, "-o", tmp_path / "many", *args).exit_code == 0
     assert lanes == [4]
     tree = lambda d: {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
@@ -141,15 +141,15 @@ def test_units_of_different_files_are_interleaved_in_proportion():
 
     a = [SimpleNamespace(id=f"a{i}", outputs=[("", "A")], input_bytes=10) for i in range(4)]
     b = [SimpleNamespace(id=f"b{i}", outputs=[("", "B")], input_bytes=20) for i in range(2)]
-    order = [u.id for u in engine.job._interleave(a + b, {("", "A"): 0, ("", "B"): 1})]
+    order = [u.id for u in stream.job._interleave(a + b, {("", "A"): 0, ("", "B"): 1})]
     assert order == ["a0", "b0", "a1", "a2", "b1", "a3"]
-    assert [u.id for u in engine.job._interleave(a, {("", "A"): 0})] == ["a0", "a1", "a2", "a3"]
+    assert [u.id for u in stream.job._interleave(a, {("", "A"): 0})] == ["a0", "a1", "a2", "a3"]
 
 
 def test_buffer_pool_keeps_loans_under_its_limit_but_never_blocks_a_unit_on_itself():
     import threading
 
-    from mocli.engine import BufferPool
+    from mocli.stream import BufferPool
 
     pool = BufferPool(limit=100)
     a = pool.take(60)
@@ -169,7 +169,7 @@ def test_buffer_pool_keeps_loans_under_its_limit_but_never_blocks_a_unit_on_itse
 
 
 def test_a_units_consumed_inputs_go_back_to_the_pool_before_its_pieces_are_written():
-    from mocli.engine import BufferPool, Piece, UnitContext
+    from mocli.stream import BufferPool, Piece, UnitContext
 
     pool = BufferPool()
     ctx = UnitContext(None, torch.device("cpu"), pool)
@@ -191,8 +191,8 @@ def test_a_units_numpy_pieces_are_lent_after_its_consumed_inputs_go_back_and_nev
 
     import numpy as np
 
-    from mocli.engine import BufferPool, Piece, UnitContext
-    from mocli.engine.pool import Loan
+    from mocli.stream import BufferPool, Piece, UnitContext
+    from mocli.stream.pool import Loan
 
     pool = BufferPool(limit=100)
     ctx = UnitContext(None, torch.device("cpu"), pool)
@@ -225,7 +225,7 @@ def test_units_side_by_side_give_the_same_bytes_and_stop_at_bad_data(cli, tmp_pa
     refuses the run, naming the tensor, with nothing published."""
     from safetensors.torch import load_file, save_file
 
-    import mocli.engine.job as job_mod
+    import mocli.stream.job as job_mod
 
     src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo=algo)
     args = ["--target", target, *par]

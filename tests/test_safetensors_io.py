@@ -159,7 +159,7 @@ def test_gather_array_from_one_file_or_two(tmp_path):
     either order in one file, or in two files), against torch's own cat and indexing."""
     import numpy as np
 
-    from mocli.engine import BufferPool, UnitContext
+    from mocli.stream import BufferPool, UnitContext
 
     a, b, one, two = _two_files(tmp_path)
     idx = np.array([4, 0, 5, 2, 1, 3])
@@ -192,7 +192,7 @@ def test_a_file_that_cannot_be_mapped_is_read_instead(tmp_path, monkeypatch):
     read the same bytes instead."""
     import mmap
 
-    from mocli.engine import BufferPool, UnitContext
+    from mocli.stream import BufferPool, UnitContext
 
     a, b, one, _ = _two_files(tmp_path)
     tries = []

@@ -243,7 +243,7 @@ EpOpt = Annotated[int, typer.Option("--ep", metavar="M", min=1, help="Expert-par
 def on_every_process(run: Callable[[Any], dict]) -> dict | None:
     """Under torchrun every process runs the command (sharing its units); only process 0's summary is
     printed. One process: just the command."""
-    from mocli.engine.dist import dist_from_env
+    from mocli.stream.dist import dist_from_env
 
     dist = dist_from_env()
     try:

@@ -1,7 +1,7 @@
 """Convert's planner: every output tensor and every work unit, per rank, from headers and small scales.
 
 Nothing here moves weight bytes. ``build_plan`` decides names, dtypes, shapes, roles and ranks;
-``mocli.engine`` runs the units and writes each result straight to its place; ``mocli.formats.layout``
+``mocli.stream`` runs the units and writes each result straight to its place; ``mocli.formats.layout``
 writes the manifest. Layouts follow SEMANTICS §3-§8, per rank §10; scalar scale arithmetic is
 float32 on the CPU (numpy: planning never loads torch, so the engine starts copying while it loads).
 A module kind's planner is one entry of ``PLANNERS``.

@@ -1,7 +1,7 @@
 """What convert's plan adds to the engine's: the manifest's modules, and the scales it unified.
 
 The vocabulary every planner shares (output tensors, units, pieces) is the engine's
-(``mocli.engine.units``); this is what only a conversion has.
+(``mocli.stream.units``); this is what only a conversion has.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mocli.engine.units import Key, Plan
+from mocli.stream.units import Key, Plan
 
 if TYPE_CHECKING:
     import torch

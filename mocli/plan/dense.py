@@ -11,18 +11,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mocli.census import Module
-from mocli.engine.units import BadData, OutTensor, Piece, SourceRange, Unit, concat_pieces
 from mocli.io.safetensors_file import TensorEntry
 from mocli.kinds import ModuleKind, Role
 from mocli.ops import bf16_bytes, fp8, nvfp4, swizzled_shape
 from mocli.parallel import RankSlice, Split, rank_slices, split_of
 from mocli.plan.context import PlanContext
 from mocli.plan.core import F32, ConvertedModule
+from mocli.stream.units import BadData, OutTensor, Piece, SourceRange, Unit, concat_pieces
 from mocli.tables import INPUT_SCALE, PRE_QUANT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.targets.base import ROW_SHUFFLE
 
 if TYPE_CHECKING:
-    from mocli.engine.pool import UnitContext
+    from mocli.stream.pool import UnitContext
 
 QUANT_SUFFIXES = (WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2, INPUT_SCALE, PRE_QUANT_SCALE, "bias")
 

@@ -20,7 +20,7 @@ from mocli.plan.moe import _check_bytes, _Moe, checked_weight
 from mocli.tables import WEIGHT, WEIGHT_SCALE
 
 if TYPE_CHECKING:
-    from mocli.engine.pool import UnitContext
+    from mocli.stream.pool import UnitContext
 
 BLOCK = 128
 MIN_BLOCK_SCALE = np.float32(1e-10)  # flashinfer_utils.prepare_fp8_moe_layer_for_fi: _FI_CUTLASS_MIN_BLOCK_SCALE

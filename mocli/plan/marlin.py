@@ -15,18 +15,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mocli.census import Module
-from mocli.engine.units import OutTensor, Piece, Unit, concat_pieces
 from mocli.kinds import ModuleKind, Role
 from mocli.ops import fp8, marlin
 from mocli.plan.context import PlanContext
 from mocli.plan.core import F32, ConvertedModule
 from mocli.plan.dense import QUANT_SUFFIXES, _Dense, check_fp8
 from mocli.plan.moe import _Moe
+from mocli.stream.units import OutTensor, Piece, Unit, concat_pieces
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.targets.marlin import REPACK
 
 if TYPE_CHECKING:
-    from mocli.engine.pool import UnitContext
+    from mocli.stream.pool import UnitContext
 
 ACT_DTYPE = "bfloat16"  # the activation dtype the scales are built for (fp16 gives other bytes)
 

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mocli.census import Module, MoELayer
-from mocli.engine.units import BadData, OutTensor, Piece, Unit, concat_pieces
 from mocli.io.safetensors_file import TensorEntry
 from mocli.kinds import ModuleKind, Role
 from mocli.ops import bf16_bytes, fp8, nvfp4, swizzled_shape
@@ -21,10 +20,11 @@ from mocli.parallel import expert_range, intermediate_range
 from mocli.plan.context import PlanContext
 from mocli.plan.core import F32, ConvertedModule
 from mocli.plan.dense import QUANT_SUFFIXES
+from mocli.stream.units import BadData, OutTensor, Piece, Unit, concat_pieces
 from mocli.tables import INPUT_SCALE, PRE_QUANT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 
 if TYPE_CHECKING:
-    from mocli.engine.pool import UnitContext
+    from mocli.stream.pool import UnitContext
 
 
 class _Moe:

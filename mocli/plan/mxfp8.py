@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mocli.engine.units import BadData, Piece, SourceRange, concat_pieces
 from mocli.io.safetensors_file import TensorEntry
 from mocli.kinds import ModuleKind, Role
 from mocli.ops import nvfp4, roundup, swizzled_shape
@@ -18,11 +17,12 @@ from mocli.parallel import RankSlice
 from mocli.plan.dense import _Dense, check_fp8
 from mocli.plan.moe import _Moe
 from mocli.schemes.mxfp8 import BLOCK
+from mocli.stream.units import BadData, Piece, SourceRange, concat_pieces
 from mocli.tables import WEIGHT, WEIGHT_SCALE
 from mocli.targets.base import ROW_SHUFFLE
 
 if TYPE_CHECKING:
-    from mocli.engine.pool import UnitContext
+    from mocli.stream.pool import UnitContext
 
 E8M0_NAN = 0xFF
 

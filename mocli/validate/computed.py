@@ -5,7 +5,7 @@ input scales, Marlin's global scale weight_scale_2 x 2^119 / scale factor, SEMAN
 scales): finite inputs can overflow float32 on the way. The planner records every value it computes
 (``ConvertPlan.computed``), so validate plans the conversion for the target and ranks asked and judges those
 values, the very ones convert would write; convert refuses on the finding before anything is written, and
-the engine checks the same values again as they are written (``mocli.engine.units.check_finite``).
+the stream runner checks the same values again as they are written (``mocli.stream.units.check_finite``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from mocli.census import Census
-from mocli.engine.units import NOT_SCALES
 from mocli.findings import Findings, few
 from mocli.parallel import Heads, ParallelLayout
+from mocli.stream.units import NOT_SCALES
 from mocli.targets import Target
 
 _NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from mocli.engine.units import Piece, SourceRange
 from mocli.io.safetensors_file import TensorEntry, TensorReader, tensor_bytes_view, torch_dtypes
+from mocli.stream.units import Piece, SourceRange
 
 if TYPE_CHECKING:  # torch-free units (``Unit.torch_free``) run without torch
     import numpy as np
@@ -86,7 +86,7 @@ class BufferPool:
 class UnitContext:
     """What a unit may use: a reader, the compute device, and pooled buffers it borrows.
 
-    Buffers a unit borrows go back to the pool once the engine has written the unit's pieces.
+    Buffers a unit borrows go back to the pool once the stream runner has written the unit's pieces.
     ``device`` is None where every unit is torch-free (``Unit.torch_free``): torch is never loaded.
     """
 

@@ -16,29 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mocli import devices, trace
-from mocli.engine.dist import Dist
-from mocli.engine.hashing import OrderedHasher
-from mocli.engine.journal import (
-    JOURNAL_NAME,
-    SOURCE_RECORD,
-    journal_name,
-    read_journals,
-    record_source,
-    recorded_source,
-)
-from mocli.engine.outdir import (
-    OutputLock,
-    check_output,
-    check_partial,
-    disk_usage,
-    partial_dir,
-    partial_hint,
-    publish,
-)
-from mocli.engine.pool import BufferPool, UnitContext
-from mocli.engine.unit_runner import UNIT_WORKERS, compute_threads, ran_in_order, to_host
-from mocli.engine.units import BadData, Key, Plan, Unit, check_finite
-from mocli.engine.writer import Writer, writer_lanes
 from mocli.errors import FindingsError, InputError, Interrupted, MocliError, os_error
 from mocli.findings import Findings
 from mocli.io.digests import DIGEST, file_digest
@@ -52,6 +29,29 @@ from mocli.io.shard_writer import (
     shards_intact,
 )
 from mocli.progress import Progress
+from mocli.stream.dist import Dist
+from mocli.stream.hashing import OrderedHasher
+from mocli.stream.journal import (
+    JOURNAL_NAME,
+    SOURCE_RECORD,
+    journal_name,
+    read_journals,
+    record_source,
+    recorded_source,
+)
+from mocli.stream.outdir import (
+    OutputLock,
+    check_output,
+    check_partial,
+    disk_usage,
+    partial_dir,
+    partial_hint,
+    publish,
+)
+from mocli.stream.pool import BufferPool, UnitContext
+from mocli.stream.unit_runner import UNIT_WORKERS, compute_threads, ran_in_order, to_host
+from mocli.stream.units import BadData, Key, Plan, Unit, check_finite
+from mocli.stream.writer import Writer, writer_lanes
 
 if TYPE_CHECKING:  # loaded only where a unit needs it (``Unit.torch_free``)
     import torch
@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # loaded only where a unit needs it (``Unit.torch_free``)
 
 @dataclass
 class Job:
-    """Everything the engine needs; ``finish`` writes the metadata files into the partial directory,
+    """Everything the stream runner needs; ``finish`` writes the metadata files into the partial directory,
     given each output file's digest record (relative path -> record)."""
 
     command: str

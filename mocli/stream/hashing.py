@@ -8,11 +8,11 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mocli.engine.pool import BufferPool
 from mocli.io.digests import DIGEST, hash_range, new_hasher
 from mocli.io.paths import open_regular
 from mocli.io.safetensors_file import tensor_bytes_view
 from mocli.io.shard_writer import ShardFile
+from mocli.stream.pool import BufferPool
 
 if TYPE_CHECKING:
     import torch

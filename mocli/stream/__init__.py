@@ -14,13 +14,13 @@ Each concern has its own room:
 Never prints: progress goes through callbacks, errors are typed exceptions.
 """
 
-from mocli.engine.dist import Dist, TorchDist, dist_from_env
-from mocli.engine.job import Job, JobResult, run
-from mocli.engine.journal import fingerprint
-from mocli.engine.outdir import check_output, lock_path, partial_dir
-from mocli.engine.pool import BufferPool, UnitContext
-from mocli.engine.units import BadData, Key, OutTensor, Piece, Plan, SourceRange, Unit, concat_pieces
 from mocli.progress import Progress
+from mocli.stream.dist import Dist, TorchDist, dist_from_env
+from mocli.stream.job import Job, JobResult, run
+from mocli.stream.journal import fingerprint
+from mocli.stream.outdir import check_output, lock_path, partial_dir
+from mocli.stream.pool import BufferPool, UnitContext
+from mocli.stream.units import BadData, Key, OutTensor, Piece, Plan, SourceRange, Unit, concat_pieces
 
 __all__ = ["BadData", "BufferPool", "Dist", "Job", "JobResult", "Key", "OutTensor", "Piece", "Plan", "Progress",
            "SourceRange", "TorchDist", "Unit", "UnitContext", "check_output", "concat_pieces", "dist_from_env",

@@ -7,11 +7,11 @@ import queue
 import threading
 from typing import TYPE_CHECKING
 
-from mocli.engine.hashing import OrderedHasher
-from mocli.engine.pool import BufferPool
-from mocli.engine.units import Key, Piece, SourceRange, Unit
 from mocli.io.safetensors_file import TensorReader
 from mocli.io.shard_writer import ShardWriter
+from mocli.stream.hashing import OrderedHasher
+from mocli.stream.pool import BufferPool
+from mocli.stream.units import Key, Piece, SourceRange, Unit
 
 if TYPE_CHECKING:
     import torch

@@ -8,14 +8,14 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from mocli.engine.pool import UnitContext
-from mocli.engine.units import Piece, Unit
 from mocli.io.safetensors_file import TensorReader
+from mocli.stream.pool import UnitContext
+from mocli.stream.units import Piece, Unit
 
 if TYPE_CHECKING:
     import torch
 
-    from mocli.engine.job import Job
+    from mocli.stream.job import Job
 
 
 # Torch-free units (every conversion's: FP8 NaN checks and table lookups, row gathers) run this many at

@@ -10,7 +10,7 @@ from mocli.errors import PeerLost
 
 
 class Dist:
-    """One process. ``TorchDist`` is the torchrun version; the engine only needs these four calls."""
+    """One process. ``TorchDist`` is the torchrun version; the stream runner only needs these four calls."""
 
     world, rank = 1, 0
 
@@ -28,7 +28,7 @@ class Dist:
 
 
 class TorchDist(Dist):
-    """torch.distributed as torchrun starts it: gloo for the small objects the engine exchanges, and
+    """torch.distributed as torchrun starts it: gloo for the small objects the stream runner exchanges, and
     NCCL beside it on GPU machines (each process on its own GPU, cuda:LOCAL_RANK)."""
 
     def __init__(self) -> None:

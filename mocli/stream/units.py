@@ -1,9 +1,9 @@
-"""What the engine runs: work units, the pieces of bytes they produce, and the output tensors they fill.
+"""What the stream runner runs: work units, the pieces of bytes they produce, and the output tensors they fill.
 
 Planning (convert's ``mocli.plan``, ``mocli.repair``, ``mocli.quantize``) decides every output tensor's
-name, dtype, shape and place before any weight byte moves; the engine then runs the units and writes
+name, dtype, shape and place before any weight byte moves; the stream runner then runs the units and writes
 each piece straight to its place. A piece is either computed bytes (a tensor) or a range of source
-bytes copied verbatim, which the engine moves in the kernel (``copy_file_range``) without reading it
+bytes copied verbatim, which the stream runner moves in the kernel (``copy_file_range``) without reading it
 into Python.
 """
 
@@ -144,7 +144,7 @@ class Unit:
     id: str
     inputs: list[TensorEntry]
     outputs: list[Key]
-    run: Callable[..., list[Piece]]  # called with the engine's UnitContext (mocli.engine.pool)
+    run: Callable[..., list[Piece]]  # called with the stream runner's UnitContext (mocli.stream.pool)
     # Every weight byte goes through memory to be transformed (FP8 NaN checks and requantization,
     # quantization, trtllm's row shuffles): what a GPU does faster than the one CPU thread that runs
     # units. Weights copied as they are (in the kernel) with small scale tensors swizzled beside them
@@ -182,7 +182,7 @@ class Plan:
 
     def copy_units(self, entries: list, group: str = "", role: str = "passthrough") -> None:
         """``entries`` (source tensors) copied verbatim under their own names, in order, batched into
-        units of about BATCH_BYTES / BATCH_TENSORS; the engine moves their bytes in the kernel."""
+        units of about BATCH_BYTES / BATCH_TENSORS; the stream runner moves their bytes in the kernel."""
         batch: list[TensorEntry] = []
         size = 0
 
