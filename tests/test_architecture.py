@@ -125,6 +125,18 @@ def test_no_import_cycle_between_folders(graph):
             visit(f, [])
 
 
+def test_no_two_top_level_classes_share_a_name():
+    """A class name says which one it is anywhere in mocli: the stored-tensor dataclasses
+    (``module_classes``), their verify checks (``...Check``), ``devices.Device`` and serving's ``Hardware``."""
+    seen: dict[str, list[str]] = {}
+    for p in sorted(ROOT.rglob("*.py")):
+        for n in ast.parse(p.read_text()).body:
+            if isinstance(n, ast.ClassDef):
+                seen.setdefault(n.name, []).append(f"{p.relative_to(ROOT.parent)}:{n.lineno}")
+    twice = {name: where for name, where in seen.items() if len(where) > 1}
+    assert not twice, twice
+
+
 def test_serving_stands_on_no_part_of_verify(graph):
     """The runtime (``mocli.serve``) and the checker share number formats through ``mocli.numerics``."""
     wrong = [f"{m} imports {d}" for m, deps in graph.items() if m.startswith("mocli.serve") for d in deps

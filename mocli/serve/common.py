@@ -25,7 +25,7 @@ class ServeError(ValueError):
 
 
 @dataclass(frozen=True)
-class Device:
+class Hardware:
     """Where a module's tensors live, and what that hardware offers."""
 
     type: str  # "cpu" | "cuda"
@@ -40,11 +40,11 @@ class Device:
         return self.cc is not None and self.cc >= (major, minor)
 
 
-def device_of(t: torch.Tensor) -> Device:
+def device_of(t: torch.Tensor) -> Hardware:
     if t.device.type != "cuda":
-        return Device(t.device.type, None, False)
+        return Hardware(t.device.type, None, False)
     cc = torch.cuda.get_device_capability(t.device)
-    return Device("cuda", cc, cc >= (10, 0) and _flashinfer_importable())
+    return Hardware("cuda", cc, cc >= (10, 0) and _flashinfer_importable())
 
 
 @lru_cache(maxsize=1)
@@ -114,7 +114,7 @@ def _show(dtype: torch.dtype, shape) -> str:
     return f"{str(dtype).removeprefix('torch.')} {list(shape)}"
 
 
-def gemm_dtype(device: Device) -> torch.dtype:
+def gemm_dtype(device: Hardware) -> torch.dtype:
     """Emulation GEMMs: float32 on the CPU (BF16 there is slower and no more exact); BF16 tensor cores on
     CUDA, fed only values BF16 holds exactly (fp8 codes, e2m1 x fp8 block scale) unless noted."""
     return torch.bfloat16 if device.cuda else torch.float32

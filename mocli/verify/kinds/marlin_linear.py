@@ -56,7 +56,7 @@ def expected_padding(n: int, k: int) -> tuple[int, int]:
     return a if (a[0] * a[1], sum(a)) <= (b[0] * b[1], sum(b)) else b
 
 
-class MarlinLinear(NumpyDenseCase):
+class MarlinLinearCheck(NumpyDenseCase):
     def __init__(self, kind: ModuleKind, shards, ctx: CheckContext) -> None:
         super().__init__(kind, shards, ctx)
         self.s2 = [self.src.scalar(m, WEIGHT_SCALE_2) for m in shards]
@@ -108,4 +108,4 @@ class MarlinLinear(NumpyDenseCase):
 
 
 def check(name: str, infos: dict[int, dict], ctx: CheckContext):
-    return check_dense(name, infos, ctx, MarlinLinear)
+    return check_dense(name, infos, ctx, MarlinLinearCheck)

@@ -24,7 +24,7 @@ def dequant(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return E4M3[codes] * np.repeat(np.exp2(scales.astype(np.float32) - 127), BLOCK, axis=1)
 
 
-class Mxfp8Linear(NumpyDenseCase):
+class Mxfp8LinearCheck(NumpyDenseCase):
     def __init__(self, kind: ModuleKind, shards, ctx: CheckContext) -> None:
         super().__init__(kind, shards, ctx)
         self.threshold = THRESHOLDS[kind].kept
@@ -64,4 +64,4 @@ class Mxfp8Linear(NumpyDenseCase):
 
 
 def check(name: str, infos: dict[int, dict], ctx: CheckContext):
-    return check_dense(name, infos, ctx, Mxfp8Linear)
+    return check_dense(name, infos, ctx, Mxfp8LinearCheck)

@@ -51,7 +51,7 @@ class Fp4Kernels:
         return flashinfer_args.run_cutlass_fused_moe_nvfp4(mod, *t).cpu().numpy()
 
 
-class Nvfp4Linear(NumpyDenseCase):
+class Nvfp4LinearCheck(NumpyDenseCase):
     def __init__(self, kind: ModuleKind, shards, ctx: CheckContext) -> None:
         super().__init__(kind, shards, ctx)
         src = self.src
@@ -112,4 +112,4 @@ class Nvfp4Linear(NumpyDenseCase):
 
 
 def check(name: str, infos: dict[int, dict], ctx: CheckContext):
-    return check_dense(name, infos, ctx, Nvfp4Linear)
+    return check_dense(name, infos, ctx, Nvfp4LinearCheck)
