@@ -26,9 +26,31 @@ from mocli.quant_config import (
     parse_hf_quant_config,
     reconcile,
 )
+from mocli.schemes.spelling import COMPRESSED_TENSORS, MODELOPT, VLLM_FP8, Spelling
 
-# config.json quant_methods read beside ModelOpt's own: method -> parser (its tensors' names: mocli.schemes.spelling)
-FORMATS: dict[str, ConfigParser] = {compressed_tensors.METHOD: compressed_tensors.parse}
+
+@dataclass(frozen=True)
+class InputFormat:
+    """A config.json quant_method read beside ModelOpt's own: how its tensors are named and, unless
+    ``mocli.quant_config`` reads its config itself (vLLM's fp8), its config parser."""
+
+    spelling: Spelling
+    parse: ConfigParser | None = None
+
+
+# The one registry of input formats: quant_method -> its format (anything else: ModelOpt's names)
+INPUT_FORMATS: dict[str, InputFormat] = {
+    compressed_tensors.METHOD: InputFormat(COMPRESSED_TENSORS, compressed_tensors.parse),
+    VLLM_FP8.name: InputFormat(VLLM_FP8),
+}
+# derived: the config parsers ``parse_config_json`` takes
+FORMATS: dict[str, ConfigParser] = {m: f.parse for m, f in INPUT_FORMATS.items() if f.parse is not None}
+
+
+def spelling_of(method: str | None) -> Spelling:
+    """The tensors' names of a checkpoint whose quant_method is ``method``."""
+    fmt = INPUT_FORMATS.get(method or "")
+    return fmt.spelling if fmt is not None else MODELOPT
 
 
 @dataclass
@@ -68,15 +90,15 @@ class Checkpoint:
         """The census of this checkpoint's tensors, each module bound to its scheme with the config's
         help where the tensors alone do not tell (``mocli.schemes.bind``)."""
         from mocli.census import build_census
-        from mocli.schemes import for_method
 
         quant = self.quant
-        return build_census(self.tensors, for_method(quant.method if quant else None),
+        return build_census(self.tensors, spelling_of(quant.method if quant else None),
                             configured=quant.algo_for if quant is not None else None)
 
-    def require_modelopt(self, verb: str, also: tuple[str, ...] = ()) -> None:
-        """convert and repair read ModelOpt exports (convert also compressed-tensors: ``also``); vLLM's fp8
-        format (mocli quantize's output) is served as is."""
+    def require_quant_method(self, verb: str, also: tuple[str, ...] = ()) -> None:
+        """The checkpoint's quant_method is ModelOpt's or one of ``also`` (unquantized passes): repair reads
+        ModelOpt exports, convert also compressed-tensors and vLLM's block fp8 (``require_convertible``);
+        vLLM's per-tensor fp8 format (mocli quantize's output) is served as is."""
         if self.quant is not None and self.quant.method not in ("modelopt", *also):
             hint = ("a per-tensor fp8 checkpoint (mocli quantize's output) is served as it is; mocli verify checks it"
                     if self.quant.method == "fp8" else f"mocli validate checks it; mocli convert reads {self.quant.method} too"
@@ -88,7 +110,7 @@ class Checkpoint:
         """convert reads ModelOpt, compressed-tensors and vLLM's block fp8 (a per-tensor fp8 one, mocli
         quantize's output, serves as it is)."""
         block_fp8 = self.quant is not None and self.quant.algo is Algo.FP8_PB_WO
-        self.require_modelopt("convert", also=(compressed_tensors.METHOD, *(("fp8",) if block_fp8 else ())))
+        self.require_quant_method("convert", also=(compressed_tensors.METHOD, *(("fp8",) if block_fp8 else ())))
 
 
 def open_checkpoint(spec: str | Path) -> Checkpoint:

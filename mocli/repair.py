@@ -77,7 +77,7 @@ def plan_repair(ckpt: Checkpoint, progress=None) -> RepairPlan:
 
     if ckpt.quant is None:
         raise Refused(_only(ckpt.config_findings) or _no_config(ckpt), verb="repair")
-    ckpt.require_modelopt("repair")
+    ckpt.require_quant_method("repair")
     census = ckpt.census()
     scales = read_scales(census)
     report = validate(ckpt, None, census, scales, deep=True, progress=progress)

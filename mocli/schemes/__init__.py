@@ -17,7 +17,7 @@ from mocli.schemes.fp8_block import FP8_BLOCK
 from mocli.schemes.fp8_channel import FP8_CHANNEL
 from mocli.schemes.mxfp8 import MXFP8
 from mocli.schemes.nvfp4 import NVFP4, NVFP4_AWQ, W4A16_NVFP4
-from mocli.schemes.spelling import COMPRESSED_TENSORS, MODELOPT, Spelling, for_method
+from mocli.schemes.spelling import COMPRESSED_TENSORS, MODELOPT, Spelling
 
 if TYPE_CHECKING:
     from mocli.io.safetensors_file import TensorEntry
@@ -48,4 +48,4 @@ def by_algo(algo: Algo | None) -> Scheme | None:
 
 
 __all__ = ["COMPRESSED_TENSORS", "FP8", "FP8_BLOCK", "FP8_CHANNEL", "MODELOPT", "MXFP8", "NVFP4", "NVFP4_AWQ", "SCHEMES",
-           "W4A16_NVFP4", "Merge", "ScaleSpec", "Scheme", "Spelling", "bind", "by_algo", "detect", "for_method"]
+           "W4A16_NVFP4", "Merge", "ScaleSpec", "Scheme", "Spelling", "bind", "by_algo", "detect"]

@@ -1,6 +1,7 @@
 """MXFP8 (ModelOpt ``MXFP8``): e4m3 weights with an E8M0 power-of-two scale per 32 values along K,
 stored as U8 biased exponents (value ``2^(b - 127)``, ``b = 255`` is NaN); no global or input scale,
-activations quantized at run time (SEMANTICS §14.1). Read and checked; no target converts it yet."""
+activations quantized at run time (SEMANTICS §14.1). Linears convert to every target (both FlashInfer
+targets' layout, which marlin keeps), experts to flashinfer-trtllm only (SEMANTICS §14.3)."""
 
 from mocli.quant_config import Algo
 from mocli.schemes.base import ScaleSpec, Scheme, weight_is

@@ -6,7 +6,7 @@ ModelOpt's names are the canonical ones. compressed-tensors (llm-compressor) sto
 under other names, with its global scales as divisors (SEMANTICS §17.1): ``weight_packed`` is the
 weight, ``weight_global_scale`` = 1 / ``weight_scale_2``, ``input_global_scale`` = 1 / ``input_scale``;
 its FP8 and KV scales are often BF16, and a per-tensor scale is [1] rather than 0-dim (§17.2).
-A new input format is one ``Spelling`` here and one entry in ``BY_METHOD``.
+A new input format is one ``Spelling`` here and one entry in ``mocli.checkpoint.INPUT_FORMATS``.
 """
 
 from __future__ import annotations
@@ -55,10 +55,3 @@ COMPRESSED_TENSORS = Spelling(
 # vLLM's own serialized fp8: 128x128-block scales are ``weight_scale_inv`` (DeepSeek-V3's name; a dequant scale
 # despite it, SEMANTICS §18.4), per-tensor ones ``weight_scale``
 VLLM_FP8 = Spelling("fp8", {"weight_scale_inv": WEIGHT_SCALE})
-
-# config.json's quant_method -> its spelling (anything else: ModelOpt's names)
-BY_METHOD = {"compressed-tensors": COMPRESSED_TENSORS, "fp8": VLLM_FP8}
-
-
-def for_method(method: str | None) -> Spelling:
-    return BY_METHOD.get(method or "", MODELOPT)
