@@ -385,7 +385,7 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
                 used = (str(asked), str(ctx.device))
                 trace.mark(f"torch loaded: units run on {ctx.device}")
                 pool.pin = ctx.device.type == "cuda"
-                threads = compute_threads(job, ctx.device)
+                threads = compute_threads(job.plan.compute, ctx.device)
             else:
                 used = (devices.requested_device(job.device), "cpu")
             recorded = job.source_digests is None or dist.rank != 0

@@ -15,8 +15,6 @@ from mocli.stream.units import Piece, Unit
 if TYPE_CHECKING:
     import torch
 
-    from mocli.stream.job import Job
-
 
 # Torch-free units (every conversion's: FP8 NaN checks and table lookups, row gathers) run this many at
 # a time where there are cores for them (numpy drops the GIL in its loops and copies): one per four
@@ -69,16 +67,17 @@ def ran_in_order(units: list[Unit], ctx: UnitContext, workers: int):
             r.close()
 
 
-def compute_threads(job: Job, device: torch.device) -> int:
+def compute_threads(compute: bool, device: torch.device) -> int:
     """Set torch's intra-op threads for the units; returns the number to restore. The writer and hash
     threads each keep a core busy; intra-op threads beyond the rest only contend with them (measured:
-    1 compute thread on 2 cores is 18% faster than 2). A plan with nothing to compute (``Plan.compute``)
-    only re-lays small scales: one thread, and no idle intra-op threads spinning against the writers."""
+    1 compute thread on 2 cores is 18% faster than 2). A plan with nothing to compute (``compute``:
+    the plan's ``Plan.compute``) only re-lays small scales: one thread, and no idle intra-op threads
+    spinning against the writers."""
     import torch
 
     threads = torch.get_num_threads()
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 2) if job.plan.compute else 1)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 2) if compute else 1)
     return threads
 
 
