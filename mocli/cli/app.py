@@ -3,6 +3,8 @@
 ``run``."""
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
 import time
@@ -102,12 +104,12 @@ app = typer.Typer(
 
 def command(name: str):
     """Register a command; its docstring is its help, as one paragraph (typer keeps the source's line
-    breaks)."""
+    breaks). It takes the output-mode options (``with_output_mode``) after its own."""
     register = app.command(name, cls=_Command, epilog=EXIT_CODES)
 
     def decorate(fn: Callable) -> Callable:
         fn.__doc__ = " ".join((fn.__doc__ or "").split())
-        return register(fn)
+        return register(with_output_mode(fn))
 
     return decorate
 
@@ -122,6 +124,10 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="Only 
                                         "warnings.")]
 VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True, metavar="",
                                          help="Timing on stderr; -vv also prints tracebacks of internal errors.")]
+# --json, -q, -v: declared once here, taken by the global callback and every command (``with_output_mode``)
+OUTPUT_MODE = (inspect.Parameter("json_", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=JsonOpt),
+               inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=QuietOpt),
+               inspect.Parameter("verbose", inspect.Parameter.KEYWORD_ONLY, default=0, annotation=VerboseOpt))
 TARGETS = ", ".join(t.value for t in Target)  # every registered target, as --help lists them
 TargetOpt = Annotated[Target | None, typer.Option("--target", "-t", metavar="TARGET", case_sensitive=False,
                                                   help=f"Also check this target's constraints: {TARGETS} (mocli "
@@ -141,16 +147,34 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
+def with_output_mode(fn: Callable, before: str | None = None) -> Callable:
+    """``fn`` (which takes ``ctx``) with the output-mode options added to its parameters (before the one
+    named ``before``, else last); they are merged into ``ctx.obj`` (``out_of``) before ``fn`` runs."""
+    sig = inspect.signature(fn, eval_str=True)
+    params = list(sig.parameters.values())
+    assert "ctx" in sig.parameters, fn
+    at = [p.name for p in params].index(before) if before else len(params)
+    params[at:at] = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in OUTPUT_MODE]
+
+    @functools.wraps(fn)
+    def wrapper(*, json_: bool = False, quiet: bool = False, verbose: int = 0, **kwargs: Any) -> Any:
+        out_of(kwargs["ctx"], json_, quiet, verbose)
+        return fn(**kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper
+
+
 def _global(
     ctx: typer.Context,
-    json_: JsonOpt = False,
-    quiet: QuietOpt = False,
-    verbose: VerboseOpt = 0,
     version: Annotated[bool, typer.Option("--version", "-V", callback=_version, is_eager=True, metavar="",
                                           help="Print the version and exit.")] = False,
 ) -> None:
-    ctx.obj = Output(json=json_, quiet=quiet, verbose=verbose)
+    pass
+
+
+app.callback()(with_output_mode(_global, before="version"))
 
 
 def out_of(ctx: typer.Context, json_: bool, quiet: bool = False, verbose: int = 0) -> Output:
@@ -159,6 +183,7 @@ def out_of(ctx: typer.Context, json_: bool, quiet: bool = False, verbose: int = 
     out.json |= json_
     out.quiet |= quiet
     out.verbose = max(out.verbose, verbose)
+    ctx.obj = out
     return out
 
 
@@ -205,9 +230,8 @@ def _errors(out: Output):
         raise typer.Exit(EXIT_INTERNAL) from None
 
 
-def run(ctx: typer.Context, json_: bool, body: Callable[[Output], int | None], quiet: bool = False,
-         verbose: int = 0) -> None:
-    out = out_of(ctx, json_, quiet, verbose)
+def run(ctx: typer.Context, body: Callable[[Output], int | None]) -> None:
+    out = out_of(ctx, False)
     t0 = time.perf_counter()
     trace.mark(f"{ctx.info_name}: arguments parsed")
     with _errors(out):

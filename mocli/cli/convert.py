@@ -11,14 +11,11 @@ from mocli.cli.app import (
     TARGETS,
     ConvertDeviceOpt,
     EpOpt,
-    JsonOpt,
     ModelArg,
     OutputOpt,
     OverwriteOpt,
-    QuietOpt,
     ShardSizeOpt,
     TpOpt,
-    VerboseOpt,
     command,
     on_every_process,
     parse_size,
@@ -43,9 +40,6 @@ def convert_cmd(
     device: ConvertDeviceOpt = Device.AUTO,
     overwrite: OverwriteOpt = False,
     max_shard_size: ShardSizeOpt = "2GB",
-    json_: JsonOpt = False,
-    quiet: QuietOpt = False,
-    verbose: VerboseOpt = 0,
 ) -> None:
     """Convert a checkpoint into kernel-ready shards for one kernel layout, per rank with --tp/--ep (streaming,
     resumable; under torchrun the processes share the work)."""
@@ -77,4 +71,4 @@ def convert_cmd(
         if summary is not None:
             out.emit(summary, render_convert)
 
-    run(ctx, json_, body, quiet, verbose)
+    run(ctx, body)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import typer
 
-from mocli.cli.app import JsonOpt, ModelArg, QuietOpt, VerboseOpt, command, run
+from mocli.cli.app import ModelArg, command, run
 from mocli.output import Output
 
 
 @command("inspect")
-def inspect_cmd(ctx: typer.Context, model: ModelArg, json_: JsonOpt = False, quiet: QuietOpt = False,
-                verbose: VerboseOpt = 0) -> None:
+def inspect_cmd(ctx: typer.Context, model: ModelArg) -> None:
     """Show what is in a checkpoint, from headers only."""
     from mocli.checkpoint import open_checkpoint
     from mocli.inspection import inspect_checkpoint
@@ -20,4 +19,4 @@ def inspect_cmd(ctx: typer.Context, model: ModelArg, json_: JsonOpt = False, qui
         info = inspect_checkpoint(open_checkpoint(model))
         out.emit(info, render_inspect)
 
-    run(ctx, json_, body, quiet, verbose)
+    run(ctx, body)

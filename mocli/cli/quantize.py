@@ -8,13 +8,10 @@ import typer
 
 from mocli.cli.app import (
     DeviceOpt,
-    JsonOpt,
     ModelArg,
     OutputOpt,
     OverwriteOpt,
-    QuietOpt,
     ShardSizeOpt,
-    VerboseOpt,
     command,
     on_every_process,
     parse_size,
@@ -37,9 +34,6 @@ def quantize_cmd(
     device: DeviceOpt = Device.AUTO,
     overwrite: OverwriteOpt = False,
     max_shard_size: ShardSizeOpt = "2GB",
-    json_: JsonOpt = False,
-    quiet: QuietOpt = False,
-    verbose: VerboseOpt = 0,
 ) -> None:
     """Quantize an unquantized checkpoint to FP8 once, offline, exactly as engines do it online at every start
     (vLLM 0.32-0.33: --quantization fp8_per_tensor; SGLang: --quantization fp8), streaming and resumable; serve
@@ -68,4 +62,4 @@ def quantize_cmd(
         if summary is not None:
             out.emit(summary, render_quantize)
 
-    run(ctx, json_, body, quiet, verbose)
+    run(ctx, body)

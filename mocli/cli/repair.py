@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from mocli.cli.app import OUTPUT_HELP, JsonOpt, ModelArg, OverwriteOpt, QuietOpt, VerboseOpt, command, run
+from mocli.cli.app import OUTPUT_HELP, ModelArg, OverwriteOpt, command, run
 from mocli.output import Output
 
 
@@ -20,9 +20,6 @@ def repair_cmd(
     dry_run: Annotated[bool, typer.Option("--dry-run", metavar="", help="Print the repair plan and write nothing.")]
     = False,
     overwrite: OverwriteOpt = False,
-    json_: JsonOpt = False,
-    quiet: QuietOpt = False,
-    verbose: VerboseOpt = 0,
 ) -> None:
     """Fix what validate finds, writing a ModelOpt checkpoint engines load as before (exit 1 when a
     finding cannot be repaired; nothing is written then)."""
@@ -49,4 +46,4 @@ def repair_cmd(
         out.emit(summary, render_repair)
         return 0
 
-    run(ctx, json_, body, quiet, verbose)
+    run(ctx, body)

@@ -8,13 +8,10 @@ import typer
 
 from mocli.cli.app import (
     EpOpt,
-    JsonOpt,
     ModelArg,
     OutputFormat,
-    QuietOpt,
     TargetOpt,
     TpOpt,
-    VerboseOpt,
     command,
     run,
 )
@@ -45,9 +42,6 @@ def validate_cmd(
                                                         help="full (a table) or concise (one line per finding: "
                                                              "location: CODE severity: message (hint))."
                                                         )] = OutputFormat.FULL,
-    json_: JsonOpt = False,
-    quiet: QuietOpt = False,
-    verbose: VerboseOpt = 0,
 ) -> None:
     """Check config, exclusions, tensors, scales, a target's and a TP/EP layout's constraints, as the engine(s)
     read them; exit 1 on errors. The verdict line names what was judged (engines, target, tp, ep), a "not judged"
@@ -76,4 +70,4 @@ def validate_cmd(
                              hint="--engine vllm judges this checkpoint" if engine is not Engine.VLLM else None)
         return 0
 
-    run(ctx, json_, body, quiet, verbose)
+    run(ctx, body)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from mocli.cli.app import JsonOpt, QuietOpt, VerboseOpt, command, run
+from mocli.cli.app import command, run
 from mocli.devices import Device, Kernels, warm_cuda
 from mocli.errors import EXIT_FINDINGS
 from mocli.output import Output
@@ -35,9 +35,6 @@ def verify_cmd(
                                                    help="Also write a JUnit XML report.")] = None,
     report_html: Annotated[Path | None, typer.Option("--report", metavar="PATH", help="Also write a self-contained "
                                                      "HTML heat map (error / threshold per module and rank).")] = None,
-    json_: JsonOpt = False,
-    quiet: QuietOpt = False,
-    verbose: VerboseOpt = 0,
 ) -> None:
     """Check every byte of a converted directory and run real GEMMs against the source; exit 1 on failure."""
 
@@ -70,4 +67,4 @@ def verify_cmd(
         out.emit(report, render_verify)
         return 0 if report["ok"] else EXIT_FINDINGS
 
-    run(ctx, json_, body, quiet, verbose)
+    run(ctx, body)
