@@ -24,6 +24,7 @@ from mocli.verify.results import (  # noqa: F401 - the torch checks import these
     Halves,
     ModuleResult,
     Problems,
+    Tally,
     VerifyOptions,
     finish,
     pick_experts,

@@ -28,6 +28,7 @@ from mocli.verify.common import (
     ModuleResult,
     Problems,
     Runtime,
+    Tally,
     finish,
     gen,
     rel_error,
@@ -110,8 +111,9 @@ def verify_quantized(out: Path, opts, progress) -> dict[str, Any]:
     unchecked = [] if opts.layers else sorted(n for n in ckpt.tensors if n not in checked and n not in kept)
     progress.phase(f"hashing {hashes.count} files")
     file_problems = hashes.result()
-    return single_rank_report(out, src, "fp8 (quant_method, dynamic activations)", str(rt.device), opts, results, len(wanted or {}),
-                              file_problems, len(kept), pass_problems, len(ckpt.tensors), unchecked, "", t_all)
+    tally = Tally(len(wanted or {}), file_problems, len(kept), pass_problems, len(ckpt.tensors), unchecked)
+    return single_rank_report(out, src, "fp8 (quant_method, dynamic activations)", str(rt.device), opts, results, tally,
+                              t_all)
 
 
 def _match(name: str, pattern: str) -> bool:

@@ -21,7 +21,7 @@ from mocli.census import Census
 from mocli.checkpoint import open_checkpoint
 from mocli.formats.modelopt import provenance_of
 from mocli.tables import INPUT_SCALE, WEIGHT_SCALE, WEIGHT_SCALE_2
-from mocli.verify.common import ModuleResult, Problems, finish, runtime, single_rank_report
+from mocli.verify.common import ModuleResult, Problems, Tally, finish, runtime, single_rank_report
 from mocli.verify.expect import apply_table
 from mocli.verify.files import Hashes, compare_bytes, open_source
 
@@ -87,9 +87,9 @@ def verify_repaired(out: Path, opts, progress) -> dict[str, Any]:
                  for f in validate(ckpt, None).findings.errors]
     progress.phase(f"hashing {hashes.count} files")
     file_problems = hashes.result()
-    return single_rank_report(out, src, "modelopt (repaired, SEMANTICS §11)", str(rt.device), opts, results, len(wanted or {}),
-                              file_problems, len(same), problems, len(ckpt.tensors), [],
-                              f"{len(repairs)} repair(s) recorded", t_all)
+    tally = Tally(len(wanted or {}), file_problems, len(same), problems, len(ckpt.tensors), [],
+                  f"{len(repairs)} repair(s) recorded")
+    return single_rank_report(out, src, "modelopt (repaired, SEMANTICS §11)", str(rt.device), opts, results, tally, t_all)
 
 
 def _result(name: str, kind: str, rule: str, problems: Problems, t0: float) -> ModuleResult:

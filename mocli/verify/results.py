@@ -305,20 +305,32 @@ class Stages:
         return self.worst[1], self.worst[2]
 
 
-def single_rank_report(out, src, target: str, device: str, opts, results: list[ModuleResult], files_checked: int,
-                       file_problems: list, kept: int, problems: list, tensors: int, unchecked: list, note: str,
+@dataclass
+class Tally:
+    """What a single-rank check counted beside its modules: files hashed, tensors passed through, coverage."""
+
+    files_checked: int
+    file_problems: list
+    kept: int
+    problems: list
+    tensors: int
+    unchecked: list
+    note: str = ""
+
+
+def single_rank_report(out, src, target: str, device: str, opts, results: list[ModuleResult], tally: Tally,
                        t0: float) -> dict[str, Any]:
     """The report of an output with one rank and no cross-rank checks (quantize and repair outputs), in
     the shape of convert's, so renderers, JUnit and HTML read all three alike."""
-    failed = [r for r in results if not r.passed]
+    failed, t = [r for r in results if not r.passed], tally
     return {
         "output": str(out), "source": src.source.describe(), "target": target,
         "parallel": {"tp": 1, "ep": 1, "ranks": 1}, "ranks": [0], "device": device, "tokens": opts.tokens,
-        "seed": opts.seed, "files": {"checked": files_checked, "problems": file_problems},
+        "seed": opts.seed, "files": {"checked": t.files_checked, "problems": t.file_problems},
         "modules": [r.to_dict() for r in results], "cross_rank": [],
-        "passthrough": {"checked": kept, "problems": problems},
-        "coverage": {"tensors": tensors, "unchecked": unchecked, "note": note},
+        "passthrough": {"checked": t.kept, "problems": t.problems},
+        "coverage": {"tensors": t.tensors, "unchecked": t.unchecked, "note": t.note},
         "passed": len(results) - len(failed),
-        "failed": len(failed) + len(file_problems) + len(problems) + len(unchecked),
-        "ok": not (failed or file_problems or problems or unchecked), "seconds": round(time.perf_counter() - t0, 3),
+        "failed": len(failed) + len(t.file_problems) + len(t.problems) + len(t.unchecked),
+        "ok": not (failed or t.file_problems or t.problems or t.unchecked), "seconds": round(time.perf_counter() - t0, 3),
     }
