@@ -72,6 +72,16 @@ bench: install
 bench-gpu:
 	$(PYTHON) tests/bench/bench.py --device cuda --only convert,quantize
 
+# Issue 45's "behaviour unchanged" check (tests/bench/identity.py): every target x tp1/tp2/tp2 ep2
+# conversion of fixtures/real and a few generated kinds, repair and quantize, run by the previous release
+# (IDENTITY_BASE, a git worktree in a scratch dir, removed after) and by this work tree on the same inputs;
+# every output file compared byte for byte (only the producer's version may differ), then this tree's verify
+# and loader on the base's outputs. Exit 1 on a difference no commit meant. CPU; ~8 minutes on 2 cores.
+IDENTITY_BASE ?= 13b0c36
+.PHONY: identity
+identity:
+	$(PYTHON) tests/bench/identity.py --base $(IDENTITY_BASE)
+
 # Scale rehearsal on a GPU machine: a DeepSeek-shaped NVFP4 MoE of GB gigabytes (generation untimed),
 # the floor, convert --tp 8 --device cuda in one process and under torchrun with each of PROCS
 # processes (byte-identity checked), verify of rank 0 and of all ranks, and a 400 GB extrapolation.
