@@ -40,11 +40,13 @@ CODES: dict[str, tuple[Severity, str]] = {
     "TNS006": (Severity.ERROR, "MoE experts inconsistent (missing expert or mismatched shapes)"),
     "TNS007": (Severity.ERROR, "static input_scale stored under a dynamic activation scheme"),
     "TNS008": (Severity.ERROR, "embedding stored quantized, which no engine loads"),
+    "TNS009": (Severity.ERROR, "MXFP4 experts blocked along the output features, which no engine's MXFP4 GEMM reads"),
     # NVFP4_AWQ (SEMANTICS §15)
     "AWQ001": (Severity.ERROR, "modules that share an input carry different (or partly no) pre_quant_scale"),
     "AWQ002": (Severity.ERROR, "MoE down projections carry pre_quant_scale, which no fused-MoE kernel applies"),
     # vLLM 0.33's reading (validate --engine vllm|all)
     "VLL001": (Severity.WARNING, "vLLM refuses this quantization algorithm (its output serves through mocli's plugin)"),
+    "VLL002": (Severity.ERROR, "vLLM refuses this quantization config, and no mocli conversion serves it"),
     # the KV cache (SEMANTICS §16)
     "KVC001": (Severity.ERROR, "affine KV-cache quantization (k_bias / v_bias), which no engine consumes"),
     # SGLang 0.5.23's reading (validate --engine sglang|all; mocli.engines.sglang)
