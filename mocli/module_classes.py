@@ -1,4 +1,4 @@
-"""The per-module objects ``mocli.loader`` hands out, one dataclass per converted module kind (``CLASSES``):
+"""The per-module objects ``mocli.loader`` hands out, one dataclass per converted module kind (``CLASSES``, from the kinds' cards):
 what a kernel call needs, by the manifest's role names (LAYOUT.md). Tensors are torch tensors from
 ``load_module`` and read-only numpy views from ``module_arrays``."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mocli.kinds import ModuleKind
+from mocli.kinds import ModuleKind, table
 
 if TYPE_CHECKING:
     import torch
@@ -237,12 +237,7 @@ class MarlinMoE:
     expert_offset: int = 0
 
 
-CLASSES: dict[ModuleKind, type] = {
-    ModuleKind.FP8_LINEAR: Fp8Linear, ModuleKind.FP8_CHANNEL_LINEAR: Fp8ChannelLinear,
-    ModuleKind.FP8_BLOCK_LINEAR: Fp8BlockLinear, ModuleKind.NVFP4_LINEAR: Nvfp4Linear,
-    ModuleKind.FP8_MOE: Fp8MoE, ModuleKind.NVFP4_MOE: Nvfp4MoE,
-    ModuleKind.NVFP4_MARLIN_LINEAR: MarlinLinear, ModuleKind.NVFP4_MARLIN_MOE: MarlinMoE,
-    ModuleKind.MXFP8_LINEAR: Mxfp8Linear, ModuleKind.MXFP8_MOE: Mxfp8MoE, ModuleKind.FP8_BLOCK_MOE: Fp8BlockMoE,
-}
+# Module kind -> its dataclass (its card's, ``mocli.kinds``: every class above is defined by now)
+CLASSES: dict[ModuleKind, type] = table("stored")
 ConvertedModule = (Fp8Linear | Fp8ChannelLinear | Fp8BlockLinear | Nvfp4Linear | Mxfp8Linear | Fp8MoE | Nvfp4MoE
                    | Mxfp8MoE | Fp8BlockMoE | MarlinLinear | MarlinMoE)

@@ -1,5 +1,6 @@
 """The code's shape, checked: one direction of flow, no import cycle, verify independent of the code it
-checks, header-only commands without torch, and every per-kind table covering every kind."""
+checks, header-only commands without torch, and every module kind one card that the per-kind tables
+derive from."""
 
 from __future__ import annotations
 
@@ -215,26 +216,71 @@ def test_header_only_commands_never_import_torch():
     assert r.returncode == 0, r.stderr
 
 
-def test_every_kind_table_covers_every_kind():
-    """A new module kind fails here, at every table that lacks it: scheme, planner, loader class, serving
-    kernel, verify check, threshold."""
+# Where each of a card's code parts must live: the package that builds its table resolves it, so verify
+# never loads the converter's or serving's code and planning never loads torch
+PART_HOMES = {"planner": "mocli.plan.", "stored": "mocli.module_classes", "kernel": "mocli.serve.",
+              "check": "mocli.verify.kinds."}
+
+
+def test_every_module_kind_is_one_complete_card():
+    """A module kind is declared once, as a card (``mocli.kinds.CARDS``): one per kind, each naming every
+    part (planner, stored-tensor class, serving kernel, verify check, thresholds), each part found
+    where it must live."""
     import importlib
 
-    from mocli.loader import CLASSES
+    from mocli.kinds import CARDS
+    from mocli.targets import Target
+
+    assert sorted(c.kind for c in CARDS) == sorted(ModuleKind), "one card per module kind, no kind twice"
+    for c in CARDS:
+        assert c.roles and c.schemes and c.thresholds is not None, c.kind
+        assert isinstance(c.check_torch, bool) and c.thresholds.kept > 0 and c.thresholds.unified > 0, c.kind
+        assert (c.thresholds.gemm2 is not None) == c.moe, f"{c.kind}: a MoE kind, and only one, has a GEMM2 threshold"
+        for part, ref in c.parts().items():
+            assert ref.module.startswith(PART_HOMES[part]), f"{c.kind}: its {part} {ref.path} is not under {PART_HOMES[part]}"
+            assert callable(ref.load()), f"{c.kind}: its {part} {ref.path} is missing"
+        assert ("moe" in c.check.module) == c.moe, c.kind  # the MoE kinds' checks share the MoE driver
+        assert callable(importlib.import_module(c.check.module).check), c.kind
+        assert all(t in set(Target) for t, _ in c.transforms), (c.kind, c.transforms)
+
+
+def test_every_kind_table_is_derived_from_the_cards():
+    """Every per-kind table holds exactly the cards' entries: a table entry no card declares fails here,
+    as does a card some table lacks. verify's THRESHOLDS also holds ``mocli quantize``'s outputs."""
+    from mocli.kinds import CARDS
+    from mocli.module_classes import CLASSES
     from mocli.plan import PLANNERS
     from mocli.serve import KERNELS
+    from mocli.targets import REGISTRY
     from mocli.verify.kinds import CHECKS
-    from mocli.verify.results import THRESHOLDS
+    from mocli.verify.results import QUANTIZED_THRESHOLDS, THRESHOLDS
 
-    every = set(ModuleKind)
-    tables = {"kinds.KINDS": KINDS, "plan.PLANNERS": PLANNERS, "loader.CLASSES": CLASSES, "serve.KERNELS": KERNELS,
-              "verify THRESHOLDS": THRESHOLDS, "verify.kinds.CHECKS": CHECKS}
-    for name, table in tables.items():
-        assert set(table) == every, f"{name} lacks {sorted(every - set(table))}"
-    for kind, c in CHECKS.items():  # each names a module with a check; MoE kinds' share the MoE driver
-        module = importlib.import_module(f"mocli.verify.kinds.{c.module}")
-        assert callable(module.check) and (("moe" in c.module) == KINDS[kind].moe), (kind, c)
-    assert all(THRESHOLDS[k].gemm2 is not None for k, s in KINDS.items() if s.moe)
+    cards = {c.kind: c for c in CARDS}
+    assert KINDS == cards
+    for name, table, part in (("plan.PLANNERS", PLANNERS, "planner"), ("module_classes.CLASSES", CLASSES, "stored"),
+                              ("serve.KERNELS", KERNELS, "kernel")):
+        assert set(table) == set(cards), f"{name}: {sorted(set(table) ^ set(cards))} not as the cards say"
+        wrong = [k for k, v in table.items() if v is not cards[k].parts()[part].load()]
+        assert not wrong, f"{name}: {wrong} differ from their cards"
+    assert set(CHECKS) == set(cards)
+    assert all(f"mocli.verify.kinds.{c.module}" == cards[k].check.module and c.torch is cards[k].check_torch
+               for k, c in CHECKS.items())
+    assert THRESHOLDS == {**{k: c.thresholds for k, c in cards.items()}, **QUANTIZED_THRESHOLDS}
+    assert not set(QUANTIZED_THRESHOLDS) & set(ModuleKind)
+    for target, layout in REGISTRY.items():
+        declared = {c.kind: t for c in CARDS for tt, t in c.transforms if tt == target}
+        assert layout.weight_transforms == declared and set(declared) <= layout.kinds, target
+
+
+def test_no_per_kind_table_is_written_by_hand():
+    """The packages whose tables the cards give (planners, stored classes, kernels, checks, thresholds)
+    key no dict literal by ``ModuleKind``: a kind's part is declared on its card, not beside it. (A check
+    module that serves several kinds dispatches among its own cases: that is not a table.)"""
+    files = [*ROOT.glob("plan/*.py"), *ROOT.glob("serve/*.py"), ROOT / "module_classes.py",
+             ROOT / "verify" / "results.py", ROOT / "verify" / "quantized.py", ROOT / "verify" / "kinds" / "__init__.py"]
+    hand = [f"{p.relative_to(ROOT.parent)}:{n.lineno}" for p in files for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, ast.Dict) and any(k is not None and ast.unparse(k).startswith("ModuleKind.") for k in n.keys)]
+    assert not hand, hand
 
 
 NVFP4_WITHOUT_TORCH = """

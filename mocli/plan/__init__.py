@@ -4,7 +4,7 @@ Nothing here moves weight bytes. ``build_plan`` decides names, dtypes, shapes, r
 ``mocli.stream`` runs the units and writes each result straight to its place; ``mocli.formats.layout``
 writes the manifest. Layouts follow SEMANTICS §3-§8, per rank §10; scalar scale arithmetic is
 float32 on the CPU (numpy: planning never loads torch, so the engine starts copying while it loads).
-A module kind's planner is one entry of ``PLANNERS``.
+A module kind's planner is named by its card (``mocli.kinds.CARDS``); ``PLANNERS`` loads them.
 """
 
 from __future__ import annotations
@@ -14,20 +14,15 @@ from collections.abc import Callable
 import numpy as np
 
 from mocli.census import Census
-from mocli.kinds import ModuleKind
+from mocli.kinds import ModuleKind, table
 from mocli.parallel import Heads, ParallelLayout
 from mocli.plan.context import PlanContext
 from mocli.plan.core import ConvertedModule, ConvertPlan
-from mocli.plan.dense import DENSE_PLANNERS
-from mocli.plan.fp8_block_moe import FP8_BLOCK_MOE_PLANNERS
-from mocli.plan.marlin import MARLIN_PLANNERS
-from mocli.plan.moe import MOE_PLANNERS
-from mocli.plan.mxfp8 import MXFP8_PLANNERS
 from mocli.targets import Target, layout_of
 
-# Module kind -> its planner, called as PLANNERS[kind](context, kind, name, modules or MoE layer).plan().
-PLANNERS: dict[ModuleKind, Callable] = {**DENSE_PLANNERS, **MOE_PLANNERS, **MARLIN_PLANNERS, **MXFP8_PLANNERS,
-                                        **FP8_BLOCK_MOE_PLANNERS}
+# Module kind -> its planner (its card's, ``mocli.kinds``), called as
+# PLANNERS[kind](context, kind, name, modules or MoE layer).plan().
+PLANNERS: dict[ModuleKind, Callable] = table("planner")
 
 __all__ = ["PLANNERS", "ConvertPlan", "ConvertedModule", "build_plan"]
 

@@ -318,10 +318,3 @@ class _Nvfp4Dense(_Dense):
             parts.append(loaded[i][a:b, c0 // 2:c1 // 2])
         rank_w = nvfp4.permute_rows(np.concatenate(parts), self.pc.layout.nvfp4_weight_rows(sl.n))
         return [np.ascontiguousarray(nvfp4.pad_2d(rank_w, *wshape))]
-
-
-# Planner per dense kind (mocli.plan.PLANNERS joins it with the MoE one).
-DENSE_PLANNERS: dict[ModuleKind, type[_Dense]] = {
-    ModuleKind.FP8_LINEAR: _Fp8TensorDense, ModuleKind.FP8_CHANNEL_LINEAR: _Fp8ScaledDense,
-    ModuleKind.FP8_BLOCK_LINEAR: _Fp8ScaledDense, ModuleKind.NVFP4_LINEAR: _Nvfp4Dense,
-}

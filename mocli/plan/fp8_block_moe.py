@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mocli.census import Module
-from mocli.kinds import ModuleKind, Role
+from mocli.kinds import Role
 from mocli.plan.core import F32
 from mocli.plan.moe import _check_bytes, _Moe, checked_weight
 from mocli.tables import WEIGHT, WEIGHT_SCALE
@@ -96,6 +96,3 @@ class _Fp8BlockMoe(_Moe):
 
 def _clamped(s: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.maximum(s.astype(F32), MIN_BLOCK_SCALE))
-
-
-FP8_BLOCK_MOE_PLANNERS = {ModuleKind.FP8_BLOCK_MOE: _Fp8BlockMoe}

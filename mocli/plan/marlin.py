@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mocli.census import Module
-from mocli.kinds import ModuleKind, Role
+from mocli.kinds import Role
 from mocli.ops import fp8, marlin
 from mocli.plan.context import PlanContext
 from mocli.plan.core import F32, ConvertedModule
@@ -250,6 +250,4 @@ class _MarlinMoe(_Moe):
                                        lambda ctx: [Piece(k, 0, v) for k, v in values.items()], torch_free=True))
 
 
-MARLIN_PLANNERS = {ModuleKind.NVFP4_MARLIN_LINEAR: _MarlinDense, ModuleKind.NVFP4_MARLIN_MOE: _MarlinMoe}
-
-__all__ = ["ACT_DTYPE", "MARLIN_PLANNERS", "ConvertedModule", "OutTensor", "QUANT_SUFFIXES", "concat_pieces"]
+__all__ = ["ACT_DTYPE", "ConvertedModule", "OutTensor", "QUANT_SUFFIXES", "concat_pieces"]

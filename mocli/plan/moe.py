@@ -352,7 +352,3 @@ class _Nvfp4Moe(_Moe):
             return [nvfp4.swizzle_block_scales(nvfp4.permute_rows(db[:, i0 // 16:i1 // 16], layout.w2_rows(h)))]
 
         self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], emit, prepare)
-
-
-# Planner per MoE kind (mocli.plan.PLANNERS joins it with the dense one).
-MOE_PLANNERS: dict[ModuleKind, type[_Moe]] = {ModuleKind.FP8_MOE: _Fp8Moe, ModuleKind.NVFP4_MOE: _Nvfp4Moe}

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mocli.io.safetensors_file import TensorEntry
-from mocli.kinds import ModuleKind, Role
+from mocli.kinds import Role
 from mocli.ops import nvfp4, roundup, swizzled_shape
 from mocli.parallel import RankSlice
 from mocli.plan.dense import _Dense, check_fp8
@@ -153,6 +153,3 @@ class _Mxfp8Moe(_Moe):
 def _check_e8m0(raw: np.ndarray, entry: TensorEntry) -> None:
     if bool((raw == E8M0_NAN).any()):
         raise BadData(entry.name, "E8M0 scale bytes encode NaN (0xFF)")
-
-
-MXFP8_PLANNERS = {ModuleKind.MXFP8_LINEAR: _Mxfp8Dense, ModuleKind.MXFP8_MOE: _Mxfp8Moe}

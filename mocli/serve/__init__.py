@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from mocli.kinds import ModuleKind
+from mocli.kinds import ModuleKind, table
 from mocli.serve.common import Kernel, ServeError
-from mocli.serve.dense import DENSE, DenseKernel
-from mocli.serve.marlin import MARLIN
-from mocli.serve.moe import MOE, MoeKernel
+from mocli.serve.dense import DenseKernel
+from mocli.serve.moe import MoeKernel
 from mocli.targets import layout_of
 
-KERNELS: dict[ModuleKind, type[Kernel]] = {**DENSE, **MOE, **MARLIN}
+# Module kind -> its kernel class (its card's, ``mocli.kinds``)
+KERNELS: dict[ModuleKind, type[Kernel]] = table("kernel")
 
 
 def kernel(kind: ModuleKind | str, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], target: str,
@@ -42,4 +42,4 @@ def kernel_of(ck, name: str, device: str | torch.device = "cpu") -> Kernel:
     return kernel(info["kind"], tensors, info["meta"], ck.target, name)
 
 
-__all__ = ["DENSE", "KERNELS", "MARLIN", "MOE", "DenseKernel", "Kernel", "MoeKernel", "ServeError", "kernel", "kernel_of"]
+__all__ = ["KERNELS", "DenseKernel", "Kernel", "MoeKernel", "ServeError", "kernel", "kernel_of"]

@@ -221,9 +221,3 @@ class Mxfp8LinearKernel(DenseKernel):
         scale = torch.exp2(bs[:n].float() - 127.0).repeat_interleave(32, dim=1)
         return w[:n].view(F8).float() * scale
 
-
-DENSE: dict[ModuleKind, type[DenseKernel]] = {
-    ModuleKind.FP8_LINEAR: Fp8LinearKernel, ModuleKind.FP8_CHANNEL_LINEAR: Fp8ChannelLinearKernel,
-    ModuleKind.FP8_BLOCK_LINEAR: Fp8BlockLinearKernel, ModuleKind.NVFP4_LINEAR: Nvfp4LinearKernel,
-    ModuleKind.MXFP8_LINEAR: Mxfp8LinearKernel,
-}

@@ -213,7 +213,4 @@ class MarlinMoeKernel(MoeKernel):
         return out.float()
 
 
-MARLIN: dict[ModuleKind, type[Kernel]] = {ModuleKind.NVFP4_MARLIN_LINEAR: MarlinLinearKernel,
-                                          ModuleKind.NVFP4_MARLIN_MOE: MarlinMoeKernel}
-
-__all__ = ["MARLIN", "MarlinLinearKernel", "MarlinMoeKernel", "gemm_dtype"]
+__all__ = ["MarlinLinearKernel", "MarlinMoeKernel", "gemm_dtype"]

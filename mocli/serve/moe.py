@@ -321,6 +321,3 @@ class Fp8BlockMoeKernel(MoeKernel):
 def _mx_dequant(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return w.float() * torch.exp2(s.float() - 127.0).repeat_interleave(32, dim=1)
 
-
-MOE: dict[ModuleKind, type[MoeKernel]] = {ModuleKind.FP8_MOE: Fp8MoeKernel, ModuleKind.NVFP4_MOE: Nvfp4MoeKernel,
-                                          ModuleKind.MXFP8_MOE: Mxfp8MoeKernel, ModuleKind.FP8_BLOCK_MOE: Fp8BlockMoeKernel}

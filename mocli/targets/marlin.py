@@ -9,12 +9,9 @@ scales are kept as metadata only. The forward byte moves are ``mocli.ops.marlin`
 
 from __future__ import annotations
 
-from mocli.kinds import ModuleKind
+from mocli.kinds import REPACK, ModuleKind
 from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, MXFP8, NVFP4, W4A16_NVFP4
 from mocli.targets.base import SHARED_CONSTRAINTS, Constraint, Target, TargetLayout
-
-REPACK = "gptq_marlin_repack"  # the transform every Marlin weight records
-
 
 MARLIN_KINDS = frozenset({ModuleKind.NVFP4_MARLIN_LINEAR, ModuleKind.NVFP4_MARLIN_MOE})
 # FP8 layers (a MIXED_PRECISION checkpoint's, beside W4A16 or NVFP4 ones) keep the plain FP8 layout the
@@ -37,4 +34,6 @@ class MarlinLayout(TargetLayout):
                                                      if c.scheme is FP8 or c.scheme is MXFP8 and c.scope == "linear") + tuple(
         # prepare_nvfp4_moe_layer_for_marlin: the hidden size must be a whole number of 64-wide tiles
         Constraint("moe", s, "H", 64, "Marlin's MoE kernel tiles H by 64 (SEMANTICS §13.6)") for s in (NVFP4, W4A16_NVFP4))
-    weight_transforms = dict.fromkeys(MARLIN_KINDS, REPACK)
+
+
+__all__ = ["FP8_KINDS", "MARLIN_KINDS", "REPACK", "MarlinLayout"]  # REPACK: the Marlin planner records it

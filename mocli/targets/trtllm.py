@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mocli.kinds import ModuleKind, Role
+from mocli.kinds import BLOCK_MAJOR_K, ModuleKind, Role
 from mocli.schemes import FP8, MXFP8, NVFP4, NVFP4_AWQ
 from mocli.targets.base import ROW_SHUFFLE, SHARED_CONSTRAINTS, SUPPORTED, Constraint, Target, TargetLayout
 
@@ -22,8 +22,6 @@ class TrtllmLayout(TargetLayout):
     shuffles_rows = True
     row_shuffled_kinds = frozenset({ModuleKind.NVFP4_LINEAR, ModuleKind.FP8_MOE, ModuleKind.NVFP4_MOE,
                                     ModuleKind.MXFP8_LINEAR, ModuleKind.MXFP8_MOE})
-    # FP8 block-scale experts are shuffled otherwise (16-row blocks) and stored BlockMajorK (SEMANTICS §18.2)
-    weight_transforms = {ModuleKind.FP8_BLOCK_MOE: "block_major_k_128"}
     # vLLM 0.33 runs MXFP8 MoE on FlashInfer's TRT-LLM kernel only (no CUTLASS MXFP8 MoE: SEMANTICS §14.3)
     supported = {"linear": SUPPORTED["linear"], "moe": SUPPORTED["moe"] | {MXFP8}}
     extra_roles = {
@@ -97,7 +95,7 @@ class TrtllmLayout(TargetLayout):
         return k // 128, m, 128
 
     def block_moe_transforms(self) -> list[str]:
-        return [BLOCK_SHUFFLE, "block_major_k_128"]
+        return [BLOCK_SHUFFLE, BLOCK_MAJOR_K]
 
     def block_moe_weight(self, w: np.ndarray) -> np.ndarray:
         from mocli.ops.rows import shuffle16_row_indices

@@ -1,7 +1,7 @@
 """verify's module checks, one module per converted module kind, in one registry.
 
 ``CHECKS[kind]`` names the module whose ``check(name, infos, ctx)`` verifies a module of that kind on
-every given rank, and whether it needs torch (FP8: its kernels; NVFP4 runs in numpy, torch only for
+every given rank, and whether it needs torch, as the kind's card (``mocli.kinds``) says (FP8: its kernels; NVFP4 runs in numpy, torch only for
 FlashInfer's sm_100 kernels). Modules load on first use, so an NVFP4 verify never imports torch.
 What the dense kinds share is ``dense.check_dense``, what the MoE kinds share ``moe.check_moe``.
 """
@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mocli.kinds import ModuleKind
+from mocli.kinds import CARDS, ModuleKind
 
 
 @dataclass(frozen=True)
@@ -26,19 +26,9 @@ class KindCheck:
         return importlib.import_module(f"mocli.verify.kinds.{self.module}").check
 
 
+# From the cards (``mocli.kinds``), without importing any check: a check module loads on first use
 CHECKS: dict[ModuleKind, KindCheck] = {
-    ModuleKind.FP8_LINEAR: KindCheck("fp8_linear", torch=True),
-    ModuleKind.FP8_CHANNEL_LINEAR: KindCheck("fp8_linear", torch=True),
-    ModuleKind.FP8_BLOCK_LINEAR: KindCheck("fp8_linear", torch=True),
-    ModuleKind.NVFP4_LINEAR: KindCheck("nvfp4_linear", torch=False),
-    ModuleKind.FP8_MOE: KindCheck("fp8_moe", torch=True),
-    ModuleKind.NVFP4_MOE: KindCheck("nvfp4_moe", torch=False),
-    ModuleKind.NVFP4_MARLIN_LINEAR: KindCheck("marlin_linear", torch=False),
-    ModuleKind.NVFP4_MARLIN_MOE: KindCheck("marlin_moe", torch=False),
-    ModuleKind.MXFP8_LINEAR: KindCheck("mxfp8_linear", torch=False),
-    ModuleKind.MXFP8_MOE: KindCheck("mxfp8_moe", torch=False),
-    ModuleKind.FP8_BLOCK_MOE: KindCheck("fp8_block_moe", torch=False),
-}
+    c.kind: KindCheck(c.check.module.removeprefix(f"{__name__}."), torch=c.check_torch) for c in CARDS}
 
 # Modules checked at once where every check runs in numpy (numpy drops the GIL in its loops, copies and
 # GEMMs): one on the 2-core build machine, whose second core hashes and checks bytes; up to four on
