@@ -114,7 +114,9 @@ class MoELayer:
 
     @property
     def schemes(self) -> set[Scheme | None]:
-        return {m.scheme for e in self.experts.values() for _, m in e.projections() if m is not None}
+        # distinct objects first: a Scheme's hash walks all its fields, and a layer holds ~400 modules of one or two
+        return set({id(m.scheme): m.scheme for e in self.experts.values() for _, m in e.projections()
+                    if m is not None}.values())
 
 
 @dataclass

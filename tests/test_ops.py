@@ -221,6 +221,25 @@ def test_numpy_rescale_table_is_the_torch_formula_on_every_code(s, big):
     assert odd.shape == (5, 1) and np.array_equal(odd.reshape(-1), got[:5])
 
 
+def test_rescale_codes_elementwise_is_the_torch_formula():
+    """fp8.rescale_codes (planning's one call for every expert's top code, each with its own s2 and S2)
+    against the formula run in torch per element: NaN codes stay NaN, s2 == S2 keeps the code."""
+    g = torch.Generator().manual_seed(7)
+    n = 4096
+    codes = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+    s2 = (torch.rand(n, generator=g) * 8 + 2.0**-12).float()
+    big = torch.where(torch.rand(n, generator=g) < 0.2, s2, s2 * (1 + torch.rand(n, generator=g) * 30))
+    want = (codes.view(torch.float8_e4m3fn).float() * s2 / big).clamp(-448, 448).to(torch.float8_e4m3fn)
+    want = want.view(torch.uint8).numpy().copy()
+    nan = ((codes & 0x7F) == 0x7F).numpy()
+    want[nan] = 0x7F
+    same = (s2 == big).numpy()
+    want[same] = codes.numpy()[same]
+    got = fp8.rescale_codes(codes.numpy(), s2.numpy(), big.numpy())
+    assert got.dtype == np.uint8 and np.array_equal(got, want)
+    assert int(fp8.rescale_codes(0x48, np.float32(1.0), np.float32(2.0))) == 0x40  # 4.0 -> 2.0, a 0-dim call
+
+
 def test_numpy_nan_check():
     x = np.zeros(1000, dtype=np.uint8)
     assert not fp8.has_nan_fp8(x) and not fp8.has_nan_fp8(x[:0])

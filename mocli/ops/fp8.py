@@ -101,6 +101,17 @@ def requantize_fp8(raw: np.ndarray, s: np.floating, big: np.floating, f16: bool 
     return _apply("requant_f16" if f16 else "requant", raw, s, big)
 
 
+def rescale_codes(codes: np.ndarray, s2: np.ndarray, big: np.ndarray) -> np.ndarray:
+    """``rescale_block_scales`` element by element, each code with its own (s2_i, S2): the same bytes as
+    its table (float32 ``float(bs) * s2_i / S2``, encoded; NaN codes stay NaN; unchanged where s2_i == S2).
+    Planning rescales one top code per expert this way, in one call instead of a table each."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    s2, big = np.asarray(s2, dtype=np.float32), np.asarray(big, dtype=np.float32)
+    out = encode_fp8(decode_fp8(codes) * s2 / big)
+    out[(codes & 0x7F) == 0x7F] = NAN_CODE
+    return np.where(s2 == big, codes, out).astype(np.uint8)
+
+
 def rescale_block_scales(raw: np.ndarray, s2: np.floating, big: np.floating) -> np.ndarray:
     """bs' = fp8(float(bs) * s2_i / S2), so bs' * S2 ≈ bs * s2_i (SEMANTICS §6 mocli policy); the
     bytes unchanged (not copied) when s2_i == S2."""

@@ -43,7 +43,7 @@ def _top_code(pc: PlanContext, m: Module, rows: tuple[int, int] | None = None,
 
 
 def _rescaled_top(pc: PlanContext, m: Module, s2, big, **where) -> int:
-    return int(fp8.rescale_block_scales(np.array([[_top_code(pc, m, **where)]], dtype=np.uint8), s2, big)[0, 0])
+    return int(fp8.rescale_codes(_top_code(pc, m, **where), s2, big))
 
 
 def _unify(pc: PlanContext, s2: list, what: str) -> np.float32:
@@ -147,11 +147,10 @@ class _MarlinMoe(_Moe):
     experts, as vLLM computes it over a layer's), the global scales ×2^119/sf per expert."""
 
     def plan(self) -> None:
-        pc, h = self.pc, self.h
+        h = self.h
         s2_1, s2_3, s2_2 = self.per_expert(WEIGHT_SCALE_2)
         w13_s2 = np.maximum(s2_1, s2_3)
-        for e in range(self.e_count):
-            _unify(pc, [s2_1[e], s2_3[e]], "experts") if s2_1[e] != s2_3[e] else None
+        self._count_unified(s2_1, s2_3, w13_s2)
         w4a4 = all(INPUT_SCALE in m.tensors for trio in self.mods for m in trio)
         self.ip = {r: marlin.moe_padded_i(self.i_r(r), h) for r in self.ranks}
         self.sf13, self.sf2 = self._scale_factors(s2_1, s2_3, w13_s2)
@@ -184,16 +183,27 @@ class _MarlinMoe(_Moe):
             self.module(r, {"padded_intermediate": self.ip[r], "scale_factor_w13": self.sf13[r],
                             "scale_factor_w2": self.sf2[r], "act_dtype": ACT_DTYPE})
 
+    def _count_unified(self, s2_1, s2_3, w13_s2) -> None:
+        """``_unify``'s counts for every expert whose w1 and w3 global scales differ, at once."""
+        differ = s2_1 != s2_3
+        if differ.any():
+            counts = self.pc.plan.unified_scales
+            counts["nvfp4_rescaled_experts"] += int(differ.sum())
+            worst = float((w13_s2 / np.minimum(s2_1, s2_3))[differ].max())
+            counts["nvfp4_worst_scale_2_ratio"] = max(counts["nvfp4_worst_scale_2_ratio"], worst)
+
     def _scale_factors(self, s2_1, s2_3, w13_s2) -> tuple[dict[int, float], dict[int, float]]:
         """Per rank, vLLM's power-of-two scale factor of w13's and of w2's block scales, from the largest
-        (rescaled) code over the rank's experts and rows."""
+        (rescaled) code over the rank's experts and rows (rescaling keeps codes in order: the top code's
+        rescaled value is the largest rescaled one)."""
         top13, top2 = {}, {}
         for r in self.ranks:
             (e0, e1), (i0, i1) = self.experts[r], self.inter[r]
-            top13[r] = max(max(_rescaled_top(self.pc, g, s2_1[e], w13_s2[e], rows=(i0, i1)),
-                               _rescaled_top(self.pc, u, s2_3[e], w13_s2[e], rows=(i0, i1)))
-                           for e, (g, u, _) in enumerate(self.mods[e0:e1], start=e0))
-            top2[r] = max(_top_code(self.pc, d, cols=(i0 // 16, i1 // 16)) for _, _, d in self.mods[e0:e1])
+            mods = self.mods[e0:e1]
+            tops = [np.array([_top_code(self.pc, m[j], rows=(i0, i1)) for m in mods]) for j in (0, 1)]
+            top13[r] = int(max(fp8.rescale_codes(tops[0], s2_1[e0:e1], w13_s2[e0:e1]).max(),
+                               fp8.rescale_codes(tops[1], s2_3[e0:e1], w13_s2[e0:e1]).max()))
+            top2[r] = max(_top_code(self.pc, d, cols=(i0 // 16, i1 // 16)) for _, _, d in mods)
         factor = lambda top: marlin.scale_factor(np.array([top], dtype=np.uint8), ACT_DTYPE)  # noqa: E731
         return {r: factor(t) for r, t in top13.items()}, {r: factor(t) for r, t in top2.items()}
 

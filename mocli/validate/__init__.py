@@ -19,6 +19,7 @@ from mocli.census import Census
 from mocli.checkpoint import Checkpoint
 from mocli.engines import ENGINES, Engine
 from mocli.findings import Findings
+from mocli.io.bulk import paused_gc
 from mocli.parallel import Heads, ParallelLayout
 from mocli.scales import read_scales
 from mocli.targets import Target
@@ -95,6 +96,19 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
              deep: bool = False, progress: Any = None, engine: Engine = Engine.VLLM) -> ValidationReport:
     """All checks; ``census``/``scales`` may be passed in when the caller already has them. ``engine``:
     whose reading of exclusions and algorithms is checked (``mocli.engines``; vLLM's by default)."""
+    with paused_gc():  # ~100k findings, scale arrays and plan objects, none cyclic (see paused_gc)
+        report = _header_checks(ckpt, target, census, scales, parallel, deep, engine)
+    if deep and "scale_names" in report.stats:  # not where the checks stopped early (no quantization config)
+        from mocli.deep_scan import scan
+
+        report.stats["deep"] = scan(ckpt, report.findings, skip=set(report.stats.get("scale_names", ())),
+                                    progress=progress, census=report.census)
+    return report
+
+
+def _header_checks(ckpt: Checkpoint, target: Target | None, census: Census | None, scales: dict[str, np.ndarray] | None,
+                   parallel: ParallelLayout | None, deep: bool, engine: Engine) -> ValidationReport:
+    """Every check but the deep scan: headers, configs, the scales and (``target``) the conversion's plan."""
     findings = Findings(ckpt.config_findings)
     census = census or ckpt.census()
     report = ValidationReport(findings, census)
@@ -131,11 +145,6 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
     if target is not None:
         check_target(target, parallel, heads, census, sliceable, findings)
         report.plan = check_computed(target, parallel, heads, census, scales, findings)
-    if deep:
-        from mocli.deep_scan import scan
-
-        report.stats["deep"] = scan(ckpt, findings, skip=set(report.stats.get("scale_names", ())), progress=progress,
-                                    census=census)
     return report
 
 

@@ -223,6 +223,10 @@ def bench_headers(scratch: Path, rounds: int, results: list) -> None:
                                   env={**os.environ, "PYTHONPATH": PYTHONPATH}).stdout)["num_tensors"]
     results.append(line(f"inspect, {n} tensors", [timed(mocli("inspect", str(src))) for _ in range(rounds)], None, 1.0))
     results.append(line(f"validate, {n} tensors", [timed(mocli("validate", str(src))) for _ in range(rounds)], None, 1.5))
+    # with a target validate also plans the conversion (SCL006 judges the scales it computes); marlin is the
+    # target whose constraints this checkpoint meets (2I = 64 is no multiple of 128 for the flashinfer ones)
+    results.append(line(f"validate --target marlin, {n} tensors (plans the conversion)",
+                        [timed(mocli("validate", str(src), "--target", "marlin")) for _ in range(rounds)], None, 1.5))
     # header-only commands must not import torch
     probe = (f"import sys, runpy; sys.argv = ['mocli', '-q', 'validate', {str(src)!r}]\n"
              "try:\n    runpy.run_module('mocli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
