@@ -80,8 +80,11 @@ class Expert:
     gate: Module | None = None
     up: Module | None = None
     down: Module | None = None
+    gate_up: Module | None = None  # gate and up in one tensor, rows interleaved (gpt-oss, ``ExpertNaming.gate_up``)
 
     def projections(self) -> list[tuple[str, Module | None]]:
+        if self.gate_up is not None:
+            return [("gate_up", self.gate_up), ("down", self.down)]
         return [("gate", self.gate), ("up", self.up), ("down", self.down)]
 
 
@@ -103,13 +106,21 @@ class MoELayer:
         return None
 
     @property
+    def interleaved(self) -> bool:
+        """gate and up rows interleaved in one tensor per expert (gpt-oss, SEMANTICS §19.2)."""
+        return any(e.gate_up is not None for e in self.experts.values())
+
+    @property
     def intermediate(self) -> int | None:
+        if self.interleaved:
+            m = self._first("gate_up")
+            return m.out_in[0] // 2 if m else None
         m = self._first("gate")
         return m.out_in[0] if m else None
 
     @property
     def hidden(self) -> int | None:
-        m = self._first("gate")
+        m = self._first("gate_up" if self.interleaved else "gate")
         return m.out_in[1] if m else None
 
     @property
@@ -180,6 +191,8 @@ def _group(tensors: dict[str, TensorEntry], spelling: Spelling) -> tuple[dict[st
             kv_scales.append(entry)
             kv_modules.add(module)
         by_module.setdefault(module, {})[canonical(suffix) if canonical else suffix] = entry
+    if spelling.expand is not None:  # tensors that hold several modules each (gpt-oss's experts)
+        by_module = spelling.expand(by_module)
     layers = {int(m.group(1)) for module in by_module if (m := _LAYER.search(module + "."))}  # once per module
     return by_module, kv_scales, kv_modules, len(layers)
 
@@ -265,7 +278,8 @@ def _match_expert(name: str) -> tuple[ExpertNaming, str, int, str] | None:
         m = _EXPERT[naming.style].match(name)
         if m is None:
             continue
-        proj = {naming.gate: "gate", naming.up: "up", naming.down: "down"}.get(m.group("proj"))
+        proj = {naming.gate: "gate", naming.up: "up", naming.down: "down", naming.gate_up or "-": "gate_up"}.get(
+            m.group("proj"))
         if proj is not None:
             return naming, m.group("layer"), int(m.group("e")), proj
     return None

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mocli import compressed_tensors
+from mocli import compressed_tensors, gpt_oss, quark
 from mocli.errors import InputError
 from mocli.findings import Findings
 from mocli.formats import CONFIG_JSON, HF_QUANT_CONFIG, INDEX_NAME, SINGLE_NAME, DirKind, detect
@@ -26,7 +26,8 @@ from mocli.quant_config import (
     parse_hf_quant_config,
     reconcile,
 )
-from mocli.schemes.spelling import COMPRESSED_TENSORS, MODELOPT, VLLM_FP8, Spelling
+from mocli.schemes.gpt_oss import GPT_OSS
+from mocli.schemes.spelling import COMPRESSED_TENSORS, MODELOPT, QUARK, VLLM_FP8, Spelling
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class InputFormat:
 INPUT_FORMATS: dict[str, InputFormat] = {
     compressed_tensors.METHOD: InputFormat(COMPRESSED_TENSORS, compressed_tensors.parse),
     VLLM_FP8.name: InputFormat(VLLM_FP8),
+    quark.METHOD: InputFormat(QUARK, quark.parse),
+    gpt_oss.METHOD: InputFormat(GPT_OSS, gpt_oss.parse),
 }
 # derived: the config parsers ``parse_config_json`` takes
 FORMATS: dict[str, ConfigParser] = {m: f.parse for m, f in INPUT_FORMATS.items() if f.parse is not None}

@@ -21,7 +21,7 @@ import regex
 from mocli.ct_schemes import attention_only, group_algo, group_targets, kv_algo
 from mocli.exclusions import PatternReport
 from mocli.findings import Findings
-from mocli.quant_config import Algo, QuantConfig
+from mocli.quant_config import GROUP_SIZES, Algo, QuantConfig
 from mocli.tables import SHARD_TO_FUSED
 
 METHOD = "compressed-tensors"
@@ -159,7 +159,7 @@ def parse(q: dict[str, Any], where: str, findings: Findings) -> QuantConfig:
     origins |= {p: "ignore" for p in ignore}
     cfg.resolver = Resolver(targets, ignore, findings, where, origins)
     cfg.kv_cache_algo = kv_algo(q.get("kv_cache_scheme"), where, findings)
-    cfg.group_size = 16 if cfg.algo in (Algo.NVFP4, Algo.W4A16_NVFP4) else None
+    cfg.group_size = GROUP_SIZES.get(cfg.algo) if cfg.algo is not None else None
     return cfg
 
 
@@ -190,7 +190,8 @@ def check_ignore(resolver: Resolver, census, findings: Findings) -> None:
         if not r.matches and r.pattern not in resolver.broken:  # a broken one is CFG008's
             hint = ("compressed-tensors matches exact names or re: patterns, not wildcards or substrings"
                     if "*" in r.pattern or "re:" not in r.pattern else "check the pattern against the tensor names")
-            findings.add("EXC001", f"ignore: {r.pattern}", "pattern matches no module", hint=hint)
+            key = "exclude" if resolver.origins.get(r.pattern) == "exclude" else "ignore"  # Quark's list is exclude
+            findings.add("EXC001", f"{key}: {r.pattern}", "pattern matches no module", hint=hint)
     for g in census.fused:
         algos = {m.name.rpartition(".")[2]: resolver(m.name) for m in g.shards}
         if len(set(algos.values())) > 1:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mocli.findings import Findings
-from mocli.quant_config import NVFP4_GROUP_SIZE, Algo
+from mocli.quant_config import MXFP4_GROUP_SIZE, NVFP4_GROUP_SIZE, Algo
 
 # compressed-tensors 0.17.0 config/base.py :: CompressionFormat
 FORMATS = frozenset({"dense", "sparse-bitmask", "sparse-24-bitmask", "int-quantized", "float-quantized",
@@ -25,7 +25,8 @@ FORMATS = frozenset({"dense", "sparse-bitmask", "sparse-24-bitmask", "int-quanti
 # vllm 0.33.0 compressed_tensors/utils.py :: is_activation_quantization_format: an FP8 linear needs one of these
 ACTIVATION_FORMATS = frozenset({"naive-quantized", "int-quantized", "float-quantized", "nvfp4-pack-quantized"})
 # the formats whose compressor writes each stored scheme's tensors (compressed-tensors' compressors/)
-STORED_BY = {"NVFP4": frozenset({"nvfp4-pack-quantized"}), "FP8": frozenset({"float-quantized", "naive-quantized"})}
+STORED_BY = {"NVFP4": frozenset({"nvfp4-pack-quantized"}), "FP8": frozenset({"float-quantized", "naive-quantized"}),
+             "MXFP4": frozenset({"mxfp4-pack-quantized"})}
 TYPES = ("int", "float")  # quant_args.py :: QuantizationType
 STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group", "attn_head")  # :: QuantizationStrategy
 KV_STRATEGIES = ("tensor", "attn_head")  # CompressedTensorsKVCacheMethod.validate_kv_cache_scheme
@@ -102,6 +103,31 @@ def _is_nvfp4(a: Args | None) -> bool:
             and a.group_size == NVFP4_GROUP_SIZE and a.symmetric)
 
 
+def _is_mxfp4(a: Args | None) -> bool:
+    """compressed_tensors.py :: _is_mxfp4: float 4-bit, strategy group, group_size 32, symmetric."""
+    return (a is not None and a.type == "float" and a.num_bits == 4 and a.strategy == "group"
+            and a.group_size == MXFP4_GROUP_SIZE and a.symmetric)
+
+
+def _mxfp4(a: Args | None, fmt: str | None, where: str, findings: Findings) -> Algo | None:
+    """_get_scheme_from_parts / get_moe_method: MXFP4 weights are CompressedTensorsW4A4Mxfp4 (MoE:
+    ...W4A4Mxfp4MoEMethod) whatever the inputs, unless float 8-bit dynamic per-token/group inputs make them
+    W4A8 (``_is_mxfp4_w4a8_fp8``), which mocli does not read. Presets MXFP4 (fp4 group-32 dynamic inputs) and
+    MXFP4A16 (none) store the same tensors (SEMANTICS §19.2); vLLM 0.33 quantizes the activations of both on
+    the kernels that can (§19.4)."""
+    if a is not None and a.type == "float" and a.num_bits == 8 and a.dynamic and a.strategy in ("token", "group"):
+        findings.add("CFG003", where, f"MXFP4 weights with {a} inputs: vLLM serves them W4A8 (_is_mxfp4_w4a8_fp8), "
+                     "which mocli does not read", hint=_HINT)
+        return None
+    if a is not None and not _is_mxfp4(a):
+        findings.add("CFG002", f"{where}.input_activations", f"{a} inputs beside MXFP4 weights: vLLM ignores them "
+                     "and quantizes activations as MXFP4 (CompressedTensorsW4A4Mxfp4)", hint=_HINT)
+        return None
+    if not _format_stores(fmt, "MXFP4", where, findings):
+        return None
+    return Algo.MXFP4
+
+
 @dataclass(frozen=True)
 class Fp8Scheme:
     """An FP8 weight strategy mocli reads and the input activations vLLM pairs with it for that scheme."""
@@ -156,8 +182,11 @@ def group_algo(group: Any, top_format: Any, where: str, findings: Findings) -> A
         return _nvfp4(w, a, fmt, where, findings)
     if w.type == "float" and w.num_bits == 8 and w.strategy in FP8_SCHEMES:
         return _fp8(w, a, fmt, where, findings)
+    if _is_mxfp4(w):
+        return _mxfp4(a, fmt, where, findings)
     findings.add("CFG003", where, f"a {fmt or 'compressed-tensors'} scheme mocli does not read (weights {w})",
-                 hint="mocli reads NVFP4, NVFP4A16 and FP8 (tensor with static input, channel, 128x128 block)")
+                 hint="mocli reads NVFP4, NVFP4A16, MXFP4, MXFP4A16 and FP8 (tensor with static input, channel, "
+                      "128x128 block)")
     return None
 
 

@@ -44,6 +44,8 @@ def inspect_checkpoint(ckpt: Checkpoint, census: Census | None = None) -> dict[s
         "moe_layers": [
             {"name": layer.name, "naming": layer.naming.style, "experts": layer.num_experts,
              "intermediate": layer.intermediate, "hidden": layer.hidden,
+             # gate and up: one tensor per expert with rows interleaved (gpt-oss), else two halves
+             "gate_up": "interleaved" if layer.interleaved else "halves",
              "schemes": sorted(str(s) if s else "unquantized" for s in layer.schemes)}
             for layer in census.moe
         ],

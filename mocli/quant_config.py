@@ -25,6 +25,7 @@ class Algo(StrEnum):
     W4A16_NVFP4 = "W4A16_NVFP4"
     NVFP4_AWQ = "NVFP4_AWQ"
     MXFP8 = "MXFP8"
+    MXFP4 = "MXFP4"  # ModelOpt 0.47 writes "mxfp4"; compressed-tensors, Quark and gpt-oss name it otherwise (SEMANTICS §19)
     MIXED_PRECISION = "MIXED_PRECISION"
 
     @classmethod
@@ -38,9 +39,10 @@ class Algo(StrEnum):
 
 NVFP4_GROUP_SIZE = 16
 MXFP8_GROUP_SIZE = 32
+MXFP4_GROUP_SIZE = 32
 # the block size each block-scaled algorithm's group_size must name (its scheme's, mocli.schemes)
 GROUP_SIZES = {Algo.NVFP4: NVFP4_GROUP_SIZE, Algo.W4A16_NVFP4: NVFP4_GROUP_SIZE, Algo.NVFP4_AWQ: NVFP4_GROUP_SIZE,
-               Algo.MXFP8: MXFP8_GROUP_SIZE}
+               Algo.MXFP8: MXFP8_GROUP_SIZE, Algo.MXFP4: MXFP4_GROUP_SIZE}
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,17 @@ class ExpertNaming:
     gate: str  # w1: input of the activation
     up: str  # w3: multiplied with act(gate)
     down: str  # w2
+    # gate and up in one per-expert tensor, rows interleaved (row 2i gate_i, 2i+1 up_i): gpt-oss's layout, which
+    # AMD Quark keeps per expert and mocli's gpt-oss reader presents per expert (vllm 0.33 models/gpt_oss.py,
+    # layers/activation.py :: SwigluOAIAndMul; SEMANTICS §19.2)
+    gate_up: str = ""
 
 
 EXPERT_NAMINGS: tuple[ExpertNaming, ...] = (
     # transformers MixtralSparseMoeBlock; vLLM models/mixtral.py expert_params_mapping
     ExpertNaming("mixtral", "block_sparse_moe.experts", gate="w1", up="w3", down="w2"),
-    # transformers Qwen2/Qwen3-MoE and DeepSeek-V2/V3 MLP experts
-    ExpertNaming("qwen", "mlp.experts", gate="gate_proj", up="up_proj", down="down_proj"),
+    # transformers Qwen2/Qwen3-MoE and DeepSeek-V2/V3 MLP experts; gpt-oss's (GptOssExperts) too
+    ExpertNaming("qwen", "mlp.experts", gate="gate_proj", up="up_proj", down="down_proj", gate_up="gate_up_proj"),
 )
 
 # Suffixes of the tensors that belong to one quantized linear (SEMANTICS §1 table).

@@ -36,7 +36,14 @@ def unjudged(engine: str, quant: QuantConfig | None) -> str | None:
     """Why validate cannot judge this engine's reading of a checkpoint configured so (None: it can)."""
     if engine == "sglang" and quant is not None and quant.method == "compressed-tensors":
         return "its reading of compressed-tensors is not restated by mocli (SEMANTICS §17 is vLLM's): no SGL check ran"
+    if engine == "sglang" and quant is not None and (quant.method in UNRESTATED or quant.algo == "MXFP4"):
+        return (f"its reading of {quant.method if quant.method in UNRESTATED else 'ModelOpt MXFP4'} is not restated by "
+                "mocli (SEMANTICS §19 is vLLM's): no SGL check ran")
     return None
+
+
+# input formats whose SGLang reading mocli has not restated (quant_method; SEMANTICS §19)
+UNRESTATED = frozenset({"quark", "mxfp4"})
 
 
 __all__ = ["ENGINES", "LABELS", "ORDER", "Engine", "unjudged"]

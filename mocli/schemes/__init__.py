@@ -15,6 +15,7 @@ from mocli.schemes.base import Merge, ScaleSpec, Scheme
 from mocli.schemes.fp8 import FP8
 from mocli.schemes.fp8_block import FP8_BLOCK
 from mocli.schemes.fp8_channel import FP8_CHANNEL
+from mocli.schemes.mxfp4 import MXFP4
 from mocli.schemes.mxfp8 import MXFP8
 from mocli.schemes.nvfp4 import NVFP4, NVFP4_AWQ, W4A16_NVFP4
 from mocli.schemes.spelling import COMPRESSED_TENSORS, MODELOPT, Spelling
@@ -22,9 +23,9 @@ from mocli.schemes.spelling import COMPRESSED_TENSORS, MODELOPT, Spelling
 if TYPE_CHECKING:
     from mocli.io.safetensors_file import TensorEntry
 
-# detection order: the narrower shape rules first (per-tensor, block), per channel last among FP8;
-# W4A16_NVFP4 is never detected, only bound (``bind``)
-SCHEMES: tuple[Scheme, ...] = (NVFP4, MXFP8, FP8, FP8_BLOCK, FP8_CHANNEL, W4A16_NVFP4, NVFP4_AWQ)
+# detection order: the narrower shape rules first (per-tensor, block), per channel last among FP8; MXFP4
+# (U8 weight and U8 scale) before NVFP4 (U8 weight, F8_E4M3 scale); W4A16_NVFP4 is never detected, only bound
+SCHEMES: tuple[Scheme, ...] = (MXFP4, NVFP4, MXFP8, FP8, FP8_BLOCK, FP8_CHANNEL, W4A16_NVFP4, NVFP4_AWQ)
 _BY_ALGO: dict[Algo, Scheme] = {s.algo: s for s in SCHEMES}
 
 
@@ -47,5 +48,5 @@ def by_algo(algo: Algo | None) -> Scheme | None:
     return _BY_ALGO.get(algo) if algo is not None else None
 
 
-__all__ = ["COMPRESSED_TENSORS", "FP8", "FP8_BLOCK", "FP8_CHANNEL", "MODELOPT", "MXFP8", "NVFP4", "NVFP4_AWQ", "SCHEMES",
+__all__ = ["COMPRESSED_TENSORS", "FP8", "FP8_BLOCK", "FP8_CHANNEL", "MODELOPT", "MXFP4", "MXFP8", "NVFP4", "NVFP4_AWQ", "SCHEMES",
            "W4A16_NVFP4", "Merge", "ScaleSpec", "Scheme", "Spelling", "bind", "by_algo", "detect"]

@@ -7,8 +7,10 @@ from mocli.tables import PRE_QUANT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 
 
 def _detect(tensors) -> bool:
+    """A U8 weight whose scale is not MXFP4's U8 (an absent one: a TNS finding of NVFP4's), or an F8_E4M3
+    block scale beside any weight."""
     w, s = tensors.get(WEIGHT), tensors.get(WEIGHT_SCALE)
-    return w is not None and (w.dtype == "U8" or s is not None and s.dtype == "F8_E4M3")
+    return w is not None and (w.dtype == "U8" and (s is None or s.dtype != "U8") or s is not None and s.dtype == "F8_E4M3")
 
 
 NVFP4 = Scheme(Algo.NVFP4, "U8",

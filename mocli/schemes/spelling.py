@@ -11,9 +11,14 @@ A new input format is one ``Spelling`` here and one entry in ``mocli.checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
+
+if TYPE_CHECKING:
+    from mocli.io.safetensors_file import TensorEntry
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,9 @@ class Spelling:
     # per-tensor FP8: every linear and every MoE w1/w3 half requantized through vLLM's float16 intermediate,
     # at equal scales too (vLLM's compressed-tensors path, SEMANTICS §17.2); else §3's float32, equal kept
     fp8_requant_f16: bool = False
+    # modules whose tensors hold several modules each, split into them (module -> canonical suffix -> entry, as
+    # the census groups them): gpt-oss's [E, N, K/32, 16] expert blocks into per-expert modules
+    expand: Callable[[dict[str, dict[str, TensorEntry]]], dict[str, dict[str, TensorEntry]]] | None = None
 
     def canonical(self, suffix: str) -> str:
         return self.suffixes.get(suffix, suffix)
@@ -55,3 +63,7 @@ COMPRESSED_TENSORS = Spelling(
 # vLLM's own serialized fp8: 128x128-block scales are ``weight_scale_inv`` (DeepSeek-V3's name; a dequant scale
 # despite it, SEMANTICS §18.4), per-tensor ones ``weight_scale``
 VLLM_FP8 = Spelling("fp8", {"weight_scale_inv": WEIGHT_SCALE})
+
+# AMD Quark (``quant_method: "quark"``): ModelOpt's names (``weight``, ``weight_scale``), U8 E8M0 scales for MXFP4
+# (SEMANTICS §19.2)
+QUARK = Spelling("quark")

@@ -162,7 +162,7 @@ def _check_moe_layer(layer: MoELayer, findings: Findings) -> None:
         missing = sorted(set(range(max(idx) + 1)) - set(idx))
         findings.add("TNS006", layer.name, f"expert indices are not 0..{len(idx) - 1}: missing {few(missing)}",
                      hint="the export is incomplete; re-export the checkpoint")
-    shapes: dict[str, dict[tuple, list[int]]] = {"gate": {}, "up": {}, "down": {}}
+    shapes: dict[str, dict[tuple, list[int]]] = {"gate": {}, "up": {}, "down": {}, "gate_up": {}}
     for e in idx:
         for proj, m in layer.experts[e].projections():
             if m is None:
