@@ -27,6 +27,7 @@ from mocli.validate.awq import check_awq
 from mocli.validate.computed import check_computed
 from mocli.validate.exclusion import check_exclusions, check_mixed_layers, declared_quantized
 from mocli.validate.grouping import group_findings
+from mocli.validate.mxfp4 import check_mxfp4
 from mocli.validate.parallel import check_parallel
 from mocli.validate.scale import check_scales
 from mocli.validate.target import check_target
@@ -137,6 +138,7 @@ def _header_checks(ckpt: Checkpoint, target: Target | None, census: Census | Non
     check_tensors(quant, census, declared, findings)
     check_kv_cache(quant, ckpt.tensors, findings)
     check_awq(quant, census, frozenset(report.judged["engines"]), findings)
+    check_mxfp4(quant, census, frozenset(report.judged["engines"]), findings)
     scales = scales if scales is not None else read_scales(census)
     report.stats["scales"] = check_scales(scales, census, findings)
     report.stats["scale_names"] = list(scales) if deep else []

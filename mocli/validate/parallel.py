@@ -115,8 +115,14 @@ def _check_moe_split(par: ParallelLayout, layer: MoELayer, findings: Findings) -
         return
     i, tp = layer.intermediate, par.tp
     if i % tp:
-        findings.add("PAR003", layer.name, f"intermediate size {i} is not divisible by tp {tp}",
+        findings.add("PAR003", layer.name, f"intermediate size {i} is not divisible by tp {tp}" + (
+                     " (vLLM's FusedMoEConfig asserts it)" if layer.interleaved else ""),
                      hint="choose a tp that divides I, or use --ep")
+        return
+    if layer.interleaved:
+        # gpt-oss's loaders (native and Quark, vllm 0.33 models/gpt_oss.py :: _load_weights_mxfp4,
+        # _load_weights_quark) split I in whole scale blocks, unequally (SEMANTICS §19.3): every rank's share is
+        # whole blocks by construction, so only vLLM's I % tp assertion above applies
         return
     # a rank holds I / tp rows of w1 and w3 and I / tp columns of w2
     for s in sorted(schemes, key=str):
