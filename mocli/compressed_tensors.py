@@ -159,6 +159,7 @@ def parse(q: dict[str, Any], where: str, findings: Findings) -> QuantConfig:
     origins |= {p: "ignore" for p in ignore}
     cfg.resolver = Resolver(targets, ignore, findings, where, origins)
     cfg.kv_cache_algo = kv_algo(q.get("kv_cache_scheme"), where, findings)
+    cfg.weight_only = all(isinstance(g, dict) and g.get("input_activations") is None for g in groups.values())
     cfg.group_size = GROUP_SIZES.get(cfg.algo) if cfg.algo is not None else None
     return cfg
 

@@ -47,6 +47,7 @@ CODES: dict[str, tuple[Severity, str]] = {
     # vLLM 0.33's reading (validate --engine vllm|all)
     "VLL001": (Severity.WARNING, "vLLM refuses this quantization algorithm (its output serves through mocli's plugin)"),
     "VLL002": (Severity.ERROR, "vLLM refuses this quantization config, and no mocli conversion serves it"),
+    "VLL003": (Severity.WARNING, "vLLM quantizes activations the checkpoint declares unquantized (on some GPUs)"),
     # the KV cache (SEMANTICS §16)
     "KVC001": (Severity.ERROR, "affine KV-cache quantization (k_bias / v_bias), which no engine consumes"),
     # SGLang 0.5.23's reading (validate --engine sglang|all; mocli.engines.sglang)

@@ -67,6 +67,7 @@ class QuantConfig:
     # ignored_layers are matched by the exact, fused-aware rule only (vllm quant_utils.is_layer_skipped)
     method: str = "modelopt"
     dynamic_activations: bool = False  # fp8 with activation_scheme "dynamic": no input scales
+    weight_only: bool = False  # compressed-tensors: no config group quantizes input activations (MXFP4A16, NVFP4A16)
     raw_algo: str | None = None  # quant_algo as the file spells it (SGLang matches case-sensitively)
     # another format's own matching rule (compressed-tensors: ``mocli.compressed_tensors.Resolver``)
     resolver: Callable[[str], Algo | None] | None = field(default=None, compare=False, repr=False)

@@ -137,7 +137,7 @@ def _codes(cli, d, *args):
 
 
 def test_e8m0_code_255_is_nan_under_deep(cli, real_copy):
-    d = real_copy("llama-ct-mxfp4a16")
+    d = real_copy("llama-ct-mxfp4")
     name = "model.layers.1.self_attn.o_proj.weight_scale"
     edit_tensor(d, name, lambda t: t.index_put_((torch.tensor([3]), torch.tensor([2])), torch.tensor(255, dtype=torch.uint8)))
     r, codes = _codes(cli, d)
@@ -251,3 +251,13 @@ def test_ct_mxfp4_w4a8_is_named(cli, real_copy):
     r, codes = _codes(cli, d)
     assert ("CFG003", "config.json: quantization_config: config_groups.group_0") in codes
     assert "W4A8" in r.json["findings"][0]["message"]
+
+
+@pytest.mark.parametrize("name", [n for n in FOLDERS if "-ct-" in n])
+def test_weight_only_ct_dense_layers_are_served_w4a4(cli, name):
+    """MXFP4A16 (no input_activations) dense layers: vLLM 0.33's CompressedTensorsW4A4Mxfp4 quantizes their
+    activations anyway on sm_90 and sm_100 (SEMANTICS §19.4); the MXFP4 preset declares it (README's table)."""
+    warned = [f for f in cli("--json", "validate", REAL / name).json["findings"] if f["code"] == "VLL003"]
+    assert len(warned) == ("mxfp4a16" in name)
+    assert not [f for f in cli("--json", "validate", REAL / name, "--engine", "sglang").json["findings"]
+                if f["code"] == "VLL003"]

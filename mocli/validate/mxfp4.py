@@ -23,6 +23,13 @@ def check_mxfp4(quant: QuantConfig, census: Census, engines: frozenset[str], fin
     if "vllm" in engines and quant.method == "modelopt" and MXFP4.algo in (quant.algo, *quant.quantized_layers):
         findings.add("VLL002", "quant_algo", MODELOPT_REFUSAL, hint="re-export with llm-compressor's MXFP4 preset "
                      "(compressed-tensors) or AMD Quark, which vLLM reads")
+    if "vllm" in engines and quant.method == "compressed-tensors" and quant.weight_only:
+        dense = [n for n, _, scheme in census.dense_units() if scheme is MXFP4]
+        if dense:
+            findings.add("VLL003", "config_groups", f"MXFP4 weight-only (no input_activations), but vLLM 0.33 builds "
+                         f"its {len(dense)} dense MXFP4 layer(s) with MXFP4 activations (CompressedTensorsW4A4Mxfp4's "
+                         "default kMxfp4Dynamic): W4A4 on sm_100 (FlashInfer) and sm_90 (Humming), W4A16 only on Marlin",
+                         hint="expect W4A4 accuracy on Hopper and Blackwell, or serve with --linear-backend marlin")
     for m in census.modules.values():
         if m.kind is Kind.OTHER and m.name.endswith(".experts"):
             _check_fused_experts(m.tensors, findings)
