@@ -224,26 +224,60 @@ PART_HOMES = {"planner": "mocli.plan.", "stored": "mocli.module_classes", "kerne
               "check": "mocli.verify.kinds."}
 
 
+def _card_faults(c) -> list[str]:
+    """What a card lacks or misplaces: an empty scheme or role set, a threshold missing or out of place,
+    a code part that does not load or lives outside its package, a transform for no target."""
+    import importlib
+
+    from mocli.targets import Target
+
+    faults = [f"{c.kind}: {what}" for what, bad in (
+        ("no roles", not c.roles), ("no scheme", not c.schemes), ("no thresholds", c.thresholds is None),
+        ("check_torch not a bool", not isinstance(c.check_torch, bool)),
+        ("a MoE kind, and only one, has a GEMM2 threshold", c.thresholds is not None and (c.thresholds.gemm2 is None) == c.moe),
+        ("its check is not the MoE driver's kind", ("moe" in c.check.module) != c.moe),
+        ("a transform for no target", any(t not in set(Target) for t, _ in c.transforms))) if bad]
+    for part, ref in c.parts().items():
+        if not ref.module.startswith(PART_HOMES[part]):
+            faults.append(f"{c.kind}: its {part} {ref.path} is not under {PART_HOMES[part]}")
+            continue
+        try:
+            loaded = ref.load() if part != "check" else importlib.import_module(ref.module).check
+        except (ImportError, AttributeError) as e:
+            loaded = e
+        if not callable(loaded):
+            faults.append(f"{c.kind}: its {part} {ref.path} is missing ({loaded})")
+    return faults
+
+
 def test_every_module_kind_is_one_complete_card():
     """A module kind is declared once, as a card (``mocli.kinds.CARDS``): one per kind, each naming every
     part (planner, stored-tensor class, serving kernel, verify check, thresholds), each part found
     where it must live."""
-    import importlib
-
     from mocli.kinds import CARDS
-    from mocli.targets import Target
 
     assert sorted(c.kind for c in CARDS) == sorted(ModuleKind), "one card per module kind, no kind twice"
-    for c in CARDS:
-        assert c.roles and c.schemes and c.thresholds is not None, c.kind
-        assert isinstance(c.check_torch, bool) and c.thresholds.kept > 0 and c.thresholds.unified > 0, c.kind
-        assert (c.thresholds.gemm2 is not None) == c.moe, f"{c.kind}: a MoE kind, and only one, has a GEMM2 threshold"
-        for part, ref in c.parts().items():
-            assert ref.module.startswith(PART_HOMES[part]), f"{c.kind}: its {part} {ref.path} is not under {PART_HOMES[part]}"
-            assert callable(ref.load()), f"{c.kind}: its {part} {ref.path} is missing"
-        assert ("moe" in c.check.module) == c.moe, c.kind  # the MoE kinds' checks share the MoE driver
-        assert callable(importlib.import_module(c.check.module).check), c.kind
-        assert all(t in set(Target) for t, _ in c.transforms), (c.kind, c.transforms)
+    assert not [f for c in CARDS for f in _card_faults(c)]
+
+
+def test_a_card_that_lacks_or_misplaces_a_part_is_caught():
+    """The rule above, on planted cards: a kernel that is not there, a check named in serving's package
+    (verify would load serving's code), a dense kind with a GEMM2 threshold, a transform for no target."""
+    from dataclasses import replace
+
+    from mocli.kinds import KINDS, Part, Thresholds
+
+    card = KINDS[ModuleKind.FP8_LINEAR]
+    assert not _card_faults(card)
+    for planted, says in ((replace(card, kernel=Part("mocli.serve.dense:NoSuchKernel")), "is missing"),
+                          (replace(card, stored=Part("mocli.module_classes:NoSuchClass")), "is missing"),
+                          (replace(card, check=Part("mocli.serve.dense:Fp8LinearKernel")), "not under mocli.verify.kinds."),
+                          (replace(card, planner=Part("mocli.serve.dense:Fp8LinearKernel")), "not under mocli.plan."),
+                          (replace(card, thresholds=Thresholds(0.05, 0.05, gemm2=0.01)), "GEMM2"),
+                          (replace(card, roles=frozenset()), "no roles"),
+                          (replace(card, transforms=(("flashinfer-cutlas", "x"),)), "no target")):
+        faults = _card_faults(planted)
+        assert len(faults) == 1 and says in faults[0], faults
 
 
 def test_every_kind_table_is_derived_from_the_cards():
