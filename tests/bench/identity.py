@@ -8,7 +8,7 @@ The base is a ``git worktree`` of REV in a scratch directory (removed afterwards
 (or a worktree of ``--head REV``). Both run as ``python -m mocli`` with this interpreter and
 ``PYTHONPATH=<tree>``, on the same input paths: every folder of HEAD's ``fixtures/real`` (x each target x tp1,
 tp2 and, for MoE, tp2 ep2), a few generated checkpoints for kinds no real export has (HEAD's
-``fixtures.generate``), repair on the real ModelOpt exports and on ``tests/test_repair.py``'s repairable
+``fixtures.generate``) and three real exports with issue 43's planted faults (tests/test_hostile.py), repair on the real ModelOpt exports and on ``tests/test_repair.py``'s repairable
 variants, quantize on generated BF16 models. A case is
 
 - ``identical``: every output file the same bytes;
@@ -52,11 +52,17 @@ TARGETS = ("flashinfer-cutlass", "flashinfer-trtllm", "marlin")
 OK_STATUSES = {IDENTICAL, VERSION_ONLY, "refused", "crash-both", "now-converts"}
 STATUSES = [IDENTICAL, VERSION_ONLY, "refused", "crash-both", "now-converts", DIFFERS, "now-refused", "refusal-changed"]
 
-# Differences a commit since BASE meant (case-id glob -> why). Anything else that differs fails the run.
-EXPECTED: dict[str, str] = {}
+# Differences a commit since BASE meant (case-id glob -> why); they cover the case's verify/load checks too.
+# Anything else that differs fails the run.
+EXPECTED: dict[str, str] = {
+    "convert/gen/edge-llama-fp8_kv-k_scale_2/*": "84c07d7 (issue 43.5): a k_scale of shape [2] is TNS003, "
+    "refused (vLLM loads one value); 0.1.0 copied it as it was",
+    "convert/gen/edge-llama-w4a16_nvfp4-weight_scale_2_1e4/marlin/*": "c8aafbb (issue 43.2): SCL006, Marlin's "
+    "weight_global_scale would be inf; 0.1.0 wrote the inf with exit 0, and HEAD's verify fails that output",
+}
 
 GEN = r'''
-import json, sys, torch
+import json, shutil, sys, torch
 from pathlib import Path
 from fixtures.generate import BROKEN, _both_exclude, _edit_tensors, make_checkpoint
 from fixtures.native_fp8 import make_native_fp8_block
@@ -68,6 +74,15 @@ convert = {"mixtral-fp8": dict(arch="mixtral", algo="FP8"), "qwen3_moe-fp8_pb_wo
 for name, kw in convert.items():
     make_checkpoint(root / "convert" / name, **kw)
 make_native_fp8_block(root / "convert" / "qwen3_moe-native_fp8_block", arch="qwen3_moe")
+# issue 43's planted faults on real exports (tests/test_hostile.py): where this round meant to change behaviour
+edits = {"llama-nvfp4_awq-f32_pre_quant_scale": ("llama-nvfp4_awq", "o_proj.pre_quant_scale", lambda t: t.float()),
+         "llama-w4a16_nvfp4-weight_scale_2_1e4": ("llama-w4a16_nvfp4", "o_proj.weight_scale_2", lambda t: t.fill_(1e4)),
+         "llama-fp8_kv-k_scale_2": ("llama-fp8_kv", "k_proj.k_scale", lambda t: torch.stack([t, t]))}
+for name, (real, tensor, fn) in edits.items():
+    d = root / "convert" / f"edge-{name}"
+    shutil.copytree(Path("fixtures/real") / real, d)
+    key = "model.layers.0.self_attn." + tensor
+    _edit_tensors(d, lambda t: t.__setitem__(key, fn(t[key].clone()).contiguous()))
 # tests/test_repair.py's VARIANTS (repairable) and two findings repair refuses
 repair = {c: BROKEN[c][:2] for c in ("SCL003", "EXC001", "EXC004", "EXC005", "EXC006", "CFG001", "CFG002", "CFG003",
                                     "CFG004", "CFG006", "TNS004", "TNS005", "SCL001", "TNS001")}
@@ -255,7 +270,8 @@ def summary(cases: list[Case], checks: list) -> list[str]:
     for what in ("verify", "load"):
         mine = [x[2] for x in checks if x[1] == what]
         lines.append(f"| HEAD {what} of base outputs | {mine.count('pass')} pass, {mine.count('fail')} fail, "
-                     f"{mine.count('fails-both')} fail on HEAD's own output too |" + " |" * (len(STATUSES) + 2))
+                     f"{mine.count('fail, expected')} fail as expected, {mine.count('fails-both')} fail on HEAD's "
+                     "own output too |" + " |" * (len(STATUSES) + 2))
     return lines
 
 
@@ -318,9 +334,13 @@ def run(a, base: Path, head: Path, scratch: Path, t0: float) -> int:
         print(f"{mark} {c.status:15} {c.id}" + (f"  -- {c.detail}" if c.status != IDENTICAL else "")
               + (f"  [expected: {c.expected}]" if c.expected else ""), flush=True)
     checks = check_base_outputs(cases, head, a.jobs)
+    meant = {c.id: c.expected for c in cases if c.expected}
+    checks = [(cid, what, "fail, expected" if st == "fail" and cid in meant else st, detail)
+              for cid, what, st, detail in checks]
     for cid, what, st, detail in checks:
         if st != "pass":
-            print(f"{'FAIL' if st == 'fail' else 'ok  '} HEAD {what} of the base's output of {cid}: {st}: {detail}")
+            print(f"{'FAIL' if st == 'fail' else 'ok  '} HEAD {what} of the base's output of {cid}: {st}: {detail}"
+                  + (f"  [expected: {meant[cid]}]" if st == "fail, expected" else ""))
     print("\n".join(summary(cases, checks)))
     if a.report:
         report(a.report, cases, checks, revs, time.monotonic() - t0)
