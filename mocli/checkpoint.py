@@ -110,10 +110,12 @@ class Checkpoint:
                              "ModelOpt checkpoints" + (f" and {', '.join(also)}" if also else ""), hint=hint)
 
     def require_convertible(self) -> None:
-        """convert reads ModelOpt, compressed-tensors and vLLM's block fp8 (a per-tensor fp8 one, mocli
-        quantize's output, serves as it is)."""
+        """convert reads ModelOpt, compressed-tensors, Quark and gpt-oss MXFP4, and vLLM's block fp8 (a
+        per-tensor fp8 one, mocli quantize's output, serves as it is)."""
         block_fp8 = self.quant is not None and self.quant.algo is Algo.FP8_PB_WO
-        self.require_quant_method("convert", also=(compressed_tensors.METHOD, *(("fp8",) if block_fp8 else ())))
+        # Quark and gpt-oss's native format: MXFP4 (the only scheme mocli reads in them; validate refuses the rest)
+        self.require_quant_method("convert", also=(compressed_tensors.METHOD, quark.METHOD, gpt_oss.METHOD,
+                                                   *(("fp8",) if block_fp8 else ())))
 
 
 def open_checkpoint(spec: str | Path) -> Checkpoint:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, MXFP8, NVFP4, NVFP4_AWQ, W4A16_NVFP4, Scheme
+from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, MXFP4, MXFP8, NVFP4, NVFP4_AWQ, W4A16_NVFP4, Scheme
 
 
 class ModuleKind(StrEnum):
@@ -39,6 +39,8 @@ class ModuleKind(StrEnum):
     MXFP8_MOE = "mxfp8_moe"
     # FP8 128x128-block experts (compressed-tensors FP8_BLOCK, vLLM's own block fp8: SEMANTICS §18)
     FP8_BLOCK_MOE = "fp8_block_moe"
+    # vLLM's Marlin layout of MXFP4 weights (weight-only, BF16 activations: SEMANTICS §19.5)
+    MXFP4_MARLIN_LINEAR = "mxfp4_marlin_linear"
 
 
 class Role(StrEnum):
@@ -207,6 +209,12 @@ CARDS: tuple[Card, ...] = (
          **_code("marlin:_MarlinMoe", "MarlinMoE", "marlin:MarlinMoeKernel", "marlin_moe", torch=False),
          thresholds=Thresholds(0.01, 0.08, gemm2=0.01), also=(W4A16_NVFP4,),
          optional=frozenset({Role.W13_INPUT_SCALE, Role.W2_INPUT_SCALE}), transforms=(("marlin", REPACK),)),
+    # weight-only, BF16 activations: the source's weights and E8M0 scales bit for bit (only moved), exact
+    # products, so summation order and output rounding only
+    Card(ModuleKind.MXFP4_MARLIN_LINEAR, MXFP4, False, frozenset({Role.WEIGHT, Role.WEIGHT_SCALE}),
+         **_code("mxfp4_marlin:_Mxfp4MarlinDense", "Mxfp4MarlinLinear", "mxfp4_marlin:Mxfp4MarlinLinearKernel",
+                 "mxfp4_marlin_linear", torch=False),
+         thresholds=Thresholds(0.01, 0.01), transforms=(("marlin", REPACK),)),
 )
 KINDS: dict[ModuleKind, Card] = {c.kind: c for c in CARDS}
 # The kinds the FlashInfer targets write (marlin writes its own: ``targets.marlin``)

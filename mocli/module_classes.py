@@ -213,6 +213,23 @@ class MarlinLinear:
 
 
 @dataclass
+class Mxfp4MarlinLinear:
+    """MXFP4 weights in vLLM's Marlin layout, BF16 activations (SEMANTICS §19.5): what vLLM's
+    ``apply_fp4_marlin_linear(x, weight, weight_scale, None, workspace, n, k, bias)`` takes."""
+
+    name: str
+    weight: torch.Tensor  # I32 [padded_k/16, 2 padded_n], gptq_marlin_repack (as NVFP4's)
+    weight_scale: torch.Tensor  # U8 E8M0 codes [padded_k/32, padded_n]: permuted, values unchanged
+    n: int
+    k: int
+    shard_rows: list[int]
+    padded_n: int
+    padded_k: int
+    act_dtype: str
+    bias: torch.Tensor | None = None  # [padded_n], permuted (marlin_permute_bias)
+
+
+@dataclass
 class MarlinMoE:
     """NVFP4 experts in vLLM's Marlin layout (SEMANTICS §13.6): w13 rows [w1; w3], each half padded to
     padded_intermediate; what ``fused_marlin_moe`` takes as w1/w2, their scales and global scales."""
@@ -240,4 +257,4 @@ class MarlinMoE:
 # Module kind -> its dataclass (its card's, ``mocli.kinds``: every class above is defined by now)
 CLASSES: dict[ModuleKind, type] = table("stored")
 ConvertedModule = (Fp8Linear | Fp8ChannelLinear | Fp8BlockLinear | Nvfp4Linear | Mxfp8Linear | Fp8MoE | Nvfp4MoE
-                   | Mxfp8MoE | Fp8BlockMoE | MarlinLinear | MarlinMoE)
+                   | Mxfp8MoE | Fp8BlockMoE | MarlinLinear | MarlinMoE | Mxfp4MarlinLinear)

@@ -10,10 +10,10 @@ scales are kept as metadata only. The forward byte moves are ``mocli.ops.marlin`
 from __future__ import annotations
 
 from mocli.kinds import REPACK, ModuleKind
-from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, MXFP8, NVFP4, W4A16_NVFP4
+from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, MXFP4, MXFP8, NVFP4, W4A16_NVFP4
 from mocli.targets.base import SHARED_CONSTRAINTS, Constraint, Target, TargetLayout
 
-MARLIN_KINDS = frozenset({ModuleKind.NVFP4_MARLIN_LINEAR, ModuleKind.NVFP4_MARLIN_MOE})
+MARLIN_KINDS = frozenset({ModuleKind.NVFP4_MARLIN_LINEAR, ModuleKind.NVFP4_MARLIN_MOE, ModuleKind.MXFP4_MARLIN_LINEAR})
 # FP8 layers (a MIXED_PRECISION checkpoint's, beside W4A16 or NVFP4 ones) keep the plain FP8 layout the
 # FlashInfer targets share: Hopper's FP8 tensor cores (torch._scaled_mm, grouped GEMMs) run it as it is.
 # MXFP8 linears likewise keep flashinfer-cutlass's layout (weight as stored, scales 128x4): sm_90 has no MX
@@ -28,12 +28,14 @@ class MarlinLayout(TargetLayout):
                "the FlashInfer targets share)")
     gpus = "sm_75-sm_90 (T4 ... A100, L40S, H100, H200)"
     kinds = MARLIN_KINDS | FP8_KINDS
-    supported = {"linear": frozenset({FP8, FP8_CHANNEL, FP8_BLOCK, NVFP4, W4A16_NVFP4, MXFP8}),
+    supported = {"linear": frozenset({FP8, FP8_CHANNEL, FP8_BLOCK, NVFP4, W4A16_NVFP4, MXFP8, MXFP4}),
                  "moe": frozenset({FP8, NVFP4, W4A16_NVFP4})}
     constraints = tuple(c for c in SHARED_CONSTRAINTS
                                                      if c.scheme is FP8 or c.scheme is MXFP8 and c.scope == "linear") + tuple(
         # prepare_nvfp4_moe_layer_for_marlin: the hidden size must be a whole number of 64-wide tiles
-        Constraint("moe", s, "H", 64, "Marlin's MoE kernel tiles H by 64 (SEMANTICS §13.6)") for s in (NVFP4, W4A16_NVFP4))
+        Constraint("moe", s, "H", 64, "Marlin's MoE kernel tiles H by 64 (SEMANTICS §13.6)") for s in (NVFP4, W4A16_NVFP4)) + (
+        # a row-parallel MXFP4 linear's rank keeps whole 32-value scale blocks along K (SEMANTICS §19.3)
+        Constraint("linear", MXFP4, "K", 32, "MXFP4 scales blocks of 32 along each rank's K (SEMANTICS §19.1)"),)
 
 
 __all__ = ["FP8_KINDS", "MARLIN_KINDS", "REPACK", "MarlinLayout"]  # REPACK: the Marlin planner records it

@@ -1,0 +1,90 @@
+"""The marlin target's MXFP4 planners (SEMANTICS §19.5): linears per rank (§10 slicing first, then
+vLLM's padding, the NVFP4 repack and the E8M0 scale moves), in numpy, without torch.
+
+No global scale, no scale factor, no flush, nothing unified across shards: MXFP4 shards concatenate
+as they are (§19.1). Scales are stored as E8M0 bytes (U8), one per 32 values along K, [Kp/32, Np].
+Activations are BF16 (``ACT_DTYPE``): for them the scale chain is a byte permutation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from mocli.io.safetensors_file import TensorEntry
+from mocli.kinds import REPACK, Role
+from mocli.ops import mxfp4_marlin as mx
+from mocli.plan.dense import _Dense
+from mocli.stream.units import BadData, Piece
+from mocli.tables import WEIGHT, WEIGHT_SCALE
+
+if TYPE_CHECKING:
+    from mocli.stream.pool import UnitContext
+
+ACT_DTYPE = "bfloat16"  # vLLM's params_dtype the scales pass through (fp16 would clip codes: §19.5)
+E8M0_NAN = 0xFF
+SCALE_STEPS = ["marlin_pad", "marlin_permute_scales", "mxfp4_marlin_process_scales"]
+
+
+def checked_scales(raw: np.ndarray, entry: TensorEntry) -> np.ndarray:
+    """E8M0 scale bytes, refused where a code is 255 (NaN: the kernel would read +inf or NaN)."""
+    if bool((raw == E8M0_NAN).any()):
+        raise BadData(entry.name, "E8M0 scale bytes encode NaN (0xFF)")
+    return raw
+
+
+class _Mxfp4MarlinDense(_Dense):
+    """A linear (a fused group or alone): weight repacked, E8M0 scales permuted, bias padded and
+    permuted, per tp rank."""
+
+    def plan(self) -> None:
+        weights, scales = [m.tensors[WEIGHT] for m in self.shards], [m.tensors[WEIGHT_SCALE] for m in self.shards]
+        shape = {t: mx.padded_nk(sl.n, sl.k) for t, sl in self.slices.items()}
+        for r in self.ranks:
+            (np_, kp), rows = shape[self.slice_of(r).tp_rank], self.slice_transforms()
+            self.add(r, Role.WEIGHT, "I32", (kp // 16, 2 * np_), [w.name for w in weights],
+                     self.fused + rows + ["marlin_pad", REPACK])
+            self.add(r, Role.WEIGHT_SCALE, "U8", (kp // mx.GROUP, np_), [s.name for s in scales],
+                     self.fused + rows + SCALE_STEPS)
+
+        def run(ctx: UnitContext) -> list[Piece]:
+            sc = [checked_scales(ctx.array(s), s) for s in scales]
+            pieces: list[Piece] = []
+            for t, sl in self.slices.items():
+                (np_, kp), (c0, c1) = shape[t], sl.cols
+                w = np.concatenate([ctx.array(e)[a:b, c0 // 2:c1 // 2] for e, (a, b) in zip(weights, sl.rows, strict=True)])
+                codes = np.concatenate([x[a:b, c0 // mx.GROUP:c1 // mx.GROUP] for x, (a, b) in zip(sc, sl.rows, strict=True)])
+                out = {Role.WEIGHT: mx.repack(w, np_, kp), Role.WEIGHT_SCALE: mx.permute_scales(codes, np_, kp)}
+                for r in (r for r in self.ranks if self.pc.parallel.tp_rank(r) == t):
+                    pieces += [Piece(self.key(r, role), 0, v) for role, v in out.items()]
+            return pieces + self._bias(ctx, shape)
+
+        self.finish(lambda r: {"padded_n": shape[self.slice_of(r).tp_rank][0], "padded_k": shape[self.slice_of(r).tp_rank][1],
+                               "act_dtype": ACT_DTYPE}, weights + scales, run)
+
+    def _plan_bias(self) -> None:
+        """A Marlin bias is padded to Np and permuted (``marlin_permute_bias``), dtype unchanged."""
+        biases = self._bias_entries()
+        if not biases:
+            return
+        for r in self.ranks:
+            sl = self.slice_of(r)
+            np_, _ = mx.padded_nk(sl.n, sl.k)
+            self.add(r, Role.BIAS, biases[0].dtype, (np_,), [b.name for b in biases],
+                     self.fused + self.slice_transforms() + ["marlin_pad", "marlin_permute_bias"])
+            for m in self.pc.plan.modules[-len(self.ranks):]:
+                if m.group == self.pc.parallel.group(r):
+                    m.tensors[str(Role.BIAS)] = f"{self.prefix}.{Role.BIAS}"
+
+    def _bias(self, ctx: UnitContext, shape: dict) -> list[Piece]:
+        biases = self._bias_entries()
+        if not biases:
+            return []
+        whole = [ctx.array(b) for b in biases]
+        pieces = []
+        for r in self.ranks:
+            sl = self.slice_of(r)
+            rows = np.concatenate([w[a:b] for w, (a, b) in zip(whole, sl.rows, strict=True)])
+            pieces.append(Piece(self.key(r, Role.BIAS), 0, mx.permute_bias(rows, shape[sl.tp_rank][0])))
+        return pieces

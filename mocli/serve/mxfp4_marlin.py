@@ -1,0 +1,73 @@
+"""The marlin target's MXFP4 modules as stored (SEMANTICS §19.5), weight-only with BF16 activations:
+
+    y = x @ (e2m1 x 2^(c - 127)).T (+ bias)
+
+Served by decoding: the layout read back once by ``mocli.targets.mxfp4_marlin_decode`` (weight words as
+NVFP4's repack, E8M0 scales un-permuted, the bias un-permuted), products exact in BF16 (an e2m1 value has
+2 significant bits, the scale is a power of two), float32 accumulation. vLLM's CUDA Marlin kernel
+(``apply_fp4_marlin_linear`` with no global scale) would take the stored tensors as they are; mocli does
+not call it yet (a CUDA run decodes too).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mocli.kinds import ModuleKind
+from mocli.serve.common import U8, ServeError, mm
+from mocli.serve.dense import DenseKernel
+from mocli.targets import mxfp4_marlin_decode as lay
+
+I32 = torch.int32
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy()
+
+
+class Mxfp4MarlinLinearKernel(DenseKernel):
+    kind = ModuleKind.MXFP4_MARLIN_LINEAR
+    roles = ("weight", "weight_scale")
+
+    @classmethod
+    def spec(cls, meta, layout):
+        np_, kp = int(meta["padded_n"]), int(meta["padded_k"])
+        return {"weight": (I32, (kp // 16, 2 * np_)), "weight_scale": (U8, (kp // lay.GROUP, np_)),
+                "bias": (None, (np_,))}
+
+    def __init__(self, tensors, meta, layout, name: str = "") -> None:
+        if str(meta.get("act_dtype", "bfloat16")) != "bfloat16":
+            raise ServeError(f"{name}: act_dtype {meta.get('act_dtype')!r}: mocli writes MXFP4 Marlin scales for bfloat16")
+        self.np_ = int(meta["padded_n"])
+        self._bias: tuple[int, torch.Tensor] | None = None
+        super().__init__(tensors, meta, layout, name)
+
+    def select(self):
+        return "emulated Marlin MXFP4 W4A16 (decoded layout, exact products)", True
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x.dtype; ``bias``: the stored Marlin bias [Np] (padded, permuted)."""
+        if x.shape[-1] != self.k:
+            raise ServeError(f"{self.name}: input has {x.shape[-1]} features, the layout {self.k}")
+        lead = x.shape[:-1]
+        y = mm(x.reshape(-1, self.k), self.weights())
+        if bias is not None:
+            y = y + self._logical_bias(bias)
+        return y.to(x.dtype).reshape(*lead, self.n)
+
+    def _logical_bias(self, bias: torch.Tensor) -> torch.Tensor:
+        """The stored bias un-permuted to [N] once (per bias tensor)."""
+        if self._bias is None or self._bias[0] != bias.data_ptr():
+            raw = bias.detach().cpu().contiguous()
+            back = lay.decode_bias(raw.view(torch.uint8).numpy().reshape(self.np_, -1), self.n, f"{self.name}.bias")
+            self._bias = (bias.data_ptr(), torch.from_numpy(back.copy()).reshape(-1).view(raw.dtype).to(bias.device))
+        return self._bias[1].float()
+
+    def decode(self):
+        packed = lay.decode_weight(_np(self.t["weight"]), self.n, self.k, f"{self.name}.weight")
+        codes = lay.decode_scales(_np(self.t["weight_scale"]), self.n, self.k // lay.GROUP, f"{self.name}.weight_scale")
+        return torch.from_numpy(lay.dequant(packed, codes)).to(self.t["weight"].device)
+
+
+__all__ = ["Mxfp4MarlinLinearKernel"]
