@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # imported where tensors are made: opening an output and its 
 @dataclass
 class ConvertedCheckpoint:
     path: Path
-    manifest: dict[str, Any]
+    layout: Layout  # the manifest, read and checked once
     rank: int | None
     modules: dict[str, ConvertedModule]
     _reader: TensorReader
@@ -59,15 +59,15 @@ class ConvertedCheckpoint:
 
     @property
     def target(self) -> str:
-        return self.manifest["target"]
+        return str(self.layout.target)
 
     @property
     def provenance(self) -> dict[str, Any]:
-        return self.manifest.get("provenance", {})
+        return self.layout.provenance or {}
 
     @property
     def parallel(self) -> dict[str, Any]:
-        return self.manifest.get("parallel", {"tp": 1, "ep": 1, "ranks": 1})
+        return self.layout.parallel.to_json()
 
     @property
     def module_names(self) -> list[str]:
@@ -83,6 +83,7 @@ class ConvertedCheckpoint:
         return self._entries
 
     def module_info(self, name: str) -> dict[str, Any]:
+        """The module's manifest entry (``ModuleEntry.to_json``: name, kind, scheme, tensors, sources, meta)."""
         return self._module_info[name]
 
     def entry(self, name: str) -> TensorEntry:
@@ -141,8 +142,8 @@ def open_converted(path: str | Path | Layout, rank: int | None = None) -> Conver
     manifest was read already, as verify hands each rank)."""
     layout = path if isinstance(path, Layout) else read_layout(path)
     _, modules, _ = layout.view(rank)
-    return ConvertedCheckpoint(layout.path, layout.manifest, rank, {}, TensorReader(follow=False), layout.entries(rank),
-                               {m["name"]: m for m in modules})
+    return ConvertedCheckpoint(layout.path, layout, rank, {}, TensorReader(follow=False), layout.entries(rank),
+                               {m.name: m.to_json() for m in modules})
 
 
 def load_converted(path: str | Path, device: str | torch.device = "cpu", modules: list[str] | None = None,

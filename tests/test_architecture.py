@@ -158,6 +158,100 @@ def test_serving_stands_on_no_part_of_verify(graph):
     assert not wrong, wrong
 
 
+def _callers_of_manifest_json(monkeypatch) -> list[str]:
+    """Record the mocli module that turns ``mocli-layout.json``'s bytes into a dict, each time (``json.loads``
+    is what every JSON reader ends in: ``io.jsonfile``, ``json.load``)."""
+    import inspect
+    import json
+
+    callers: list[str] = []
+    loads = json.loads
+
+    def recording(*args, **kwargs):
+        data = loads(*args, **kwargs)
+        if isinstance(data, dict) and data.get("format") == "mocli-layout":
+            frames = [f.filename for f in inspect.stack()[1:]]
+            callers.append(next((f for f in frames if f.startswith(f"{ROOT}/") and not f.endswith("/io/jsonfile.py")), "?"))
+        return data
+
+    monkeypatch.setattr(json, "loads", recording)
+    return callers
+
+
+def _dicts_reachable(value, seen: set[int]):
+    """Every dict reachable from ``value`` through dataclass fields, dicts, lists and tuples."""
+    import dataclasses
+
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _dicts_reachable(getattr(value, f.name), seen)
+    elif isinstance(value, dict):
+        yield value
+        for v in value.values():
+            yield from _dicts_reachable(v, seen)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _dicts_reachable(v, seen)
+
+
+def _manifest_names_outside_formats() -> tuple[list[str], list[str]]:
+    """Outside ``mocli/formats/``: where ``manifest_json`` is named, and each subscript or ``.get`` on a
+    name or attribute called ``*manifest*``."""
+    named, indexed = [], []
+    for p in sorted(ROOT.rglob("*.py")):
+        if "formats" in p.relative_to(ROOT).parts:
+            continue
+        for n in ast.walk(ast.parse(p.read_text())):
+            name = n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else None
+            if name == "manifest_json" or isinstance(n, ast.alias) and n.name == "manifest_json":
+                named.append(f"{p.relative_to(ROOT.parent)}:{getattr(n, 'lineno', '?')}")
+            target = n.value if isinstance(n, ast.Subscript) else (
+                n.func.value if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get"
+                else None)
+            label = target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) else ""
+            if "manifest" in label.lower():
+                indexed.append(f"{p.relative_to(ROOT.parent)}:{n.lineno}: {ast.unparse(n)}")
+    return named, indexed
+
+
+def test_the_manifest_is_a_dict_only_inside_formats(cli, tmp_path, monkeypatch):
+    """The manifest is a dict only inside ``mocli.formats``: everything else holds the typed, checked
+    ``Layout`` (``formats.manifest``), so there is no dict to index and a misspelt field is an
+    AttributeError, not a silent None. A rule on what a variable is called could be dodged by renaming
+    it; this one is on where a manifest dict can come from and what a ``Layout`` lets one reach:
+
+    1. read: converting, verifying and loading a real output, every parse of the manifest's bytes into a
+       dict happens in a module of ``mocli/formats/`` (traced at ``json.loads``, whatever the variable);
+    2. held: nothing reachable from a read ``Layout`` (its fields, and theirs) is a dict of the manifest
+       or of a rank's section (one with ``format: mocli-layout``, or with ``modules`` and ``tensors``);
+    3. written: ``manifest_json`` (the one serialiser) is named nowhere outside ``mocli/formats/``;
+    and, what issue 45 counted, no subscript or ``.get`` on a name or attribute called ``*manifest*``
+    outside ``mocli/formats/`` (the plugin, which needs vLLM, is held by 3 and this)."""
+    from mocli.formats.layout import read_layout
+    from mocli.loader import load_converted
+    from tests.conftest import REAL_QWEN
+
+    callers = _callers_of_manifest_json(monkeypatch)
+    out = tmp_path / "o"
+    assert cli("-q", "convert", REAL_QWEN, "-o", out, "--target", "flashinfer-trtllm", "--tp", "2").exit_code == 0
+    assert cli("-q", "verify", out, "--layers", "*.0.mlp.experts").exit_code == 0
+    load_converted(out, rank=1, modules=[])
+    layout = read_layout(out)
+    outside = [c for c in callers if not c.startswith(f"{ROOT / 'formats'}/")]
+    assert callers and not outside, outside
+
+    raw = [sorted(d)[:6] for d in _dicts_reachable(layout, set())
+           if d.get("format") == "mocli-layout" or {"modules", "tensors"} <= set(d)]
+    assert not raw, raw
+
+    named, indexed = _manifest_names_outside_formats()
+    assert not named, named
+    assert not indexed, indexed
+
+
 def test_stored_schemes_are_asked_not_branched_on():
     """``Algo.`` (a configured algorithm) is named outside ``mocli.schemes`` and the config parsers
     (``quant_config``, ``compressed_tensors`` and its ``ct_schemes``, ``quark``, ``gpt_oss``: they map a file's words to

@@ -380,8 +380,8 @@ def test_loader_hands_over_the_pass_through_tensors_with_the_source_bytes(cli, t
     src = {}
     for f in sorted(REAL_QWEN.glob("*.safetensors")):
         src |= load_file(f)
-    in_modules = {t for m in ck.manifest["modules"] for t in m["tensors"].values()}
-    prefixes = tuple(s + "." for m in ck.manifest["modules"] for s in [m["name"], *m["sources"]])
+    in_modules = {t for m in ck.layout.modules for t in m.tensors.values()}
+    prefixes = tuple(s + "." for m in ck.layout.modules for s in [m.name, *m.sources])
     roles = {"weight", "weight_scale", "weight_scale_2", "input_scale", "bias"}  # what a module consumes
     expected = {n for n in src if not (n.startswith(prefixes) and n.rsplit(".", 1)[1] in roles)}
     assert "model.layers.0.self_attn.k_proj.k_scale" in expected  # KV-cache scales pass through

@@ -608,6 +608,7 @@ def test_scaled_mm_takes_any_n_and_k(device, n, k, rowwise):
 def test_early_digests_are_the_ones_verify_checks(cli, tmp_path):
     """verify's digests started before torch is imported: one per declared output file and source shard,
     each taken (not hashed a second time) by the check, and a file changed afterwards is still caught."""
+    from mocli.formats.layout import read_layout
     from mocli.io.digests import BackgroundDigests
     from mocli.verify import VerifyOptions, verify
     from mocli.verify.early import start_digests
@@ -616,20 +617,20 @@ def test_early_digests_are_the_ones_verify_checks(cli, tmp_path):
     out = tmp_path / "o"
     assert cli("-q", "convert", src, "-o", out, "--target", "flashinfer-cutlass").exit_code == 0
     manifest = json.loads((out / "mocli-layout.json").read_text())
-    early = start_digests(out, None, None)
+    early = start_digests(read_layout(out), None, None)
     assert isinstance(early, BackgroundDigests)
     assert len(early.futures) == len(manifest["files"]) + len(manifest["provenance"]["source_shards"])
     report = verify(out, VerifyOptions(early_digests=early))
     assert report["ok"] and early.futures == {}  # every one taken by the check
-    assert start_digests(out, None, 0) is None  # --rank: verify's own list
-    assert start_digests(src, None, None) is None  # not a converted directory
+    assert start_digests(read_layout(out), None, 0) is None  # --rank: verify's own list
+    assert start_digests(None, None, None) is None  # not a converted directory
     shard = next(out.glob("model-*.safetensors"))
     with open(shard, "r+b") as f:  # one bit of the shard's last byte
         f.seek(-1, 2)
         last = f.read(1)
         f.seek(-1, 2)
         f.write(bytes([last[0] ^ 1]))
-    early = start_digests(out, None, None)
+    early = start_digests(read_layout(out), None, None)
     report = verify(out, VerifyOptions(early_digests=early))
     assert not report["ok"] and early.futures == {}
     assert [p["file"] for p in report["files"]["problems"]] == [shard.name]

@@ -39,13 +39,17 @@ def verify_cmd(
     """Check every byte of a converted directory and run real GEMMs against the source; exit 1 on failure."""
 
     def body(out: Output) -> int:
+        from mocli.formats import DirKind, detect
+        from mocli.formats.layout import read_layout
         from mocli.procenv import passive_omp, reuse_freed_memory, single_thread_blas
         from mocli.verify.early import start_digests
 
         passive_omp()
         single_thread_blas()
         reuse_freed_memory()
-        early = start_digests(output, source, rank)  # hashing overlaps the torch import below
+        kind = detect(output)  # what the directory is, and its manifest, found once for both
+        layout = read_layout(output) if kind is DirKind.LAYOUT else None
+        early = start_digests(layout, source, rank)  # hashing overlaps the torch import below
         warm_cuda(device.value)  # and so does CUDA's start-up
         try:
             from mocli.render import render_verify
@@ -56,7 +60,7 @@ def verify_cmd(
             opts = VerifyOptions(source=source, device=device.value, kernels=kernels, layers=layers,
                                  tokens=tokens, seed=seed, rank=rank, early_digests=early)
             with out.module_progress("verifying") as progress:
-                report = verify(output, opts, progress)
+                report = verify(output, opts, progress, kind=kind, layout=layout)
         finally:
             if early is not None:
                 early.shutdown(wait=False)  # the process exits next

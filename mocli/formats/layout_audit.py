@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from mocli.formats import CONFIG_JSON
-from mocli.formats.layout import file_path, rank_view
+from mocli.formats.layout import file_path, shared_fields
+from mocli.formats.manifest import Layout, ModuleEntry
 from mocli.io.digests import as_record, digest_or_error
 from mocli.kinds import KINDS, ModuleKind
 from mocli.targets import layout_of
@@ -37,13 +38,13 @@ V1_REFUSAL = ("layout_version 1: its config.json declares the source's quant_met
 ROW_ROLES = frozenset({"weight", "w13_weight", "w2_weight"})
 
 
-def config_problems(root: Path, manifest: dict[str, Any]) -> list[str]:
+def config_problems(root: Path, layout: Layout) -> list[str]:
     """config.json as the manifest recorded it, and saying the same layout fields."""
     from mocli.io.jsonfile import read_json
 
-    if manifest.get("layout_version", 1) < 2:
+    if layout.version < 2:
         return [V1_REFUSAL]
-    record = as_record((manifest.get("files") or {}).get(CONFIG_JSON))
+    record = as_record((layout.files or {}).get(CONFIG_JSON))
     if record is None:
         return [f"{CONFIG_JSON}: the manifest records no digest of it"]
     path = file_path(root, CONFIG_JSON)
@@ -54,42 +55,42 @@ def config_problems(root: Path, manifest: dict[str, Any]) -> list[str]:
         f"{CONFIG_JSON} differs from the {record[0]} digest the manifest records: it was edited after conversion"]
     qc = (read_json(path, follow=False) or {}).get("quantization_config")
     qc = qc if isinstance(qc, dict) else {}
-    problems += [f"{CONFIG_JSON} says {key} {qc.get(key)!r} but the manifest says {manifest.get(key)!r}"
-                 for key in SHARED_FIELDS if qc.get(key) != manifest.get(key)]
+    said = shared_fields(layout)
+    problems += [f"{CONFIG_JSON} says {key} {qc.get(key)!r} but the manifest says {said[key]!r}"
+                 for key in SHARED_FIELDS if qc.get(key) != said[key]]
     return problems
 
 
-def module_problems(manifest: dict[str, Any]) -> list[str]:
+def module_problems(lay: Layout) -> list[str]:
     """Every module of every rank is of a kind its target writes and holds that kind's roles (its
     optional ones aside), its weight transforms are the target's, and each tensor it names is in the
     manifest's tensors."""
-    layout = layout_of(manifest["target"])
+    layout = layout_of(lay.target)
     problems: list[str] = []
-    for rank in _ranks(manifest):
-        _, modules, tensors = rank_view(manifest, rank)
-        described = {**manifest.get("tensors", {}), **tensors}
+    for rank in lay.rank_ids:
+        described = lay.described(rank)
         where = "" if rank is None else f" (rank {rank})"
-        for m in modules:
-            kind = ModuleKind(m["kind"])
+        for m in lay.view(rank)[1]:
+            kind = ModuleKind(m.kind)
             if kind not in layout.kinds:
-                problems.append(f"{m['name']}{where}: {layout.target} writes no {kind} module")
+                problems.append(f"{m.name}{where}: {layout.target} writes no {kind} module")
                 continue
             problems += _role_problems(m, kind, layout, where)
-            for role, tname in m["tensors"].items():
+            for role, tname in m.tensors.items():
                 if tname not in described:
-                    problems.append(f"{m['name']}{where}: names tensor {tname} ({role}), which the manifest does not "
+                    problems.append(f"{m.name}{where}: names tensor {tname} ({role}), which the manifest does not "
                                     "describe")
                 elif role in ROW_ROLES:
-                    problems += _transform_problems(tname, described[tname].get("transforms", []), kind, layout, where)
+                    problems += _transform_problems(tname, list(described[tname].transforms), kind, layout, where)
     return problems
 
 
-def _role_problems(m: dict[str, Any], kind: ModuleKind, layout, where: str) -> list[str]:
-    roles = set(m["tensors"]) - {"bias"}
+def _role_problems(m: ModuleEntry, kind: ModuleKind, layout, where: str) -> list[str]:
+    roles = set(m.tensors) - {"bias"}
     want, may = {str(r) for r in layout.roles(kind)}, {str(r) for r in KINDS[kind].optional}
     if want <= roles <= want | may:
         return []
-    return [f"{m['name']}{where}: a {kind} module of {layout.target} holds {_names(want)}"
+    return [f"{m.name}{where}: a {kind} module of {layout.target} holds {_names(want)}"
             + (f" (and may hold {_names(may)})" if may else "") + f", this one {_names(roles)}"]
 
 
@@ -105,18 +106,17 @@ def _transform_problems(tname: str, transforms: list, kind: ModuleKind, layout, 
     return []
 
 
-def tensor_problems(manifest: dict[str, Any], rank: int | None, entries: dict) -> list[str]:
-    """One rank's shards (``entries``: ``formats.layout.rank_entries``, the top level's and the rank's
-    own) against the manifest: the same names, and each tensor with the manifest's dtype and shape."""
-    _, _, tensors = rank_view(manifest, rank)
-    listed = {**manifest.get("tensors", {}), **tensors}
+def tensor_problems(layout: Layout, rank: int | None, entries: dict) -> list[str]:
+    """One rank's shards (``entries``: ``Layout.entries``, the top level's and the rank's own) against
+    the manifest: the same names, and each tensor with the manifest's dtype and shape."""
+    listed = layout.described(rank)
     where = "" if rank is None else f" (rank {rank})"
     problems = [f"{n}{where}: in the manifest but in no shard" for n in sorted(set(listed) - set(entries))]
     problems += [f"{n}{where}: in a shard but not in the manifest" for n in sorted(set(entries) - set(listed))]
     for name in sorted(set(entries) & set(listed)):
         e, want = entries[name], listed[name]
-        if e.dtype != want["dtype"] or list(e.shape) != list(want["shape"]):
-            problems.append(f"{name}{where}: {e.dtype} {list(e.shape)} in its shard, {want['dtype']} {want['shape']} "
+        if e.dtype != want.dtype or tuple(e.shape) != want.shape:
+            problems.append(f"{name}{where}: {e.dtype} {list(e.shape)} in its shard, {want.dtype} {list(want.shape)} "
                             "in the manifest")
     return problems
 
@@ -128,7 +128,7 @@ _READS_HIDDEN = ("qkv_proj", "q_proj", "k_proj", "v_proj", "gate_up_proj", "gate
 _WRITES_HIDDEN = ("o_proj", "down_proj")
 
 
-def size_problems(manifest: dict[str, Any], config: dict[str, Any]) -> list[str]:
+def size_problems(layout: Layout, config: dict[str, Any]) -> list[str]:
     """Module sizes against the model's config.json (hidden size, expert count): a layout converted
     from another model. Only the sizes every architecture names the same way are compared."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
@@ -137,24 +137,19 @@ def size_problems(manifest: dict[str, Any], config: dict[str, Any]) -> list[str]
     if not isinstance(hidden, int):
         return []
     problems = []
-    for rank in _ranks(manifest):
-        _, modules, _ = rank_view(manifest, rank)
-        for m in modules:
-            meta, last = m["meta"], m["name"].rpartition(".")[2]
+    for rank in layout.rank_ids:
+        for m in layout.view(rank)[1]:
+            meta, last = m.meta, m.name.rpartition(".")[2]
             full = meta.get("full") or {"n": meta.get("n"), "k": meta.get("k")}
             said = [("hidden", meta.get("hidden"), hidden), ("experts", meta.get("experts_total", meta.get("experts")),
                                                             experts)] if "experts" in meta else [
                 ("input features", full.get("k"), hidden if last in _READS_HIDDEN else None),
                 ("output features", full.get("n"), hidden if last in _WRITES_HIDDEN else None)]
-            problems += [f"{m['name']}: {what} {got} in the layout, {want} in config.json (converted from another "
+            problems += [f"{m.name}: {what} {got} in the layout, {want} in config.json (converted from another "
                          "model?)" for what, got, want in said if want is not None and got != want]
         if problems:
             break
     return problems
-
-
-def _ranks(manifest: dict[str, Any]) -> list[int | None]:
-    return list(range(len(manifest["ranks"]))) if manifest.get("ranks") else [None]
 
 
 def _names(roles: set[str]) -> str:

@@ -10,9 +10,8 @@ even when every byte that *is* there is right.
 
 from __future__ import annotations
 
-from typing import Any
-
 from mocli.census import Census, Kind
+from mocli.formats.manifest import Layout, Parallelism, RankEntry
 
 # the tensors of a quantized module that its converted module replaces
 _MODULE_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "bias")
@@ -48,45 +47,45 @@ def expected_passthrough(census: Census, modules: dict[str, list[str]]) -> set[s
     return every - replaced
 
 
-def _moe_rule(meta: dict, census_layer, parallel: dict, rank_entry: dict | None) -> list[str]:
+def _moe_rule(meta: dict, census_layer, parallel: Parallelism, rank_entry: RankEntry | None) -> list[str]:
     """SEMANTICS §10 for one MoE rank: experts [r·E/ep, ...) whole under expert parallel, else every
     expert with I/tp of the rows [t·I/tp, ...)."""
     if rank_entry is None:
         return []
     e_total, inter = census_layer.num_experts, census_layer.intermediate
-    tp, ep, r = parallel["tp"], parallel["ep"], rank_entry["rank"]
+    tp, ep, r = parallel.tp, parallel.ep, rank_entry.rank
     if ep > 1:
         want = {"expert_offset": r * e_total // ep, "experts": e_total // ep, "intermediate_slice": [0, inter]}
     else:
-        t = rank_entry["tp_rank"]
+        t = rank_entry.tp_rank
         want = {"expert_offset": 0, "experts": e_total, "intermediate_slice": [t * inter // tp, (t + 1) * inter // tp]}
     return [f"{k} is {meta.get(k)!r}, SEMANTICS §10 gives {v!r}" for k, v in want.items() if meta.get(k) != v]
 
 
-def completeness(manifest: dict[str, Any], census: Census, ranks: list[int]) -> list[dict[str, str]]:
+def completeness(layout: Layout, census: Census, ranks: list[int]) -> list[dict[str, str]]:
     """Problems (module or tensor, what is wrong) of the checked ranks and the shared tensors."""
     problems: list[dict[str, str]] = []
     modules = expected_modules(census)
     layers = {layer.name: layer for layer in census.moe}
-    declared = manifest.get("ranks") or []
-    views = [(declared[r], declared[r]["modules"]) for r in ranks] if declared else [(None, manifest["modules"])]
+    declared = layout.ranks
+    views = [(declared[r], declared[r].modules) for r in ranks] if declared else [(None, layout.modules)]
     for entry, mods in views:
-        where = f" on rank {entry['rank']}" if entry is not None else ""
-        got = {m["name"]: m for m in mods}
+        where = f" on rank {entry.rank}" if entry is not None else ""
+        got = {m.name: m for m in mods}
         for name, sources in modules.items():
             if name not in got:
                 problems.append({"module": name, "problem": f"missing{where}: the source converts to it "
                                  f"(from {', '.join(sources[:3])}{' ...' if len(sources) > 3 else ''})"})
-            elif got[name]["sources"] != sources:
-                problems.append({"module": name, "problem": f"built{where} from {got[name]['sources']}, but the "
+            elif list(got[name].sources) != sources:
+                problems.append({"module": name, "problem": f"built{where} from {list(got[name].sources)}, but the "
                                  f"source gives {sources}"})
             elif name in layers:
                 problems += [{"module": name, "problem": f"{why}{where}"}
-                             for why in _moe_rule(got[name]["meta"], layers[name], manifest["parallel"], entry)]
+                             for why in _moe_rule(got[name].meta, layers[name], layout.parallel, entry)]
         for name in sorted(set(got) - set(modules)):
             problems.append({"module": name, "problem": f"is{where} in the output but the source converts to no "
                              "such module (another source?)"})
-    passed = {n for n, t in manifest["tensors"].items() if t.get("role") == "passthrough"}
+    passed = set(layout.passthrough())
     for name in sorted(expected_passthrough(census, modules) - passed):
         problems.append({"module": name, "problem": "source tensor neither converted nor passed through"})
     for name in sorted(passed - expected_passthrough(census, modules)):

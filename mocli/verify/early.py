@@ -13,25 +13,25 @@ import os
 from pathlib import Path
 
 from mocli.errors import MocliError
-from mocli.formats import DirKind, detect, source_spec
-from mocli.formats.layout import file_path, read_manifest
+from mocli.formats import source_spec
+from mocli.formats.layout import file_path
+from mocli.formats.manifest import Layout
 from mocli.io.digests import BackgroundDigests, as_record
 
 
-def start_digests(out: Path, source: str | None, rank: int | None) -> BackgroundDigests | None:
-    if rank is not None:  # one rank's files only: verify's own list
+def start_digests(layout: Layout | None, source: str | None, rank: int | None) -> BackgroundDigests | None:
+    """``layout``: the converted directory's manifest, as verify will check it (None: not a converted
+    directory)."""
+    if rank is not None or layout is None:  # one rank's files only: verify's own list
         return None
     try:
-        out = Path(out)
-        if detect(out) is not DirKind.LAYOUT:
-            return None
-        manifest = read_manifest(out)
+        out = layout.path
         jobs: list[tuple[Path, str, bool]] = []
-        for rel, value in (manifest.get("files") or {}).items():
+        for rel, value in (layout.files or {}).items():
             record = as_record(value)
             if record is not None:
                 jobs.append((file_path(out, rel), record[0], False))  # mocli's own files: never through a link
-        provenance = manifest.get("provenance") or {}
+        provenance = layout.provenance or {}
         spec = source_spec(provenance, source)
         if spec is not None and Path(spec).is_dir():
             for name, value in (provenance.get("source_shards") or {}).items():

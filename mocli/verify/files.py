@@ -10,6 +10,7 @@ from typing import Any
 
 from mocli.checkpoint import Checkpoint
 from mocli.errors import InputError
+from mocli.formats.manifest import Layout
 from mocli.io.digests import BackgroundDigests, as_record
 from mocli.verify.results import VerifyOptions
 
@@ -112,22 +113,21 @@ class Inventory:
     broken_ranks: set[int] = field(default_factory=set)  # ranks with a file missing or not regular
 
 
-def inventory(out: Path, manifest: dict, ranks: list[int]) -> Inventory:
+def inventory(layout: Layout, ranks: list[int]) -> Inventory:
     """Every declared file present and regular, every declared rank's directory there, and (layout 2)
     nothing in OUT that the manifest does not cover. Names that leave OUT or pass through a link are
     refused (exit 2) before anything is read."""
     from mocli.formats.layout import MANIFEST_NAME, file_path
     from mocli.io.paths import kind_of
 
-    files = manifest.get("files")
-    declared_ranks = manifest.get("ranks") or []
-    groups = {""} | {declared_ranks[r]["dir"] for r in ranks if declared_ranks}
+    out, files, declared_ranks = layout.path, layout.files, layout.ranks
+    groups = {""} | {declared_ranks[r].dir for r in ranks if declared_ranks}
     inv = Inventory(None if files is None else {})
     if files is None:
         inv.problems.append({"file": str(out / MANIFEST_NAME),
                              "problem": "records no file digests (written by an older mocli); convert again"})
         return inv
-    rank_of = {e["dir"]: e["rank"] for e in declared_ranks}
+    rank_of = {e.dir: e.rank for e in declared_ranks}
     for rel, info in files.items():
         path = file_path(out, rel)
         group = rel.split("/", 1)[0] if "/" in rel else ""
@@ -141,10 +141,10 @@ def inventory(out: Path, manifest: dict, ranks: list[int]) -> Inventory:
         elif group in groups:
             inv.wanted[rel] = {k: v for k, v in info.items() if k != "size"}
     for entry in declared_ranks:
-        if not (out / entry["dir"]).is_dir():
-            inv.problems.append({"file": entry["dir"], "problem": f"rank {entry['rank']}'s directory is missing"})
-            inv.broken_ranks.add(entry["rank"])
-    if manifest.get("layout_version", 1) >= 2:
+        if not (out / entry.dir).is_dir():
+            inv.problems.append({"file": entry.dir, "problem": f"rank {entry.rank}'s directory is missing"})
+            inv.broken_ranks.add(entry.rank)
+    if layout.version >= 2:
         for path in sorted(out.rglob("*")):
             rel = str(path.relative_to(out))
             if path.is_symlink():

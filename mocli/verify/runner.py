@@ -57,40 +57,45 @@ VERIFIERS = {DirKind.LAYOUT: _verify_layout, DirKind.QUANTIZED: _verify_quantize
              DirKind.REPAIRED: _verify_repaired, DirKind.CHECKPOINT: _not_an_output}
 
 
-def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = None) -> dict[str, Any]:
+def verify(out: str | Path, opts: VerifyOptions, progress: Progress | None = None, kind: DirKind | None = None,
+           layout: Layout | None = None) -> dict[str, Any]:
+    """``kind`` (``formats.detect``) and ``layout`` (a LAYOUT's manifest): what the caller found already,
+    so that the directory is identified and its manifest read once."""
     out, progress = Path(out), progress or Progress()
     progress.phase("reading the manifest")
-    return VERIFIERS[detect(out)](out, opts, progress)
+    kind = kind or detect(out)
+    if kind is DirKind.LAYOUT:
+        return verify_layout(layout or read_layout(out), opts, progress)
+    return VERIFIERS[kind](out, opts, progress)
 
 
 def verify_layout(layout: Layout, opts: VerifyOptions, progress: Progress) -> dict[str, Any]:
     t_all = time.perf_counter()
-    out, manifest = layout.path, layout.manifest
-    n_ranks = len(layout.ranks)
+    out = layout.path
+    n_ranks = len(layout.rank_ids)
     if opts.rank is not None and not 0 <= opts.rank < n_ranks:
         raise InputError(f"--rank {opts.rank}: {out} has ranks 0..{n_ranks - 1}", hint="pick an existing rank")
     ranks = [opts.rank] if opts.rank is not None else list(range(n_ranks))
-    inv = inventory(out, manifest, ranks)
-    src = open_source(out, manifest.get("provenance") or {}, opts)
-    hashes = Hashes(out, inv.wanted, (manifest.get("provenance") or {}).get("source_shards") or {}, src, opts,
-                    record_name="")
+    inv = inventory(layout, ranks)
+    provenance = layout.provenance or {}
+    src = open_source(out, provenance, opts)
+    hashes = Hashes(out, inv.wanted, provenance.get("source_shards") or {}, src, opts, record_name="")
     census = src.census()
-    found: dict[str, Any] = {"completeness": completeness(manifest, census, ranks)}
-    cks = {r: open_converted(layout, rank=r if manifest.get("ranks") else None)
-           for r in ranks if r not in inv.broken_ranks}
+    found: dict[str, Any] = {"completeness": completeness(layout, census, ranks)}
+    cks = {r: open_converted(layout, rank=layout.rank_id(r)) for r in ranks if r not in inv.broken_ranks}
     try:
-        found["layout"] = _layout_problems(out, manifest, cks)
+        found["layout"] = _layout_problems(layout, cks)
         names = _names(cks, opts, skip=bool(found["layout"]))
         kinds = {ModuleKind(ck.module_info(n)["kind"]) for ck in cks.values() for n in names if ck.holds(n)}
-        rt = torch_runtime(kinds, layout_of(manifest["target"]), opts)
+        rt = torch_runtime(kinds, layout_of(layout.target), opts)
         progress.start(len(names) * len(cks))
         trace.mark(f"checking {len(names)} modules on {len(cks)} rank(s)" + ("" if rt else ", without torch"))
-        found["results"], found["cross"] = check_modules(names, cks, src, census, layout_of(manifest["target"]), rt,
-                                                         opts, manifest["parallel"]["tp"], progress)
+        found["results"], found["cross"] = check_modules(names, cks, src, census, layout_of(layout.target), rt,
+                                                         opts, layout.parallel.tp, progress)
         progress.phase("pass-through tensors")
         top_missing = any("/" not in p["file"] for p in inv.problems if "missing" in p["problem"])
-        found["passthrough"] = (0, []) if top_missing else _passthrough(out, manifest, src)
-        found["coverage"] = _coverage(cks, manifest, opts)
+        found["passthrough"] = (0, []) if top_missing else _passthrough(layout, src)
+        found["coverage"] = _coverage(cks, layout, opts)
         progress.phase(f"hashing {hashes.count} files")
         found["files"] = inv.problems + hashes.result()
         trace.mark("hashes checked")
@@ -98,7 +103,7 @@ def verify_layout(layout: Layout, opts: VerifyOptions, progress: Progress) -> di
         hashes.close()
         for ck in cks.values():
             ck.close()
-    return _report(out, src, manifest, ranks, rt, opts, len(inv.wanted or {}), found, t_all)
+    return _report(layout, src, ranks, rt, opts, len(inv.wanted or {}), found, t_all)
 
 
 def _names(cks: dict, opts: VerifyOptions, skip: bool) -> list[str]:
@@ -113,15 +118,15 @@ def _names(cks: dict, opts: VerifyOptions, skip: bool) -> list[str]:
     return [] if skip else names
 
 
-def _report(out: Path, src: Checkpoint, manifest: dict, ranks: list[int], rt, opts: VerifyOptions, files_checked: int,
+def _report(layout: Layout, src: Checkpoint, ranks: list[int], rt, opts: VerifyOptions, files_checked: int,
             found: dict[str, Any], t_all: float) -> dict[str, Any]:
     results, cross = found["results"], found["cross"]
     n_pass, pass_problems = found["passthrough"]
     failures = [r for r in results if not r.passed] + [c for c in cross if not c.passed]
     failures += found["files"] + pass_problems + found["coverage"]["unchecked"] + found["completeness"] + found["layout"]
     return {
-        "output": str(out), "source": src.source.describe(), "target": manifest["target"],
-        "parallel": manifest["parallel"], "ranks": ranks, "device": str(rt.device) if rt else "cpu",
+        "output": str(layout.path), "source": src.source.describe(), "target": str(layout.target),
+        "parallel": layout.parallel.to_json(), "ranks": ranks, "device": str(rt.device) if rt else "cpu",
         **({} if rt else _cpu_note(opts.device)), "tokens": opts.tokens, "seed": opts.seed,
         "files": {"checked": files_checked, "problems": found["files"]},
         "modules": [r.to_dict() for r in results], "cross_rank": [c.to_dict() for c in cross],
@@ -132,14 +137,14 @@ def _report(out: Path, src: Checkpoint, manifest: dict, ranks: list[int], rt, op
     }
 
 
-def _layout_problems(out: Path, manifest: dict[str, Any], cks: dict) -> list[str]:
+def _layout_problems(layout: Layout, cks: dict) -> list[str]:
     """What the directory's own records say against each other (``formats.layout_audit``): everything
     mocli's vLLM plugin refuses before loading fails here too."""
     from mocli.formats.layout_audit import config_problems, module_problems, tensor_problems
 
-    problems = config_problems(out, manifest) + module_problems(manifest)
+    problems = config_problems(layout.path, layout) + module_problems(layout)
     for r, ck in cks.items():
-        problems += tensor_problems(manifest, r if manifest.get("ranks") else None, ck.entries)
+        problems += tensor_problems(layout, layout.rank_id(r), ck.entries)
     return problems
 
 
@@ -149,13 +154,13 @@ def _cpu_note(device: str) -> dict[str, str]:
     return {"device_requested": wanted} if wanted != "cpu" else {}
 
 
-def _passthrough(out: Path, manifest: dict, src: Checkpoint) -> tuple[int, list[dict[str, str]]]:
+def _passthrough(layout: Layout, src: Checkpoint) -> tuple[int, list[dict[str, str]]]:
     """Top-level pass-through tensors are the source's bytes, compared in chunks."""
     from mocli.formats import INDEX_NAME
     from mocli.formats.layout import group_entries
     from mocli.io.safetensors_file import TensorReader
 
-    names = [n for n, t in manifest["tensors"].items() if t.get("role") == "passthrough"]
+    out, names = layout.path, layout.passthrough()
     entries = group_entries(out, "") if (out / INDEX_NAME).exists() else {}
     missing = [{"tensor": n, "problem": "declared by the manifest but in no top-level shard"} for n in names
                if n not in entries]
@@ -164,9 +169,9 @@ def _passthrough(out: Path, manifest: dict, src: Checkpoint) -> tuple[int, list[
                                                    src_reader)
 
 
-def _coverage(cks: dict, manifest: dict, opts: VerifyOptions) -> dict[str, Any]:
+def _coverage(cks: dict, layout: Layout, opts: VerifyOptions) -> dict[str, Any]:
     """Every tensor in the checked files is either a module's (checked above) or pass-through."""
-    passthrough = {n for n, t in manifest["tensors"].items() if t.get("role") == "passthrough"}
+    passthrough = set(layout.passthrough())
     total, unchecked = 0, []
     for ck in cks.values():
         covered = set(passthrough)

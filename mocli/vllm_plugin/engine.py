@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
 
 from mocli.formats.layout import MANIFEST_NAME, QUANT_METHOD
+from mocli.formats.manifest import VllmRules
 from mocli.kinds import KINDS, ModuleKind
 from mocli.vllm_plugin.checks import LayoutMismatch, check_engine
 from mocli.vllm_plugin.precheck import local_directory, precheck
@@ -115,13 +115,13 @@ def prepare(config, kv_asked: str = "auto") -> None:
     load.load_format = LOAD_FORMAT
     qc = config.quant_config
     par = config.parallel_config
-    manifest = getattr(qc, "manifest", None) or {}
-    has_moe = any(KINDS[ModuleKind(m["kind"])].moe for m in _all_modules(manifest))
+    layout = getattr(qc, "layout", None)
+    has_moe = layout is not None and any(KINDS[ModuleKind(m.kind)].moe for m in layout.all_modules())
     check_engine(qc.qc, getattr(qc, "model_dir", None) or config.model_config.model,
                  tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size, dp=par.data_parallel_size,
                  enable_ep=bool(par.enable_expert_parallel), has_moe=has_moe)
     _check_kv_cache(config, kv_asked)
-    _log_rules(config, manifest, has_moe)
+    _log_rules(config, layout.serving if layout is not None else None, has_moe)
 
 
 def _check_kv_cache(config, kv_asked: str) -> None:
@@ -148,22 +148,18 @@ def _check_kv_cache(config, kv_asked: str) -> None:
                              "on a GPU whose attention backend takes nvfp4")
 
 
-def _log_rules(config, manifest: dict[str, Any], has_moe: bool) -> None:
+def _log_rules(config, written: VllmRules | None, has_moe: bool) -> None:
     """One line saying which release-dependent rules apply here: the KV-cache dtype the engine resolved
     against the one the layout was written for (``serving`` in the manifest), and who runs MoE layers."""
     import vllm
 
-    written = ((manifest.get("serving") or {}).get("vllm") or {})
+    written = written or VllmRules()
     dtype = getattr(getattr(config, "cache_config", None), "cache_dtype", "?")
     _vllm_log().info(
         "mocli: vLLM %s (the plugin is tested with %s): KV cache %s (the layout was written for %s)%s",
-        getattr(vllm, "__version__", "?"), ", ".join(f"{r}.x" for r in written.get("releases", [])) or "?", dtype,
-        written.get("kv_cache_dtype", "auto"),
+        getattr(vllm, "__version__", "?"), ", ".join(f"{r}.x" for r in written.releases) or "?", dtype,
+        written.kv_cache_dtype,
         "; MoE layers run on mocli's kernels (--moe-backend does not apply)" if has_moe else "")
-
-
-def _all_modules(manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    return list(manifest.get("modules", [])) + [m for r in manifest.get("ranks") or [] for m in r["modules"]]
 
 
 def _patch_kv_cache_dtype() -> None:

@@ -19,6 +19,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from mocli.errors import MocliError
 from mocli.formats.layout import rank_entries
+from mocli.formats.manifest import ModuleEntry
 from mocli.io.safetensors_file import torch_dtypes
 from mocli.loader import shard_by_shard
 from mocli.vllm_plugin.checks import LayoutMismatch
@@ -47,7 +48,7 @@ class MocliModelLoader(BaseModelLoader):
         modules, _ = config.rank_modules()
         targets = _copy_targets(modules, layers)  # every check that needs no bytes, before reading any
         try:
-            entries = rank_entries(directory, config.manifest, rank)
+            entries = rank_entries(directory, config.read_layout(), rank)
         except MocliError as e:
             raise LayoutMismatch(e.message + (f" ({e.hint})" if e.hint else "")) from None
         _check_index(config, entries, rank)
@@ -95,9 +96,7 @@ def _converted_layers(model: torch.nn.Module) -> dict[str, _Layer]:
 
 def _check_index(config: MocliConfig, entries: dict[str, Any], rank: int | None) -> None:
     """The rank's shards hold exactly the tensors the manifest lists, with its dtypes and shapes."""
-    _, rank_tensors = config.rank_modules()
-    listed = dict(config.manifest.get("tensors", {}))
-    listed.update(rank_tensors)
+    listed = config.read_layout().described(rank)
     where = f"{config.model_dir} (rank {rank or 0})"
     missing = sorted(set(listed) - set(entries))
     if missing:
@@ -107,34 +106,34 @@ def _check_index(config: MocliConfig, entries: dict[str, Any], rank: int | None)
         raise LayoutMismatch(f"{where}: tensor {_few(extra)} is in the shards but not in the manifest; convert again")
     for name, e in entries.items():
         want = listed[name]
-        if e.dtype != want["dtype"] or list(e.shape) != list(want["shape"]):
+        if e.dtype != want.dtype or tuple(e.shape) != want.shape:
             raise LayoutMismatch(f"{where}: tensor {name} is {e.dtype} {list(e.shape)} in its shard, "
-                                 f"{want['dtype']} {want['shape']} in the manifest; convert again")
+                                 f"{want.dtype} {list(want.shape)} in the manifest; convert again")
 
 
-def _copy_targets(modules: list[dict[str, Any]], layers: dict[str, _Layer]) -> dict[str, torch.nn.Parameter]:
+def _copy_targets(modules: tuple[ModuleEntry, ...], layers: dict[str, _Layer]) -> dict[str, torch.nn.Parameter]:
     """tensor name -> the parameter it is copied into, for every converted module of the rank; both sides
     complete (every module has its layer, every layer its module, every parameter of those layers a
     tensor)."""
-    absent = [m["name"] for m in modules if m["name"] not in layers]
+    absent = [m.name for m in modules if m.name not in layers]
     if absent:
         raise LayoutMismatch(f"the layout's module {_few(absent)} has no layer in vLLM's model (another architecture "
                              "or vLLM naming); convert from the checkpoint this model was built from")
-    stray = sorted(set(layers) - {m["name"] for m in modules})
+    stray = sorted(set(layers) - {m.name for m in modules})
     if stray:
         raise LayoutMismatch(f"vLLM gave mocli's method to {_few(stray)}, which the layout does not hold")
     targets = {}
     for m in modules:
-        layer = layers[m["name"]].module
-        for role, tname in m["tensors"].items():
+        layer = layers[m.name].module
+        for role, tname in m.tensors.items():
             param = getattr(layer, role, None)
             if not isinstance(param, torch.nn.Parameter):
-                raise LayoutMismatch(f"{m['name']}: the layout has {role} ({tname}) but vLLM's layer has no such "
+                raise LayoutMismatch(f"{m.name}: the layout has {role} ({tname}) but vLLM's layer has no such "
                                      "parameter (a bias the model does not expect?)")
             targets[tname] = param
-        unfilled = sorted(n for n, _ in layer.named_parameters(recurse=False) if n not in m["tensors"])
+        unfilled = sorted(n for n, _ in layer.named_parameters(recurse=False) if n not in m.tensors)
         if unfilled:
-            raise LayoutMismatch(f"{m['name']}: vLLM's layer has {', '.join(unfilled)}, which the layout does not "
+            raise LayoutMismatch(f"{m.name}: vLLM's layer has {', '.join(unfilled)}, which the layout does not "
                                  "hold (the source had no such tensor?)")
     return targets
 

@@ -12,6 +12,7 @@ from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 from vllm.model_executor.layers.linear import LinearMethodBase
 
 from mocli import serve
+from mocli.formats.manifest import ModuleEntry
 from mocli.io.safetensors_file import torch_dtypes
 from mocli.kinds import ModuleKind
 from mocli.targets import layout_of
@@ -67,14 +68,14 @@ def _refuse_loader(param: torch.nn.Parameter, *args: Any, **kwargs: Any) -> None
 class _LayoutParams:
     """Registers a module's layout tensors as parameters of the layer, one per role."""
 
-    def __init__(self, config, entry: dict[str, Any]) -> None:
+    def __init__(self, config, entry: ModuleEntry) -> None:
         self.config, self.entry = config, entry
-        self.name: str = entry["name"]
+        self.name: str = entry.name
         self.kernel: serve.Kernel | None = None
 
     def roles(self) -> dict[str, str]:
         """role -> tensor name; the bias goes into the layer's own ``bias`` parameter."""
-        return {r: t for r, t in self.entry["tensors"].items() if r != "bias"}
+        return {r: t for r, t in self.entry.tensors.items() if r != "bias"}
 
     def register(self, layer: torch.nn.Module) -> None:
         """One parameter per role, dtype and shape from the manifest, checked against the module's sizes."""
@@ -82,9 +83,9 @@ class _LayoutParams:
         shapes = {}
         for role, tname in self.roles().items():
             info = self.config.tensor_info(tname)
-            shapes[role] = (dtypes[info["dtype"]], tuple(info["shape"]))
+            shapes[role] = (dtypes[info.dtype], info.shape)
         try:
-            serve.KERNELS[ModuleKind(self.entry["kind"])].check(shapes, self.entry["meta"], layout_of(self.config.target),
+            serve.KERNELS[ModuleKind(self.entry.kind)].check(shapes, self.entry.meta, layout_of(self.config.target),
                                                                 self.name)
         except serve.ServeError as e:
             raise LayoutMismatch(f"{e}; the manifest is damaged, convert again") from None
@@ -101,13 +102,13 @@ class _LayoutParams:
     def _stored_bias(self, layer: torch.nn.Module, dtypes: dict) -> None:
         """A layout that stores the bias in its kernel's form (marlin: padded to Np and permuted) gets a
         parameter of that shape in place of vLLM's [N] one; the layer still hands it to ``apply``."""
-        tname = self.entry["tensors"].get("bias")
+        tname = self.entry.tensors.get("bias")
         bias = getattr(layer, "bias", None)
         if tname is None or not isinstance(bias, torch.nn.Parameter):
             return
         info = self.config.tensor_info(tname)
-        if tuple(info["shape"]) != tuple(bias.shape):
-            self._param(layer, "bias", tname, dtypes[info["dtype"]], tuple(info["shape"]))
+        if info.shape != tuple(bias.shape):
+            self._param(layer, "bias", tname, dtypes[info.dtype], info.shape)
 
     @property
     def key(self) -> str:
@@ -116,7 +117,7 @@ class _LayoutParams:
     def build(self, layer: torch.nn.Module) -> None:
         """The serving kernel over the loaded parameters: references only, nothing computed."""
         tensors = {role: getattr(layer, role) for role in self.roles()}
-        self.kernel = serve.kernel(self.entry["kind"], tensors, self.entry["meta"], self.config.target, self.name)
+        self.kernel = serve.kernel(self.entry.kind, tensors, self.entry.meta, self.config.target, self.name)
         _KERNELS[self.key] = self.kernel
         _announce(self.kernel, next(iter(tensors.values())).device)
 
@@ -126,12 +127,12 @@ class MocliLinearMethod(LinearMethodBase):
 
     supports_pre_processed_weights = True
 
-    def __init__(self, config, entry: dict[str, Any]) -> None:
+    def __init__(self, config, entry: ModuleEntry) -> None:
         self.params = _LayoutParams(config, entry)
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
-        meta = self.params.entry["meta"]
+        meta = self.params.entry.meta
         n, k = sum(output_partition_sizes), input_size_per_partition
         if (n, k) != (meta["n"], meta["k"]):
             raise LayoutMismatch(f"{self.params.name}: vLLM builds this rank's layer as [{n}, {k}], the layout holds "
@@ -151,13 +152,13 @@ class MocliMoEMethod(FusedMoEMethodBase):
 
     supports_pre_processed_weights = True
 
-    def __init__(self, config, entry: dict[str, Any], moe) -> None:
+    def __init__(self, config, entry: ModuleEntry, moe) -> None:
         super().__init__(moe)
         self.params = _LayoutParams(config, entry)
 
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                        params_dtype: torch.dtype, **extra_weight_attrs) -> None:
-        meta, name = self.params.entry["meta"], self.params.name
+        meta, name = self.params.entry.meta, self.params.name
         built = (num_experts, intermediate_size_per_partition, hidden_size)
         stored = (meta["experts"], meta["intermediate"], meta["hidden"])
         if built != stored:
@@ -184,7 +185,7 @@ class MocliMoEMethod(FusedMoEMethodBase):
         emap = getattr(layer, "expert_map", None)
         if emap is None:
             return
-        meta = self.params.entry["meta"]
+        meta = self.params.entry.meta
         off, e = int(meta.get("expert_offset", 0)), int(meta["experts"])
         want = torch.full((emap.numel(),), -1, dtype=torch.long)
         want[off:off + e] = torch.arange(e)

@@ -13,9 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mocli import formats
 from mocli.errors import MocliError
 from mocli.formats import CONFIG_JSON
-from mocli.formats.layout import MANIFEST_NAME, QUANT_METHOD, rank_entries, read_manifest
+from mocli.formats.layout import MANIFEST_NAME, QUANT_METHOD, rank_entries, read_layout
 from mocli.formats.layout_audit import (
     V1_REFUSAL,
     config_problems,
@@ -23,6 +24,7 @@ from mocli.formats.layout_audit import (
     size_problems,
     tensor_problems,
 )
+from mocli.formats.manifest import Layout
 from mocli.io.jsonfile import read_json
 from mocli.vllm_plugin.checks import LayoutMismatch, read_quantization_config
 
@@ -42,10 +44,30 @@ def local_directory(model: str, revision: str | None = None) -> Path | None:
     return Path(found).parent if isinstance(found, str) else None
 
 
+# directory -> (the manifest file's identity, the Layout precheck read): ``MocliConfig.maybe_update_config``
+# takes it (``layout_read``) in the same process rather than reading the manifest a second time
+_READ: dict[str, tuple[tuple[int, int, int], Layout]] = {}
+
+
+def _identity(directory: Path) -> tuple[int, int, int] | None:
+    try:
+        st = (Path(directory) / MANIFEST_NAME).stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def layout_read(directory: Path) -> Layout | None:
+    """The Layout ``precheck`` read of ``directory``, once (None: none, or the manifest changed since)."""
+    key = str(Path(directory).resolve())
+    found = _READ.pop(key, None)
+    return found[1] if found is not None and found[0] == _identity(directory) else None
+
+
 def precheck(directory: Path) -> None:
     """LayoutMismatch ("mocli: ...") for the first thing wrong with ``directory``; nothing for a
     directory without a layout manifest (not mocli's)."""
-    if not (directory / MANIFEST_NAME).exists():
+    if formats.detect(directory) is not formats.DirKind.LAYOUT:
         return
     config = _config(directory)
     qc = config.get("quantization_config")
@@ -54,17 +76,18 @@ def precheck(directory: Path) -> None:
         raise LayoutMismatch(f"{directory}: {V1_REFUSAL.replace('its config.json', f'config.json ({method!r})', 1)}")
     read_quantization_config(qc)
     try:
-        manifest = read_manifest(directory)
-        problems = config_problems(directory, manifest) + module_problems(manifest) + size_problems(manifest, config)
-        for rank in range(len(manifest.get("ranks") or [None])):
-            r = rank if manifest.get("ranks") else None
-            problems += tensor_problems(manifest, r, rank_entries(directory, manifest, r))
+        identity, layout = _identity(directory), read_layout(directory)
+        problems = config_problems(directory, layout) + module_problems(layout) + size_problems(layout, config)
+        for r in layout.rank_ids:
+            problems += tensor_problems(layout, r, rank_entries(directory, layout, r))
     except MocliError as e:
         raise LayoutMismatch(f"{e.message}" + (f" ({e.hint})" if e.hint else "")) from None
-    problems = problems or _kernel_problems(manifest)  # the records agree: do their shapes fit the kernels?
+    problems = problems or _kernel_problems(layout)  # the records agree: do their shapes fit the kernels?
     if problems:
         more = f" (and {len(problems) - 1} more: mocli verify lists them)" if len(problems) > 1 else ""
         raise LayoutMismatch(f"{directory}: {problems[0]}{more}; the directory is damaged, convert again")
+    if identity is not None:
+        _READ[str(Path(directory).resolve())] = (identity, layout)
 
 
 def _config(directory: Path) -> dict[str, Any]:
@@ -75,23 +98,21 @@ def _config(directory: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _kernel_problems(manifest: dict[str, Any]) -> list[str]:
+def _kernel_problems(lay: Layout) -> list[str]:
     """Each module's tensors against the dtypes and shapes its serving kernel takes (LAYOUT.md)."""
     from mocli import serve
-    from mocli.formats.layout import rank_view
     from mocli.io.safetensors_file import torch_dtypes
     from mocli.kinds import ModuleKind
     from mocli.targets import layout_of
 
-    dtypes, layout = torch_dtypes(), layout_of(manifest["target"])
-    for rank in range(len(manifest.get("ranks") or [None])):
-        _, modules, tensors = rank_view(manifest, rank if manifest.get("ranks") else None)
-        described = {**manifest.get("tensors", {}), **tensors}
-        for m in modules:
-            shapes = {role: (dtypes[described[t]["dtype"]], tuple(described[t]["shape"]))
-                      for role, t in m["tensors"].items() if role != "bias"}
+    dtypes, layout = torch_dtypes(), layout_of(lay.target)
+    for rank in lay.rank_ids:
+        described = lay.described(rank)
+        for m in lay.view(rank)[1]:
+            shapes = {role: (dtypes[described[t].dtype], described[t].shape)
+                      for role, t in m.tensors.items() if role != "bias"}
             try:
-                serve.KERNELS[ModuleKind(m["kind"])].check(shapes, m["meta"], layout, m["name"])
+                serve.KERNELS[ModuleKind(m.kind)].check(shapes, m.meta, layout, m.name)
             except serve.ServeError as e:
                 return [str(e)]
     return []

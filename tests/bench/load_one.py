@@ -33,11 +33,11 @@ def main() -> None:
         # the rank's entries come from rank_entries, each shard is read onto the device by shard_by_shard
         # (the loader's own call) and copied into its parameter. What this leaves out is vLLM's own model
         # building and its load_weights for the BF16 pass-through tensors, which any checkpoint pays.
-        from mocli.formats.layout import rank_entries, read_manifest
+        from mocli.formats.layout import rank_entries, read_layout
         from mocli.io.safetensors_file import torch_dtypes
         from mocli.loader import shard_by_shard
 
-        entries = rank_entries(a.path, read_manifest(a.path), None)
+        entries = rank_entries(a.path, read_layout(a.path), None)
         dtypes = torch_dtypes()
         params = {n: torch.empty(e.shape, dtype=dtypes[e.dtype], device=a.device) for n, e in entries.items()}
         for tensors in shard_by_shard(entries.values(), a.device):
