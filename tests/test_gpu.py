@@ -167,3 +167,34 @@ def test_float16_requantization_matches_what_cuda_computes(s, big):
     want = (dq.float() * inv).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).cpu().numpy()
     got = fp8.requantize_fp8(codes.numpy(), np.float32(s), np.float32(big), f16=True)
     assert (got == want).all(), np.flatnonzero(got != want)
+
+
+def test_marlin_repack_on_cuda_is_the_cpu_bytes(cli, tmp_path, monkeypatch):
+    """The Marlin repack as torch ops on the GPU (convert --device cuda) gives the numpy path's bytes:
+    the ops on CUDA tensors, then whole conversions of an NVFP4 MoE (odd sizes: padding) compared file
+    by file."""
+    import numpy as np
+
+    from mocli.ops import marlin, marlin_torch
+
+    g = torch.Generator().manual_seed(3)
+    for n, k in ((1536, 4096), (4096, 1536), (100, 48), (320, 96)):
+        w = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+        np_, kp = marlin.padded_nk(n, k)
+        assert np.array_equal(marlin_torch.repack(w.cuda(), np_, kp).cpu().numpy(), marlin.repack(w.numpy(), np_, kp))
+        codes = torch.randint(0, 0x7F, (n, k // 16), generator=g, dtype=torch.uint8)
+        table = marlin.scale_table(2.0)
+        assert np.array_equal(marlin_torch.permute_scales(codes.cuda(), np_, kp, table).cpu().numpy(),
+                              marlin.permute_scales(codes.numpy(), np_, kp, table))
+    monkeypatch.setattr("mocli.stream.job.GPU_UNITS", True)  # as on a host of under 8 cores
+    sources = [REAL_QWEN, make_checkpoint(tmp_path / "odd", arch="qwen3_moe", algo="NVFP4", hidden=192, heads=4,
+                                          kv_heads=2, head_dim=48, moe_intermediate=96)]
+    for i, src in enumerate(sources):
+        for tp in ("1", "2"):
+            outs = {}
+            for device in ("cpu", "cuda"):
+                outs[device] = tmp_path / f"{i}-{tp}-{device}"
+                r = cli("--json", "convert", src, "-o", outs[device], "--target", "marlin", "--tp", tp, "--device", device)
+                assert r.exit_code == 0, r.stdout
+            assert r.json["device"].startswith("cuda"), r.json  # the weights went through the GPU
+            assert digest_tree(outs["cpu"]) == digest_tree(outs["cuda"])

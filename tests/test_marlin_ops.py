@@ -107,3 +107,42 @@ def test_the_independent_inverses_undo_the_forward(n, k):
         codes = g.integers(0, top, (n, k // 16), dtype=np.uint8)
         got = target.decode_scales(marlin.permute_scales(codes, np_, kp, marlin.scale_table(sf)), n, k // 16, sf, "s")
         assert np.array_equal(got, target.flushed(codes, sf)) and (got == 0).any()
+
+
+@pytest.mark.parametrize("n,k", [(128, 256), (192, 192), (100, 48), (320, 96), (1536, 512)])
+def test_torch_repack_is_the_numpy_one_on_the_cpu(n, k):
+    """convert --device cuda repacks in torch (mocli.ops.marlin_torch, from the layout's index formula)
+    and the CPU in numpy byte moves: the same bytes, here on CPU tensors (test_gpu runs it on CUDA),
+    and vLLM's python reference's, written into a half of a wider output as an MoE w13 is."""
+    from mocli.ops import marlin_torch
+
+    g = torch.Generator().manual_seed(5 * n + k)
+    w = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    np_, kp = marlin.padded_nk(n, k)
+    got = marlin_torch.repack(w, np_, kp)
+    assert got.dtype == torch.uint8 and got.shape == (kp // 16, 8 * np_)
+    assert np.array_equal(got.numpy(), marlin.repack(w.numpy(), np_, kp))
+    assert np.array_equal(got.numpy().view(np.int32), ref.marlin_repack(w, np_, kp).numpy())
+    wide = torch.zeros((kp // 16, 16 * np_), dtype=torch.uint8)
+    marlin_torch.repack(w, np_, kp, out=wide[:, 8 * np_:])
+    assert torch.equal(wide[:, 8 * np_:], got) and not wide[:, :8 * np_].any()
+    strided = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)[:, k // 4:k // 4 + k // 2]
+    assert np.array_equal(marlin_torch.repack(strided, np_, kp).numpy(), marlin.repack(strided.numpy(), np_, kp))
+    for sf in (1.0, 4.0):
+        codes = torch.randint(0, 0x7F, (n, k // 16), generator=g, dtype=torch.uint8)
+        table = marlin.scale_table(sf)
+        assert np.array_equal(marlin_torch.permute_scales(codes, np_, kp, table).numpy(),
+                              marlin.permute_scales(codes.numpy(), np_, kp, table))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_repack_shared_out_to_threads_gives_the_same_bytes(monkeypatch, threads):
+    """A many-core CPU run repacks one weight's blocks in several threads (REPACK_THREADS): the bytes of
+    vLLM's python reference, padding included, as with one."""
+    monkeypatch.setattr(marlin, "REPACK_THREADS", threads)
+    monkeypatch.setattr(marlin, "BLOCK_BYTES", 1 << 14)  # many blocks even for a small weight
+    g = torch.Generator().manual_seed(threads)
+    for n, k in ((1024, 512), (1000, 400)):
+        w = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+        np_, kp = marlin.padded_nk(n, k)
+        assert np.array_equal(marlin.repack(w.numpy(), np_, kp).view(np.int32), ref.marlin_repack(w, np_, kp).numpy())

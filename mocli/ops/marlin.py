@@ -15,6 +15,8 @@ of every 4 (``view(-1, 4)[:, [0, 2, 1, 3]]``), and a per-code rewrite to unsigne
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from math import lcm
 
@@ -46,6 +48,9 @@ def moe_padded_i(i: int, h: int) -> int:
 # Rows (n) repacked at a time: a block of 64-row groups of about this many source bytes, so that its three
 # passes (nibbles, tiles, the transpose) run in the core's cache rather than at memory speed
 BLOCK_BYTES = 1 << 19
+# Threads one repack uses, on a CPU run: one per eight cores, up to four. The 2-core build machine keeps one
+# (its other core writes and hashes); a 16-core machine's four unit threads (``UNIT_WORKERS``) each take two
+REPACK_THREADS = max(1, min(4, (os.cpu_count() or 1) // 8))
 _LOW64, _HIGH32, _LOW_WORD = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0xF0F0F0F0), np.uint64(0xFFFFFFFF)
 _FOUR64, _SHIFT_28, _SHIFT_32 = np.uint64(4), np.uint64(28), np.uint64(32)
 
@@ -56,15 +61,32 @@ def repack(w: np.ndarray, np_: int, kp: int, out: np.ndarray | None = None) -> n
     to write it (a [Kp/16, 8 Np] view whose rows are contiguous: one half of an MoE expert's w13).
 
     Per block of 64-row groups: the nibble swap on 64-bit words ((h, b) bytes -> (l, b)), the bytes moved
-    into 4-byte words (c, a, b, j, kt | l, blk), then the words transposed to (kt | c, a, b, j)."""
-    kt, groups = kp // 16, np_ // 64
-    res = np.empty((kt, 8 * np_), dtype=np.uint8) if out is None else out
-    words = res.view(np.uint32)  # [kt, 2 Np]
+    into 4-byte words (c, a, b, j, kt | l, blk), then the words transposed to (kt | c, a, b, j). Blocks
+    write disjoint columns: with ``REPACK_THREADS`` > 1 they are shared out to threads (numpy drops the
+    GIL in each pass), the calling thread taking the first share."""
+    groups = np_ // 64
+    res = np.empty((kp // 16, 8 * np_), dtype=np.uint8) if out is None else out
     per = max(1, min(groups, BLOCK_BYTES // (32 * kp)))
+    blocks = [(c0, min(groups, c0 + per)) for c0 in range(0, groups, per)]
+    threads = min(REPACK_THREADS, len(blocks))
+    if threads <= 1:
+        _repack_blocks(w, kp, res, blocks, per)
+        return res
+    shares = [blocks[i::threads] for i in range(threads)]
+    rest = [_pool().submit(_repack_blocks, w, kp, res, share, per) for share in shares[1:]]
+    _repack_blocks(w, kp, res, shares[0], per)
+    for f in rest:
+        f.result()
+    return res
+
+
+def _repack_blocks(w: np.ndarray, kp: int, res: np.ndarray, blocks: list[tuple[int, int]], per: int) -> None:
+    """``repack``'s passes over the 64-row groups [c0, c1) of each block, with scratch of this call's own."""
+    kt = kp // 16
+    words = res.view(np.uint32)  # [kt, 2 Np]
     a, b, t64 = (np.empty(per * 64 * kt, dtype=np.uint64) for _ in range(3))
     tiles = np.empty((per, 8, 4, 4, kt, 2, 2), dtype=np.uint8)  # c a b j kt l blk
-    for c0 in range(0, groups, per):
-        c1 = min(groups, c0 + per)
+    for c0, c1 in blocks:
         rows, m = _rows(w, 64 * c0, 64 * c1, kp // 2), 64 * (c1 - c0) * kt
         nib = _swap_nibbles(rows.reshape(-1).view(np.uint64), a[:m], b[:m], t64[:m])
         src = nib.view(np.uint8).reshape(c1 - c0, 4, 2, 8, kt, 2, 4)  # c j blk a kt l b
@@ -73,7 +95,12 @@ def repack(w: np.ndarray, np_: int, kp: int, out: np.ndarray | None = None) -> n
             for blk in range(2):
                 t[..., nib_l, blk] = src[:, :, blk, :, :, nib_l, :].transpose(0, 2, 4, 1, 3)
         words[:, 128 * c0:128 * c1] = t.reshape(-1, 4).view(np.uint32).reshape(-1, kt).T
-    return res
+
+
+@lru_cache(maxsize=1)
+def _pool() -> ThreadPoolExecutor:
+    """The repack's helper threads, shared by every unit thread (up to four run units at once)."""
+    return ThreadPoolExecutor(4 * (REPACK_THREADS - 1), thread_name_prefix="mocli-repack")
 
 
 def _rows(w: np.ndarray, r0: int, r1: int, width: int) -> np.ndarray:

@@ -5,7 +5,9 @@ As vLLM's preparation, with mocli's policy where shards or an expert's w1/w3 dis
 scale (the max, the others' block scales rescaled: §6/§7, reported). The power-of-two ``scale_factor``
 of each Marlin scale tensor depends on its largest block scale, so planning reads the block scales
 once (their maxima, per rank) before any unit runs; the units then move bytes in numpy
-(``mocli.ops.marlin``), without torch. Activations are BF16 (``ACT_DTYPE``).
+(``mocli.ops.marlin``), without torch, or an expert's weights through the GPU in torch where a CUDA run
+sends them there (``mocli.ops.marlin_torch``, ``mocli.stream.job.GPU_UNITS``): the same bytes.
+Activations are BF16 (``ACT_DTYPE``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 
 from mocli.census import Module
 from mocli.kinds import Role
-from mocli.ops import fp8, marlin
+from mocli.ops import fp8, marlin, marlin_torch
 from mocli.plan.context import PlanContext
 from mocli.plan.core import F32, ConvertedModule
 from mocli.plan.dense import QUANT_SUFFIXES, _Dense, check_fp8
@@ -135,6 +137,12 @@ class _MarlinDense(_Dense):
         return pieces
 
 
+def _on_gpu(ctx: UnitContext) -> bool:
+    """The run has a CUDA device (``convert --device cuda``): an expert's weights are repacked there, in
+    torch (``mocli.ops.marlin_torch``: the same bytes); everything else, and any CPU run, in numpy."""
+    return ctx.device is not None and ctx.device.type == "cuda"
+
+
 def _checked(ctx: UnitContext, entry) -> np.ndarray:
     raw = ctx.array(entry)
     check_fp8(raw, entry)
@@ -215,6 +223,14 @@ class _MarlinMoe(_Moe):
 
         def weights(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
             (i0, i1), ip = rows, self.ip[r]
+            if _on_gpu(ctx):
+                import torch
+
+                out = torch.empty((h // 16, 16 * ip), dtype=torch.uint8, device=ctx.device)
+                for half, m in enumerate((g, u)):
+                    marlin_torch.repack(ctx.rows(m.tensors[WEIGHT], i0, i1).to(ctx.device, non_blocking=True), ip, h,
+                                        out=out[:, 8 * ip * half:8 * ip * (half + 1)])
+                return [out]
             out = np.empty((h // 16, 16 * ip), dtype=np.uint8)
             for half, m in enumerate((g, u)):
                 marlin.repack(ctx.array(m.tensors[WEIGHT], i0, i1), ip, h, out=out[:, 8 * ip * half:8 * ip * (half + 1)])
@@ -228,12 +244,14 @@ class _MarlinMoe(_Moe):
                 marlin.permute_scales(codes, ip, h, marlin.scale_table(self.sf13[r]), out=out[:, ip * half:ip * (half + 1)])
             return [out]
 
-        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], weights, compute=True)
+        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], weights, compute=True, gpu=True)
         self.expert_unit("w13s", e, Role.W13_WEIGHT_SCALE, [g.tensors[WEIGHT_SCALE], u.tensors[WEIGHT_SCALE]], scales)
 
     def _w2_units(self, e: int, d: Module) -> None:
         def weights(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
             (i0, i1), ip = rows, self.ip[r]
+            if _on_gpu(ctx):
+                return [marlin_torch.repack(ctx.load(d.tensors[WEIGHT])[:, i0 // 2:i1 // 2], self.h, ip)]
             return [marlin.repack(ctx.array(d.tensors[WEIGHT])[:, i0 // 2:i1 // 2], self.h, ip)]
 
         def scales(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
@@ -241,7 +259,7 @@ class _MarlinMoe(_Moe):
             codes = _checked(ctx, d.tensors[WEIGHT_SCALE])[:, i0 // 16:i1 // 16]
             return [marlin.permute_scales(codes, self.h, ip, marlin.scale_table(self.sf2[r]))]
 
-        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], weights, compute=True)
+        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], weights, compute=True, gpu=True)
         self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], scales)
 
     def _vectors(self, vectors: dict) -> None:

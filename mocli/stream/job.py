@@ -202,6 +202,15 @@ def _share(units: list[Unit], world: int, proc: int) -> list[Unit]:
     return sorted(mine, key=lambda u: order[u.id])
 
 
+# Units that can move their bytes through a GPU (``Unit.gpu``: the Marlin repack, ``mocli.ops.marlin_torch``) do
+# so under --device cuda only where the CPU runs one unit at a time (``UNIT_WORKERS``: under 8 cores). On the
+# 16-core H200 host the CPU path (4 unit threads, 2 repack threads each) converted the 3.95 GiB bench MoE for
+# marlin in 4.8-5.0 s, the GPU path (one unit thread, torch and CUDA start-up included) in 7.5-9.4 s; the CPU
+# path's repack costs ~9 s of CPU there (13.5 s user against flashinfer-cutlass's 4.6 s), which one unit
+# thread would take alone.
+GPU_UNITS = UNIT_WORKERS == 1
+
+
 def run(job: Job) -> JobResult:
     """Run ``job``; on failure keep a resumable partial and say where (hint), or remove it when the
     input itself is at fault (nothing to resume)."""
@@ -379,7 +388,8 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
                 journal.write(json.dumps({"fingerprint": job.fingerprint}) + "\n")
                 journal.flush()
             ctx = UnitContext(reader, None, pool)
-            if not all(u.torch_free for u in units):
+            if not all(u.torch_free for u in units) or GPU_UNITS and any(u.gpu for u in units) and \
+                    devices.requested_device(job.device).startswith("cuda"):
                 trace.mark("loading torch")
                 asked, ctx.device = compute_device(job)
                 used = (str(asked), str(ctx.device))

@@ -154,6 +154,9 @@ class Unit:
     # device is None), and it borrows no pooled buffers. A process whose units are all so (an NVFP4
     # conversion: ``mocli.ops.nvfp4``) never imports torch.
     torch_free: bool = False
+    # a torch-free unit that moves its bytes through the GPU where the run is asked for CUDA (its ``run``
+    # sees the context's device; the CPU path otherwise): the Marlin repack (``mocli.ops.marlin_torch``)
+    gpu: bool = False
 
     @property
     def input_bytes(self) -> int:
