@@ -146,3 +146,17 @@ def test_repack_shared_out_to_threads_gives_the_same_bytes(monkeypatch, threads)
         w = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
         np_, kp = marlin.padded_nk(n, k)
         assert np.array_equal(marlin.repack(w.numpy(), np_, kp).view(np.int32), ref.marlin_repack(w, np_, kp).numpy())
+
+
+def test_decode_shared_out_to_threads_undoes_vllms_reference(monkeypatch):
+    """verify's inverse in several threads (DECODE_THREADS on a many-core machine): vLLM's python repack
+    restated, undone byte for byte, padding included."""
+    from mocli.targets import marlin_decode
+
+    monkeypatch.setattr(marlin_decode, "DECODE_THREADS", 3)
+    monkeypatch.setattr(marlin_decode, "BLOCK_BYTES", 1 << 14)
+    g = torch.Generator().manual_seed(11)
+    for n, k in ((1024, 512), (1000, 400)):
+        w = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+        np_, kp = marlin.padded_nk(n, k)
+        assert np.array_equal(marlin_decode.decode_weight(ref.marlin_repack(w, np_, kp).numpy(), n, k, "w"), w.numpy())

@@ -8,6 +8,8 @@ word, the scale permutations, the E5M3 form), without ``mocli.ops.marlin``'s cod
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import numpy as np
@@ -17,6 +19,9 @@ from mocli.targets.decode import LayoutError
 
 # 64-row groups decoded at a time: about this many bytes, so the passes run in the core's cache
 BLOCK_BYTES = 1 << 19
+# Threads one decode uses: one per eight cores, up to four (the 2-core machine keeps one), as the forward
+# repack does (``mocli.ops.marlin.REPACK_THREADS``)
+DECODE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 8))
 
 
 def decode_weight(stored: np.ndarray, n: int, k: int, what: str) -> np.ndarray:
@@ -34,10 +39,23 @@ def decode_weight(stored: np.ndarray, n: int, k: int, what: str) -> np.ndarray:
     pairs, out = raw.view(np.uint64), np.empty((np_, kp // 2), dtype=np.uint8)  # pairs: [kt, Np]
     groups = np_ // 64
     per = max(1, min(groups, BLOCK_BYTES // (32 * kp)))
+    blocks = [(c0, min(groups, c0 + per)) for c0 in range(0, groups, per)]
+    threads = min(DECODE_THREADS, len(blocks))  # blocks write disjoint rows: shared out, the caller taking one
+    rest = [_pool().submit(_decode_blocks, pairs, out, blocks[i::threads], per) for i in range(1, threads)]
+    _decode_blocks(pairs, out, blocks[0::max(threads, 1)], per)
+    for f in rest:
+        f.result()
+    if bool(out[n:].any()) or bool(out[:n, k // 2:].any()):
+        raise LayoutError(f"{what}: Marlin padding is not zero")
+    return out if (n, k // 2) == out.shape else np.ascontiguousarray(out[:n, :k // 2])
+
+
+def _decode_blocks(pairs: np.ndarray, out: np.ndarray, blocks: list[tuple[int, int]], per: int) -> None:
+    """``decode_weight``'s passes over the 64-row groups [c0, c1) of each block, with scratch of its own."""
+    kt = pairs.shape[0]
     byrow = np.empty((64 * per, kt), dtype=np.uint64)
     rows = np.empty((per, 2, 2, 2, 8, kt, 2, 4), dtype=np.uint8)  # c jp j2 blk a kt l b
-    for c0 in range(0, groups, per):
-        c1 = min(groups, c0 + per)
+    for c0, c1 in blocks:
         cc, block = c1 - c0, np.ascontiguousarray(pairs[:, 64 * c0:64 * c1])
         for i in range(0, kt, 64):
             byrow[:64 * cc, i:i + 64] = block[i:i + 64].T
@@ -48,9 +66,12 @@ def decode_weight(stored: np.ndarray, n: int, k: int, what: str) -> np.ndarray:
                 for b in range(4):  # [c, a, jp, kt, j2] -> [c, jp, j2, a, kt]
                     dst[:, :, :, blk, :, :, nib_l, b] = src[:, :, b, :, :, :, nib_l, blk].transpose(0, 2, 4, 1, 3)
         out[64 * c0:64 * c1] = _nibbles_to_k(dst.reshape(64 * cc, kt, 2, 4)).reshape(64 * cc, -1)
-    if bool(out[n:].any()) or bool(out[:n, k // 2:].any()):
-        raise LayoutError(f"{what}: Marlin padding is not zero")
-    return out if (n, k // 2) == out.shape else np.ascontiguousarray(out[:n, :k // 2])
+
+
+@lru_cache(maxsize=1)
+def _pool() -> ThreadPoolExecutor:
+    """decode_weight's helper threads, shared by verify's threads."""
+    return ThreadPoolExecutor(4 * max(1, DECODE_THREADS - 1), thread_name_prefix="mocli-marlin-decode")
 
 
 def _nibbles_to_k(x: np.ndarray) -> np.ndarray:
