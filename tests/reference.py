@@ -149,6 +149,28 @@ def marlin_scales(codes: torch.Tensor, n_pad: int, k_pad: int, sf: float) -> tor
     return (s.view(torch.int16) << 1).view(torch.uint8).reshape(k_pad // 16, n_pad, 2)[..., 1].contiguous()
 
 
+def marlin_mxfp4_scales(codes: torch.Tensor, n_pad: int, k_pad: int) -> torch.Tensor:
+    """uint8 E8M0 codes [N, K/32] -> Marlin's uint8 [Kp/32, Np], step by step as vLLM 0.32/0.33's
+    ``prepare_fp4_layer_for_marlin`` (MXFP4 branch, params_dtype bf16, input_dtype None) writes it:
+    ``.T``, ``view(float8_e8m0fnu)``, ``.to(bfloat16)``, ``marlin_pad_scales`` (F.pad with zeros),
+    ``marlin_permute_scales`` (group 32 < Kp: ``reshape(-1, 64)[:, scale_perm]``, scale_perm from
+    ``get_scale_perms``), ``mxfp4_marlin_process_scales`` (``view(-1, 4)[:, [0, 2, 1, 3]]``, then
+    ``.to(float8_e8m0fnu)``)."""
+    s = codes.T.contiguous().view(torch.float8_e8m0fnu).to(torch.bfloat16)
+    s = torch.nn.functional.pad(s, (0, n_pad - s.shape[1], 0, k_pad // 32 - s.shape[0]))
+    scale_perm = [i + 8 * j for i in range(8) for j in range(8)]
+    s = s.reshape(-1, 64)[:, scale_perm].reshape(-1, n_pad)
+    s = s.view(-1, 4)[:, [0, 2, 1, 3]].view(s.size(0), -1)
+    return s.to(torch.float8_e8m0fnu).view(torch.uint8)
+
+
+def marlin_bias(b: torch.Tensor, n_pad: int) -> torch.Tensor:
+    """``marlin_permute_bias(marlin_pad_dim(b, n, Np))``: zero-padded, each run of 32 read at scale_perm_single."""
+    single = [2 * i + j for i in range(4) for j in (0, 1, 8, 9, 16, 17, 24, 25)]
+    b = torch.nn.functional.pad(b, (0, n_pad - b.shape[0]))
+    return b.reshape(-1, 32)[:, single].reshape(-1)
+
+
 def shuffle16_row_indices(m: int) -> torch.Tensor:
     """FlashInfer ``get_shuffle_matrix_a_row_indices(w, epilogue_tile_m=64)``: 16-row blocks, srcToDstBlk16RowMap
     [0, 8, 1, 9, ..., 7, 15]; ``row_indices[new_row] = old_row`` (a loop, as FlashInfer writes it)."""
@@ -166,3 +188,68 @@ def deepseek_block_major(w: torch.Tensor) -> torch.Tensor:
     rows = shuffle16_row_indices(m)
     blocked = w.view(num_experts, m, k // 128, 128)
     return blocked.permute(0, 2, 1, 3)[:, :, rows, :].contiguous()
+
+
+# --- flashinfer-trtllm MXFP4 experts (SEMANTICS §19.6), restated from FlashInfer 0.7's Python source ---------
+
+# flashinfer/utils.py :: srcToDstBlk32RowMap; get_shuffle_matrix_a_row_indices sets row_indices[new_row] = old_row
+# with new_row = block * 32 + srcToDstBlk32RowMap[old_row % 32] (epilogue_tile_m = 128 -> blocks of 32)
+SRC_TO_DST_BLK32 = [0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27,
+                    4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31]
+
+
+def shuffle_matrix_a_128(x: torch.Tensor) -> torch.Tensor:
+    """``x[row_indices]`` with FlashInfer's row_indices (a loop over old rows)."""
+    idx = torch.empty(x.shape[0], dtype=torch.long)
+    for old in range(x.shape[0]):
+        idx[old // 32 * 32 + SRC_TO_DST_BLK32[old % 32]] = old
+    return x[idx]
+
+
+def swap_every_two_rows(x: torch.Tensor) -> torch.Tensor:
+    """vLLM ``swap_every_two_rows``: rows 2i <-> 2i+1 (gpt-oss (gate, up) -> (up, gate))."""
+    return x.reshape(x.shape[0] // 2, 2, *x.shape[1:]).flip(1).reshape(x.shape)
+
+
+def trtllm_mxfp4_rank(w13: torch.Tensor, s13: torch.Tensor, b13, w2: torch.Tensor, s2: torch.Tensor, b2,
+                      interleaved: bool, i0: int, i1: int, ip: int, hp: int, pad: int, rank0: bool) -> dict:
+    """One expert, one rank, as vLLM 0.33 loads and prepares it for trtllm_fp4_block_scale_moe (SEMANTICS §19.3,
+    §19.6), step by step. Inputs as stored: ``w13``/``s13``/``b13`` the expert's gate_up rows interleaved
+    (gate_i, up_i) when ``interleaved``, else ``[w1 (gate); w3 (up)]`` of the full I; ``w2``/``s2``/``b2`` down.
+    1. parameters at their initial values (weights 0, scales ``pad``, biases 0), the rank's slice copied into
+       their start (gpt-oss loaders) or w1 at [0, I_r) and w3 at [Ip, Ip + I_r) (generic ``_load_w13``);
+    2. biases float32; gate/up -> (up, gate) pairs (``swap_every_two_rows`` / ``torch.stack([w3, w1], dim=1)``);
+    3. rows shuffled (shuffle_matrix_a, 128) for weights, scales and biases; scales then 128x4 interleaved."""
+    i, h, n = w13.shape[0] // 2, w2.shape[0], i1 - i0
+    p13w, p13s = torch.zeros(2 * ip, hp // 2, dtype=torch.uint8), torch.full((2 * ip, hp // 32), pad, dtype=torch.uint8)
+    p13b = torch.zeros(2 * ip, dtype=torch.float32)
+    if interleaved:
+        p13w[:2 * n, :w13.shape[1]] = w13[2 * i0:2 * i1]
+        p13s[:2 * n, :s13.shape[1]] = s13[2 * i0:2 * i1]
+        if b13 is not None:
+            p13b[:2 * n] = b13[2 * i0:2 * i1].float()
+        p13w, p13s, p13b = swap_every_two_rows(p13w), swap_every_two_rows(p13s), swap_every_two_rows(p13b)
+    else:
+        for t, src in ((p13w, w13), (p13s, s13)):
+            t[:n, :src.shape[1]] = src[i0:i1]
+            t[ip:ip + n, :src.shape[1]] = src[i + i0:i + i1]
+        if b13 is not None:
+            p13b[:n], p13b[ip:ip + n] = b13[i0:i1].float(), b13[i + i0:i + i1].float()
+        p13w, p13s, p13b = (torch.stack([t[ip:], t[:ip]], dim=1).reshape(t.shape) for t in (p13w, p13s, p13b))
+    p2w, p2s = torch.zeros(hp, ip // 2, dtype=torch.uint8), torch.full((hp, ip // 32), pad, dtype=torch.uint8)
+    p2w[:h, :n // 2], p2s[:h, :n // 32] = w2[:, i0 // 2:i1 // 2], s2[:, i0 // 32:i1 // 32]
+    p2b = torch.zeros(hp, dtype=torch.float32)
+    if b2 is not None and rank0:
+        p2b[:h] = b2.float()
+    out = {"w13_weight": shuffle_matrix_a_128(p13w), "w13_weight_scale": swizzle_by_offsets(shuffle_matrix_a_128(p13s)),
+           "w2_weight": shuffle_matrix_a_128(p2w), "w2_weight_scale": swizzle_by_offsets(shuffle_matrix_a_128(p2s))}
+    if b13 is not None:
+        out["w13_bias"] = shuffle_matrix_a_128(p13b)
+    if b2 is not None:
+        out["w2_bias"] = shuffle_matrix_a_128(p2b)
+    return out
+
+
+def dequant_mxfp4(packed: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """U8 [N, K/2] e2m1 (low nibble first) times E8M0 [N, K/32] (2^(c - 127)) -> float32 [N, K]."""
+    return unpack_fp4(packed) * torch.exp2(codes.float() - 127.0).repeat_interleave(32, dim=-1)

@@ -1,0 +1,218 @@
+"""convert --target marlin on MXFP4 linears (SEMANTICS §19.5): the byte moves against tests/reference.py's
+step-by-step restatement of vLLM's prepare_fp4_layer_for_marlin (MXFP4 branch), every real MXFP4 dense export
+through validate, convert and verify per rank, and planted faults verify must name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mocli.ops import mxfp4_marlin as mx
+from mocli.targets import mxfp4_marlin_decode as lay
+from mocli.targets.decode import LayoutError
+from tests import reference as ref
+from tests.conftest import REAL, edit_tensor
+
+DENSE = ["llama-ct-mxfp4", "llama-ct-mxfp4a16", "llama-quark-mxfp4"]
+QKV, O_PROJ = "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj"
+
+
+# --- the byte moves, against the reference ------------------------------------------------------------
+
+@pytest.mark.parametrize("n,k", [(256, 256), (192, 192), (96, 320), (64, 64), (200, 96)])
+def test_scales_weight_and_bias_match_the_reference(n, k):
+    """Random codes of every value (0..254), shapes that pad N, K or both: the E8M0 bytes equal the
+    reference's (vLLM's torch chain through bf16), the weight equals NVFP4's repack reference, the bias
+    its marlin_permute_bias; the decode inverts all three."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    codes = torch.randint(0, 255, (n, k // 32), dtype=torch.uint8, generator=g)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    np_, kp = mx.padded_nk(n, k)
+    got = mx.permute_scales(codes.numpy(), np_, kp)
+    assert np.array_equal(got, ref.marlin_mxfp4_scales(codes, np_, kp).numpy())
+    w = mx.repack(packed.numpy(), np_, kp)
+    assert np.array_equal(w.view(np.int32), ref.marlin_repack(packed, np_, kp).numpy())
+    b = mx.permute_bias(bias.view(torch.int16).numpy(), np_)
+    assert np.array_equal(b, ref.marlin_bias(bias, np_).view(torch.int16).numpy())
+    assert np.array_equal(lay.decode_scales(got, n, k // 32, "s"), codes.numpy())
+    assert np.array_equal(lay.decode_weight(w, n, k, "w"), packed.numpy())
+    assert np.array_equal(lay.decode_bias(b, n, "b"), bias.view(torch.int16).numpy())
+
+
+def test_every_e8m0_code_survives_the_bf16_chain():
+    """SEMANTICS §19.5: for bf16 models vLLM's E8M0 -> bf16 -> E8M0 casts keep all 256 codes (the planner
+    only moves bytes), and zero padding becomes code 0."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    back = codes.view(torch.float8_e8m0fnu).to(torch.bfloat16).to(torch.float8_e8m0fnu).view(torch.uint8)
+    assert torch.equal(back, codes)
+    assert int(torch.zeros(1, dtype=torch.bfloat16).to(torch.float8_e8m0fnu).view(torch.uint8)) == 0
+
+
+def test_decode_refuses_nonzero_scale_padding():
+    codes = np.full((200, 3), 127, dtype=np.uint8)
+    np_, kp = mx.padded_nk(200, 96)
+    stored = mx.permute_scales(codes, np_, kp)
+    stored[-1, -1] = 127
+    with pytest.raises(LayoutError, match="padding"):
+        lay.decode_scales(stored, 200, 3, "s")
+
+
+# --- real exports: validate, convert, verify per rank ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from tests.conftest import run_cli
+
+    base = tmp_path_factory.mktemp("mxfp4_marlin")
+    biased = _with_bias(REAL / "llama-ct-mxfp4", base / "biased-src")
+    made = {}
+    for name, src in [*((n, REAL / n) for n in DENSE), ("biased", biased)]:
+        for tp in (1, 2):
+            r = run_cli("-q", "validate", src, "--target", "marlin", "--tp", tp)
+            assert r.exit_code == 0, (name, tp, r.stdout, r.stderr)
+            out = base / f"{name}-tp{tp}"
+            r = run_cli("-q", "convert", src, "-o", out, "--target", "marlin", "--tp", tp)
+            assert r.exit_code == 0, (name, tp, r.stderr)
+            made[name, tp] = (src, out)
+    return made
+
+
+def _with_bias(src, dst):
+    """llama-ct-mxfp4 with attention biases on q, k, v (random BF16): the fused qkv's bias path."""
+    shutil.copytree(src, dst)
+    t = load_file(str(dst / "model.safetensors"))
+    g = torch.Generator().manual_seed(7)
+    for name in [k for k in t if k.endswith(("q_proj.weight_packed", "k_proj.weight_packed", "v_proj.weight_packed"))]:
+        t[name.replace("weight_packed", "bias")] = torch.randn(t[name].shape[0], generator=g).to(torch.bfloat16)
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["attention_bias"] = True
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _verify(cli, out):
+    r = cli("--json", "verify", out)
+    assert r.exit_code in (0, 1), r.stderr
+    return r.exit_code, r.json
+
+
+@pytest.mark.parametrize("name", [*DENSE, "biased"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_untouched_output_verifies(cli, converted, name, tp):
+    code, report = _verify(cli, converted[name, tp][1])
+    failed = [(m["module"], m["rank"], m["message"]) for m in report["modules"] if not m["passed"]]
+    assert code == 0 and not failed, failed
+    assert {m["kind"] for m in report["modules"]} == {"mxfp4_marlin_linear"}
+    assert len(report["modules"]) == 8 * tp
+    assert not report["layout"]["problems"]
+
+
+def test_bytes_match_the_reference(converted):
+    """tp 1, every module (fused q/k/v and gate/up included): weight, E8M0 scales and bias against the
+    reference applied to the source's concatenated tensors."""
+    for name in (*DENSE, "biased"):
+        src_dir, out = converted[name, 1]
+        src = load_file(str(src_dir / "model.safetensors"))
+        packed = "weight" if "quark" in name else "weight_packed"
+        got = load_file(str(next(out.glob("model-*.safetensors"))))
+        manifest = json.loads((out / "mocli-layout.json").read_text())
+        for m in manifest["modules"]:
+            meta = m["meta"]
+            w = torch.cat([src[f"{s}.{packed}"] for s in m["sources"]])
+            codes = torch.cat([src[f"{s}.weight_scale"] for s in m["sources"]])
+            assert torch.equal(got[m["tensors"]["weight"]], ref.marlin_repack(w, meta["padded_n"], meta["padded_k"]))
+            assert torch.equal(got[m["tensors"]["weight_scale"]],
+                               ref.marlin_mxfp4_scales(codes, meta["padded_n"], meta["padded_k"]))
+            if "bias" in m["tensors"]:
+                b = torch.cat([src[f"{s}.bias"] for s in m["sources"]])
+                assert torch.equal(got[m["tensors"]["bias"]], ref.marlin_bias(b, meta["padded_n"]))
+        if name == "biased":
+            assert sum("bias" in m["tensors"] for m in manifest["modules"]) == 2
+
+
+def test_each_rank_holds_its_slice_of_the_layer(converted):
+    """tp 2: each rank's decoded weight and scales are its manifest slice (rows of each column-parallel
+    shard, K columns of a row-parallel layer) of the tp 1 layer, byte for byte."""
+    _, one = converted["llama-ct-mxfp4", 1]
+    _, two = converted["llama-ct-mxfp4", 2]
+    whole = load_file(str(next(one.glob("model-*.safetensors"))))
+    mods = {m["name"]: m for m in json.loads((one / "mocli-layout.json").read_text())["modules"]}
+    ranks = json.loads((two / "mocli-layout.json").read_text())["ranks"]
+    for name in (QKV, O_PROJ):
+        meta = mods[name]["meta"]
+        w1 = lay.decode_weight(whole[f"{name}.weight"].numpy(), meta["n"], meta["k"], name)
+        s1 = lay.decode_scales(whole[f"{name}.weight_scale"].numpy(), meta["n"], meta["k"] // 32, name)
+        offsets = np.cumsum([0, *meta["shard_rows"]])
+        for rank in ranks:
+            info = next(m for m in rank["modules"] if m["name"] == name)["meta"]
+            t = load_file(str(next((two / rank["dir"]).glob("*.safetensors"))))
+            w = lay.decode_weight(t[f"{name}.weight"].numpy(), info["n"], info["k"], name)
+            sc = lay.decode_scales(t[f"{name}.weight_scale"].numpy(), info["n"], info["k"] // 32, name)
+            rows = [(off + a, off + b, c0, c1) for off, (a, b, c0, c1) in zip(offsets, info["slices"], strict=False)]
+            assert np.array_equal(w, np.concatenate([w1[a:b, c0 // 2:c1 // 2] for a, b, c0, c1 in rows]))
+            assert np.array_equal(sc, np.concatenate([s1[a:b, c0 // 32:c1 // 32] for a, b, c0, c1 in rows]))
+
+
+# --- planted faults: verify names each, on its module only ---------------------------------------------
+
+def _halves(t):
+    h = t.shape[-1] // 2
+    return torch.cat([t[..., h:], t[..., :h]], dim=-1)
+
+
+def _unpermuted(t):
+    """The scales as the source's transposed codes: no 8x8 transpose, no [0, 2, 1, 3] swap."""
+    return t.reshape(-1, 64)[:, torch.argsort(torch.tensor([i + 8 * j for i in range(8) for j in range(8)]))].reshape(t.shape)
+
+
+def _bias_shift(t):
+    return torch.roll(t, 1)
+
+
+FAULTS = {  # (fixture, module, edit, words in the module's message)
+    "scale halves swapped": ("llama-ct-mxfp4", QKV, lambda o: edit_tensor(o, f"{QKV}.weight_scale", _halves),
+                             "weight_scale (E8M0 codes) differs"),
+    "scales unpermuted": ("llama-ct-mxfp4", O_PROJ, lambda o: edit_tensor(o, f"{O_PROJ}.weight_scale", _unpermuted),
+                          "weight_scale (E8M0 codes) differs"),
+    "scale code +1": ("llama-quark-mxfp4", O_PROJ, lambda o: edit_tensor(o, f"{O_PROJ}.weight_scale", lambda t: t + 1),
+                      "weight_scale (E8M0 codes) differs"),
+    "weight words swapped": ("llama-ct-mxfp4a16", QKV, lambda o: edit_tensor(
+        o, f"{QKV}.weight", lambda t: t.index_copy_(1, torch.tensor([0, 1]), t[:, [1, 0]].clone())), "weight differs"),
+    "bias off by one row": ("biased", QKV, lambda o: edit_tensor(o, f"{QKV}.bias", _bias_shift), "bias differs"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_verify_names_a_planted_fault(cli, converted, tmp_path, fault):
+    key, module, plant, says = FAULTS[fault]
+    out = tmp_path / "o"
+    shutil.copytree(converted[key, 1][1], out)
+    plant(out)
+    code, report = _verify(cli, out)
+    assert code == 1
+    failed = {m["module"]: m for m in report["modules"] if not m["passed"]}
+    assert set(failed) == {module}, sorted(failed)
+    assert says in failed[module]["message"], failed[module]["message"]
+
+
+def test_nan_scale_is_refused(cli, real_copy, tmp_path):
+    """E8M0 code 255 (NaN): convert names the tensor and writes nothing."""
+    d = real_copy("llama-ct-mxfp4")
+    edit_tensor(d, "model.layers.1.mlp.down_proj.weight_scale", lambda t: t.index_fill_(0, torch.tensor([3]), 255))
+    out = tmp_path / "out"
+    r = cli("convert", d, "-o", out, "--target", "marlin")
+    assert r.exit_code != 0 and "model.layers.1.mlp.down_proj.weight_scale" in r.stderr and "0xFF" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("target", ["flashinfer-cutlass", "flashinfer-trtllm"])
+def test_mxfp4_linears_on_a_flashinfer_target_point_to_marlin(cli, target):
+    r = cli("validate", REAL / "llama-ct-mxfp4", "--target", target)
+    assert r.exit_code == 1 and "TGT002" in r.stdout and "marlin" in r.stdout
