@@ -172,7 +172,7 @@ STAGE = 64 << 20  # bytes per pinned staging buffer
 
 
 def load_tensors(entries: list[TensorEntry], device: str | torch.device = "cpu",
-                 follow: bool = False) -> dict[str, torch.Tensor]:
+                 follow: bool = False, stages: list | None = None) -> dict[str, torch.Tensor]:
     """Tensors for ``entries``, reading each file's needed span once.
 
     CPU: one buffer per file, tensors are views. CUDA: the file span goes through a ring of pinned
@@ -180,6 +180,7 @@ def load_tensors(entries: list[TensorEntry], device: str | torch.device = "cpu",
     asynchronous copies; tensors are views of it. Views whose offset does not suit their dtype's
     alignment (CUDA: 16 bytes, what tensor-core kernels need) are copied. ``follow``: whether the
     files may be symbolic links (a source in a Hugging Face cache; mocli's own outputs never).
+    ``stages``: pinned staging buffers kept from an earlier call (taken from and given back to the list).
     """
     import torch
 
@@ -188,11 +189,12 @@ def load_tensors(entries: list[TensorEntry], device: str | torch.device = "cpu",
     for e in entries:
         by_file.setdefault(e.file, []).append(e)
     out: dict[str, torch.Tensor] = {}
+    stages = [] if stages is None else stages  # reused from file to file, freed with the list
     for path, es in by_file.items():
         start = min(e.start for e in es)
         end = max(e.start + e.nbytes for e in es)
         if device.type == "cuda":
-            buf = _read_to_device(path, start, end - start, device, follow)
+            buf = _read_to_device(path, start, end - start, device, follow, stages)
         else:
             buf = torch.empty(end - start, dtype=torch.uint8)
             _pread_into(path, start, tensor_bytes_view(buf), follow)
@@ -218,8 +220,10 @@ def shard_by_shard(entries: Iterable[TensorEntry], device: str | torch.device = 
     by_file: dict[Path, list[TensorEntry]] = {}
     for e in entries:
         by_file.setdefault(e.file, []).append(e)
+    stages: list = []  # the pinned staging buffers, allocated for the first shard and kept for the others
     for file in sorted(by_file):
-        yield load_tensors(by_file[file], device)
+        yield load_tensors(by_file[file], device, stages=stages)
+    stages.clear()
 
 
 def _pread_into(path: Path, offset: int, view: memoryview, follow: bool = False) -> None:
@@ -235,7 +239,16 @@ def _pread_into(path: Path, offset: int, view: memoryview, follow: bool = False)
         os.close(fd)
 
 
-def _read_to_device(path: Path, offset: int, nbytes: int, device: torch.device, follow: bool = False) -> torch.Tensor:
+def _take_stages(kept: list, want: int) -> list:
+    """``want`` pinned staging buffers, ``kept`` ones first (given back to it once every copy through them is
+    done): pinning a fresh 64 MiB buffer costs more than the copy through it."""
+    import torch
+
+    stages = [kept.pop() for _ in range(min(want, len(kept)))]
+    return stages + [torch.empty(STAGE, dtype=torch.uint8, pin_memory=True) for _ in range(want - len(stages))]
+
+
+def _read_to_device(path: Path, offset: int, nbytes: int, device: torch.device, follow: bool, kept: list) -> torch.Tensor:
     import torch
 
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -243,7 +256,7 @@ def _read_to_device(path: Path, offset: int, nbytes: int, device: torch.device, 
         return dst
     chunks = [(a, min(STAGE, nbytes - a)) for a in range(0, nbytes, STAGE)]
     workers = max(1, min(4, len(chunks), (os.cpu_count() or 1) // 2))
-    stages = [torch.empty(STAGE, dtype=torch.uint8, pin_memory=True) for _ in range(min(len(chunks), 2 * workers))]
+    stages = _take_stages(kept, min(len(chunks), 2 * workers))
     free: queue.Queue = queue.Queue()
     for i in range(len(stages)):
         free.put(i)
@@ -294,4 +307,5 @@ def _read_to_device(path: Path, offset: int, nbytes: int, device: torch.device, 
     if errors:
         raise errors[0]
     stream.synchronize()
+    kept.extend(stages)
     return dst
