@@ -228,9 +228,9 @@ def bench_headers(scratch: Path, rounds: int, results: list) -> None:
     results.append(line(f"validate --target marlin, {n} tensors (plans the conversion)",
                         [timed(mocli("validate", str(src), "--target", "marlin")) for _ in range(rounds)], None, 1.5))
     # header-only commands must not import torch
-    probe = (f"import sys, runpy; sys.argv = ['mocli', '-q', 'validate', {str(src)!r}]\n"
-             "try:\n    runpy.run_module('mocli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-             "print('torch' in sys.modules)")
+    # (main called with argv returns through SystemExit; as the program it leaves by os._exit, printing nothing)
+    probe = (f"import sys\nfrom mocli.cli import main\ntry:\n    main(['-q', 'validate', {str(src)!r}])\n"
+             "except SystemExit:\n    pass\nprint('torch' in sys.modules)")
     imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": PYTHONPATH}).stdout.strip().splitlines()[-1]
     print(f"validate imports torch: {imported} | goal False | {'meets' if imported == 'False' else 'MISSES'}")
