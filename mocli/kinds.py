@@ -39,6 +39,8 @@ class ModuleKind(StrEnum):
     MXFP8_MOE = "mxfp8_moe"
     # FP8 128x128-block experts (compressed-tensors FP8_BLOCK, vLLM's own block fp8: SEMANTICS §18)
     FP8_BLOCK_MOE = "fp8_block_moe"
+    # MXFP4 experts as flashinfer-trtllm's trtllm_fp4_block_scale_moe takes them (SEMANTICS §19.6)
+    MXFP4_MOE = "mxfp4_moe"
     # vLLM's Marlin layout of MXFP4 weights (weight-only, BF16 activations: SEMANTICS §19.5)
     MXFP4_MARLIN_LINEAR = "mxfp4_marlin_linear"
 
@@ -63,6 +65,9 @@ class Role(StrEnum):
     W13_WEIGHT_SCALE_2 = "w13_weight_scale_2"
     W2_WEIGHT_SCALE_2 = "w2_weight_scale_2"
     W13_INPUT_SCALE = "w13_input_scale"
+    # expert biases (gpt-oss): float32 in flashinfer-trtllm's MXFP4 layout (SEMANTICS §19.6)
+    W13_BIAS = "w13_bias"
+    W2_BIAS = "w2_bias"
     W2_INPUT_SCALE = "w2_input_scale"
     W13_INPUT_SCALE_INV = "w13_input_scale_inv"
     W2_INPUT_SCALE_INV = "w2_input_scale_inv"
@@ -215,6 +220,11 @@ CARDS: tuple[Card, ...] = (
          **_code("mxfp4_marlin:_Mxfp4MarlinDense", "Mxfp4MarlinLinear", "mxfp4_marlin:Mxfp4MarlinLinearKernel",
                  "mxfp4_marlin_linear", torch=False),
          thresholds=Thresholds(0.01, 0.01), transforms=(("marlin", REPACK),)),
+    # flashinfer-trtllm's MXFP4 experts: the source's e2m1 codes and E8M0 scales bit for bit (only moved),
+    # BF16 activations (vLLM's default variant for gpt-oss): exact products, summation order and rounding only
+    Card(ModuleKind.MXFP4_MOE, MXFP4, True, frozenset(_BLOCK_MOE_ROLES),
+         **_code("mxfp4_moe:_Mxfp4TrtllmMoe", "Mxfp4MoE", "mxfp4_moe:Mxfp4MoeKernel", "mxfp4_moe", torch=False),
+         thresholds=Thresholds(0.01, 0.01, gemm2=0.01), optional=frozenset({Role.W13_BIAS, Role.W2_BIAS})),
 )
 KINDS: dict[ModuleKind, Card] = {c.kind: c for c in CARDS}
 # The kinds the FlashInfer targets write (marlin writes its own: ``targets.marlin``)

@@ -254,7 +254,37 @@ class MarlinMoE:
     expert_offset: int = 0
 
 
+@dataclass
+class Mxfp4MoE:
+    """MXFP4 experts as flashinfer-trtllm's ``trtllm_fp4_block_scale_moe`` takes them (SEMANTICS §19.6): I and H
+    padded (``padded_intermediate``, ``padded_hidden``), fc1 rows interleaved (up_i, gate_i) pairs, weights, E8M0
+    scales and float32 biases 32-row shuffled, scales 128x4-interleaved per expert; ``activation`` ``swigluoai``
+    (gpt-oss: ``swiglu_alpha``, ``swiglu_beta``, ``swiglu_limit``) or ``silu``; ``activation_dtype`` vLLM's default
+    activation variant (the bytes serve both)."""
+
+    name: str
+    w13_weight: torch.Tensor  # U8 [E, 2 Ip, Hp/2]
+    w13_weight_scale: torch.Tensor  # U8 [E, 2 Ip, Hp/32], E8M0 codes
+    w2_weight: torch.Tensor  # U8 [E, Hp, Ip/2]
+    w2_weight_scale: torch.Tensor  # U8 [E, Hp, Ip/32]
+    experts: int
+    intermediate: int
+    hidden: int
+    naming: str
+    padded_intermediate: int
+    padded_hidden: int
+    activation: str
+    activation_dtype: str
+    scale_pad: int
+    w13_bias: torch.Tensor | None = None  # F32 [E, 2 Ip]
+    w2_bias: torch.Tensor | None = None  # F32 [E, Hp]: zeros on TP ranks other than 0
+    swiglu_alpha: float | None = None
+    swiglu_beta: float | None = None
+    swiglu_limit: float | None = None
+    expert_offset: int = 0
+
+
 # Module kind -> its dataclass (its card's, ``mocli.kinds``: every class above is defined by now)
 CLASSES: dict[ModuleKind, type] = table("stored")
 ConvertedModule = (Fp8Linear | Fp8ChannelLinear | Fp8BlockLinear | Nvfp4Linear | Mxfp8Linear | Fp8MoE | Nvfp4MoE
-                   | Mxfp8MoE | Fp8BlockMoE | MarlinLinear | MarlinMoE | Mxfp4MarlinLinear)
+                   | Mxfp8MoE | Fp8BlockMoE | MarlinLinear | MarlinMoE | Mxfp4MarlinLinear | Mxfp4MoE)

@@ -7,7 +7,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from mocli.kinds import CARDS, FLASHINFER_KINDS, ModuleKind, Role
-from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, MXFP4, MXFP8, NVFP4, NVFP4_AWQ, Scheme
+from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, MXFP8, NVFP4, NVFP4_AWQ, Scheme
 
 if TYPE_CHECKING:  # transforms import torch when they run, so validate and inspect never load it
     import numpy as np
@@ -82,10 +82,6 @@ NO_PATH: dict[tuple[Scheme, str], str] = {
     (FP8_CHANNEL, "moe"): "vLLM 0.33 has no FlashInfer path for FP8 per-channel experts: its CUTLASS or Triton "
                           "kernels take them as stored (no load-time transform to do offline); serve the "
                           "checkpoint as it is (SEMANTICS §18.1)",
-    # read by inspect and validate (issue 46); the marlin and flashinfer-trtllm layouts of SEMANTICS §19.5-19.6 are
-    # not written yet
-    (MXFP4, "linear"): "no mocli target converts MXFP4 yet: mocli inspect and validate read it (SEMANTICS §19)",
-    (MXFP4, "moe"): "no mocli target converts MXFP4 yet: mocli inspect and validate read it (SEMANTICS §19)",
 }
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mocli.kinds import BLOCK_MAJOR_K, ModuleKind, Role
-from mocli.schemes import FP8, MXFP8, NVFP4, NVFP4_AWQ
+from mocli.kinds import BLOCK_MAJOR_K, FLASHINFER_KINDS, ModuleKind, Role
+from mocli.schemes import FP8, MXFP4, MXFP8, NVFP4, NVFP4_AWQ
 from mocli.targets.base import ROW_SHUFFLE, SHARED_CONSTRAINTS, SUPPORTED, Constraint, Target, TargetLayout
 
 BLOCK_SHUFFLE = "shuffle_matrix_a_64"  # the 16-row shuffle of FP8 block-scale experts (SEMANTICS §18.2)
@@ -21,9 +21,11 @@ class TrtllmLayout(TargetLayout):
     gpus = "sm_100/sm_103 (B200, GB200, B300)"
     shuffles_rows = True
     row_shuffled_kinds = frozenset({ModuleKind.NVFP4_LINEAR, ModuleKind.FP8_MOE, ModuleKind.NVFP4_MOE,
-                                    ModuleKind.MXFP8_LINEAR, ModuleKind.MXFP8_MOE})
+                                    ModuleKind.MXFP8_LINEAR, ModuleKind.MXFP8_MOE, ModuleKind.MXFP4_MOE})
+    # TRT-LLM's MXFP4 experts (SEMANTICS §19.6); its dense MXFP4 is not vLLM's (TGT002 names marlin, §19.7)
+    kinds = FLASHINFER_KINDS | {ModuleKind.MXFP4_MOE}
     # vLLM 0.33 runs MXFP8 MoE on FlashInfer's TRT-LLM kernel only (no CUTLASS MXFP8 MoE: SEMANTICS §14.3)
-    supported = {"linear": SUPPORTED["linear"], "moe": SUPPORTED["moe"] | {MXFP8}}
+    supported = {"linear": SUPPORTED["linear"], "moe": SUPPORTED["moe"] | {MXFP8, MXFP4}}
     extra_roles = {
         ModuleKind.FP8_MOE: frozenset({Role.OUTPUT1_SCALES_SCALAR, Role.OUTPUT1_SCALES_GATE_SCALAR,
                                        Role.OUTPUT2_SCALES_SCALAR}),

@@ -1,0 +1,22 @@
+"""flashinfer-trtllm's MXFP4 expert layout undone (SEMANTICS §19.6), on numpy arrays or torch tensors alike:
+verify and mocli's serving kernel both decode with these (the forward moves are ``mocli.plan.mxfp4_moe``'s)."""
+
+from __future__ import annotations
+
+from mocli.targets.decode import Array, unshuffle_rows, unswizzle
+
+
+def rows(stored: Array) -> Array:
+    """One expert's stored rows (weight bytes [M, cols] or a float32 bias [M]) in pre-shuffle order."""
+    return unshuffle_rows(stored)
+
+
+def scale_rows(stored: Array, what: str) -> Array:
+    """One expert's swizzled E8M0 scales [M, Kb] -> uint8 [M, Kb] in pre-shuffle row order."""
+    m, kb = stored.shape[-2:]
+    return unshuffle_rows(unswizzle(stored, m, kb, what))
+
+
+def pairs(fc1: Array) -> tuple[Array, Array]:
+    """Pre-shuffle fc1 rows (up_i, gate_i interleaved) -> (up rows, gate rows), views."""
+    return fc1[0::2], fc1[1::2]

@@ -1,0 +1,157 @@
+"""``mxfp4_moe`` (SEMANTICS §19.6), checked with numpy alone, per rank: the padded sizes trtllm uses
+(``Ip = roundup(I/tp, 128)``, ``Hp = roundup(H, 256)``); every expert's e2m1 bytes, E8M0 scale bytes and
+float32 biases after the layout's inverses (rows un-shuffled, (up, gate) pairs split, scales unswizzled)
+against the source's rows of the rank (gpt-oss's interleaved gate_up or the halves), the padding (weights and
+biases 0, scale bytes the manifest's ``scale_pad``) and the down bias on TP rank 0 only; then stage-wise GEMMs
+on sampled experts (BF16 input, the stored weights decoded against the source's dequantized)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from mocli.errors import CorruptFileError
+from mocli.kinds import ModuleKind
+from mocli.numerics.in_numpy import unpack_e2m1
+from mocli.schemes.mxfp4 import BIAS
+from mocli.tables import WEIGHT, WEIGHT_SCALE
+from mocli.targets import mxfp4_decode as dec
+from mocli.targets.decode import LayoutError
+from mocli.verify.kinds import WORKERS
+from mocli.verify.kinds.context import CheckContext
+from mocli.verify.kinds.moe import MoeCase, check_moe
+from mocli.verify.results import CPU_SAMPLE_EXPERTS, Problems, Stages, pick_experts, rel_error, rng
+from mocli.verify.source import floats
+
+LABEL = "emulated MXFP4 MoE (decoded layout, BF16 activations, exact products)"
+_BYTES = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mocli-verify-mxfp4-bytes")
+
+
+def dequant(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """e2m1 [N, K/2] times E8M0 [N, K/32] -> float32 [N, K]."""
+    return unpack_e2m1(np.ascontiguousarray(codes)) * np.repeat(np.exp2(scales.astype(np.float32) - 127.0), 32, axis=1)
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """float32 rounded to BF16 (nearest even), as float32."""
+    u = x.astype(np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).view(np.float32)
+
+
+class Mxfp4Moe(MoeCase):
+    kind = ModuleKind.MXFP4_MOE
+
+    def __init__(self, name: str, ctx: CheckContext) -> None:
+        super().__init__(name, ctx)
+        self.opts, self.tp = ctx.opts, ctx.tp
+        self.x = bf16(rng(ctx.opts.seed, name).standard_normal((ctx.opts.tokens, self.layer.hidden), dtype=np.float32))
+
+    def load(self, ck):
+        return ck.module_arrays(self.name)
+
+    def consistency(self, mod, experts, problems: Problems) -> None:
+        hp, i_full = -(-mod.hidden // 256) * 256, self.layer.intermediate
+        # vLLM pads I / tp (the gpt-oss loaders' uneven rows fit in it); expert parallel: all of I
+        ip = -(-(i_full if mod.intermediate == i_full else i_full // self.tp) // 128) * 128
+        if (mod.padded_intermediate, mod.padded_hidden) != (ip, hp):
+            problems.append(f"padded (I, H) are {(mod.padded_intermediate, mod.padded_hidden)}, trtllm pads to {(ip, hp)}")
+
+    # --- bytes ---------------------------------------------------------------------------------------
+
+    def all_bytes(self, mod, experts, i_slice):
+        return _BYTES.submit(self._all_bytes, mod, experts, i_slice)
+
+    def _all_bytes(self, mod, experts, i_slice) -> tuple[Problems, Exception | None]:
+        found = Problems()
+        try:
+            for local, ex in enumerate(experts):
+                got, want = self.decoded(mod, local), self.expected(ex, i_slice, mod)
+                for role, w in want.items():
+                    if not np.array_equal(np.ascontiguousarray(got[role]).view(np.uint8), np.ascontiguousarray(w).view(np.uint8)):
+                        found.append(f"{role} (expert {ex.index}) differs from the source")
+        except (LayoutError, CorruptFileError, ValueError) as e:
+            return found, e
+        return found, None
+
+    def decoded(self, mod, local: int) -> dict[str, np.ndarray]:
+        """Expert ``local``'s stored tensors in logical order, padding checked and cut: ``w13_*`` as [up; gate]."""
+        i, h, pad = mod.intermediate, mod.hidden, mod.scale_pad
+        out = {}
+        for which in ("w13", "w2"):
+            w = dec.rows(np.ascontiguousarray(getattr(mod, f"{which}_weight")[local]))
+            s = dec.scale_rows(np.ascontiguousarray(getattr(mod, f"{which}_weight_scale")[local]),
+                               f"{mod.name}.{which}_weight_scale[{local}]")
+            b = getattr(mod, f"{which}_bias")
+            b = None if b is None else dec.rows(np.ascontiguousarray(b[local]))
+            parts = (w, s, b)
+            if which == "w13":
+                parts = tuple(None if p is None else np.concatenate(dec.pairs(p)) for p in parts)
+                keep, half = np.r_[0:i, mod.padded_intermediate:mod.padded_intermediate + i], h
+            else:
+                keep, half = np.r_[0:h], i
+            for name, p, cols, fill in ((f"{which}_weight", parts[0], half // 2, 0), (f"{which}_weight_scale", parts[1], half // 32, pad),
+                                        (f"{which}_bias", parts[2], None, 0)):
+                if p is None:
+                    continue
+                mask = np.ones(p.shape, bool)
+                at = keep if p.ndim == 1 else np.ix_(keep, np.arange(cols))
+                mask[at] = False
+                if bool((p[mask] != fill).any()):
+                    raise LayoutError(f"{mod.name}.{name} (expert {local}): padding is not {fill}")
+                out[name] = p[at]
+        return out
+
+    def expected(self, ex, i_slice: tuple[int, int], mod) -> dict[str, np.ndarray]:
+        """The source's bytes for one expert of the rank, in the decoded order ([up; gate] rows of the slice)."""
+        (i0, i1), arr = i_slice, self.src.reader.array
+        out = {}
+        for role, name in ((WEIGHT, "weight"), (WEIGHT_SCALE, "weight_scale"), (BIAS, "bias")):
+            if ex.gate_up is not None:
+                if role not in ex.gate_up.tensors:
+                    continue
+                e = ex.gate_up.tensors[role]
+                a = _values(arr(e), e.dtype, role)
+                up, gate = a[2 * i0 + 1:2 * i1:2], a[2 * i0:2 * i1:2]
+            else:
+                if role not in ex.up.tensors:
+                    continue
+                up, gate = (_values(arr(m.tensors[role]), m.tensors[role].dtype, role)[i0:i1] for m in (ex.up, ex.gate))
+            out[f"w13_{name}"] = np.concatenate([up, gate])
+            d = ex.down.tensors.get(role)
+            if d is not None:
+                a = _values(arr(d), d.dtype, role)
+                per = {WEIGHT: 2, WEIGHT_SCALE: 32}.get(role)
+                # the down bias: TP rank 0's (the rank whose rows start I), zeros elsewhere (SEMANTICS §19.3)
+                out[f"w2_{name}"] = a[:, i0 // per:i1 // per] if per else (a if i0 == 0 else np.zeros_like(a))
+        return out
+
+    # --- numbers -------------------------------------------------------------------------------------
+
+    def numbers(self, ck, mod, off: int, i_slice: tuple[int, int]):
+        i0, i1 = i_slice
+        sample = pick_experts(mod.experts, CPU_SAMPLE_EXPERTS, self.opts.seed, mod.name)
+        stages = Stages(len(sample))
+        for local in sample:
+            ex, got = self.layer.experts[off + local], self.decoded(mod, local)
+            src = self.expected(ex, i_slice, mod)
+            o1 = self.x @ dequant(got["w13_weight"], got["w13_weight_scale"]).T
+            ref1 = self.x @ dequant(src["w13_weight"], src["w13_weight_scale"]).T
+            if "w13_bias" in got:
+                o1, ref1 = o1 + got["w13_bias"], ref1 + src["w13_bias"]
+            h = bf16(np.maximum(o1[:, :i1 - i0], 0.0))  # any fixed intermediate: GEMM2 is checked on its own
+            o2, ref2 = h @ dequant(got["w2_weight"], got["w2_weight_scale"]).T, h @ dequant(src["w2_weight"], src["w2_weight_scale"]).T
+            if "w2_bias" in got:
+                o2, ref2 = o2 + got["w2_bias"], ref2 + src["w2_bias"]
+            stages.add("gemm1", rel_error(o1, ref1), self.limits.kept)
+            stages.add("gemm2", rel_error(o2, ref2), self.limits.gemm2)
+        return LABEL, True, stages.errors, stages.result(), None
+
+
+def _values(a: np.ndarray, dtype: str, role: str) -> np.ndarray:
+    """Weights and scales as their bytes [rows, cols]; a bias as float32 (exact from BF16)."""
+    return floats(a, dtype).astype(np.float32) if role == BIAS else a.view(np.uint8).reshape(a.shape[0], -1)
+
+
+def check(name: str, infos: dict[int, dict], ctx: CheckContext):
+    return check_moe(name, infos, ctx, Mxfp4Moe)
