@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.reference import dequant_nvfp4
+from tests.reference import dequant_nvfp4, unpack_fp4
 
 # Teacher-forced token ids: every position's full next-token distribution is compared (prompt
 # logprobs), so a near-tie cannot make two runs walk different sequences. Ids < 64 (the generated
@@ -207,6 +207,8 @@ def skip_unless_cpu_build_runs(src: Path, kv_cache_dtype: str = "auto") -> None:
 def _dequant(t: dict[str, torch.Tensor], m: str) -> torch.Tensor:
     """float32 [N, K] of source module ``m`` (SEMANTICS §1: w = q * scale)."""
     w, s = t[m + ".weight"], t[m + ".weight_scale"].float()
+    if w.dtype == torch.uint8 and t[m + ".weight_scale"].dtype == torch.uint8:  # MXFP4: e2m1 * 2^(code - 127) per 32
+        return unpack_fp4(w) * torch.exp2(s - 127).repeat_interleave(32, 1)
     if w.dtype == torch.uint8:  # NVFP4: e2m1 * (block scale * weight_scale_2)
         return dequant_nvfp4(w, t[m + ".weight_scale"], float(t[m + ".weight_scale_2"]))
     q = w.float()
@@ -345,8 +347,8 @@ def amplify_experts(factor: float):
 #   tp 2 and tp 2 x ep 2 vs tp 1: FP8 0.020-0.034, NVFP4 0.046-0.090
 #   marlin (weight-only: BF16 activations on both sides) vs BF16 source reference 0.006-0.008 at tp 1, tp 2
 #   and tp 2 x ep 2, W4A16 and NVFP4 sources alike
-FORMAT_TOLERANCE = {"fp8": 0.10, "nvfp4": 0.30, "w4a16": 0.03}
-PARALLEL_TOLERANCE = {"fp8": 0.08, "nvfp4": 0.20, "w4a16": 0.03}
+FORMAT_TOLERANCE = {"fp8": 0.10, "nvfp4": 0.30, "w4a16": 0.03, "mxfp4": 0.03}
+PARALLEL_TOLERANCE = {"fp8": 0.08, "nvfp4": 0.20, "w4a16": 0.03, "mxfp4": 0.03}
 TIE_MARGIN = 0.1  # greedy steps whose top-2 logprobs are closer than this may legitimately differ
 
 

