@@ -116,6 +116,13 @@ def expert_range(experts: int, layout: ParallelLayout, rank: int) -> tuple[int, 
     return even(experts, layout.ep, rank) if layout.expert_parallel else (0, experts)
 
 
+def block_split(inter: int, tp: int, t: int, block: int = 32) -> tuple[int, int]:
+    """gpt-oss's MoE loaders (native and Quark; interleaved gate/up): TP rank ``t``'s rows of I in whole
+    ``block``-row blocks, unequal, ``P = block·ceil(I/(block·tp))`` each from the start (SEMANTICS §19.3)."""
+    p = block * -(-inter // (block * tp))
+    return min(t * p, inter), min((t + 1) * p, inter)
+
+
 def intermediate_range(inter: int, layout: ParallelLayout, rank: int) -> tuple[int, int]:
     """The slice of I a rank holds: I / tp under MoE tensor parallel, all of it under expert parallel."""
     return (0, inter) if layout.expert_parallel else even(inter, layout.tp, layout.tp_rank(rank))

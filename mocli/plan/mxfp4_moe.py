@@ -25,6 +25,7 @@ from mocli.census import MoELayer
 from mocli.kinds import ModuleKind, Role
 from mocli.ops import nvfp4, roundup
 from mocli.ops.rows import shuffle_row_indices
+from mocli.parallel import block_split, expert_range, intermediate_range
 from mocli.plan.context import PlanContext
 from mocli.plan.dense import QUANT_SUFFIXES
 from mocli.plan.moe import _Moe
@@ -43,12 +44,6 @@ SILU = {"activation": "silu"}
 QUARK_PAD = 1  # QuarkOCP_MX_MoEMethod's scale parameters start as torch.ones (§19.3)
 CT_PATH = ("vLLM 0.33 runs compressed-tensors MXFP4 experts on its CUTLASS MoE (W4A4) or Marlin, not TRT-LLM "
            "(SEMANTICS §19.4): this TRT-LLM layout serves through mocli's plugin")
-
-
-def blocks_split(i: int, tp: int, t: int) -> tuple[int, int]:
-    """gpt-oss's loaders: TP rank ``t``'s rows of I, in whole 32-blocks, unequal (SEMANTICS §19.3)."""
-    p = BLOCK * -(-i // (BLOCK * tp))
-    return min(t * p, i), min((t + 1) * p, i)
 
 
 def to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
@@ -75,11 +70,9 @@ class _Mxfp4TrtllmMoe(_Moe):
         self.e_count, self.i, self.h, self.p = len(self.mods), layer.intermediate, layer.hidden, layer.name
         par = pc.parallel
         self.ranks = range(par.ranks)
-        from mocli.parallel import expert_range, intermediate_range
-
         self.experts = {r: expert_range(self.e_count, par, r) for r in self.ranks}
         whole = par.expert_parallel
-        self.inter = {r: (0, self.i) if whole else blocks_split(self.i, par.tp, par.tp_rank(r)) if self.fused
+        self.inter = {r: (0, self.i) if whole else block_split(self.i, par.tp, par.tp_rank(r)) if self.fused
                       else intermediate_range(self.i, par, r) for r in self.ranks}
         self.tensors: dict[int, dict[str, str]] = {r: {} for r in self.ranks}
         self.outputs: list = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from mocli.census import Census, Kind
 from mocli.formats.manifest import Layout, Parallelism, RankEntry
+from mocli.parallel import block_split
 
 # the tensors of a quantized module that its converted module replaces
 _MODULE_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "bias")
@@ -49,7 +50,7 @@ def expected_passthrough(census: Census, modules: dict[str, list[str]]) -> set[s
 
 def _moe_rule(meta: dict, census_layer, parallel: Parallelism, rank_entry: RankEntry | None) -> list[str]:
     """SEMANTICS §10 for one MoE rank: experts [r·E/ep, ...) whole under expert parallel, else every
-    expert with I/tp of the rows [t·I/tp, ...)."""
+    expert with I/tp of the rows [t·I/tp, ...) (gpt-oss's interleaved experts: whole 32-row blocks, §19.3)."""
     if rank_entry is None:
         return []
     e_total, inter = census_layer.num_experts, census_layer.intermediate
@@ -58,7 +59,8 @@ def _moe_rule(meta: dict, census_layer, parallel: Parallelism, rank_entry: RankE
         want = {"expert_offset": r * e_total // ep, "experts": e_total // ep, "intermediate_slice": [0, inter]}
     else:
         t = rank_entry.tp_rank
-        want = {"expert_offset": 0, "experts": e_total, "intermediate_slice": [t * inter // tp, (t + 1) * inter // tp]}
+        rows = block_split(inter, tp, t) if census_layer.interleaved else (t * inter // tp, (t + 1) * inter // tp)
+        want = {"expert_offset": 0, "experts": e_total, "intermediate_slice": list(rows)}
     return [f"{k} is {meta.get(k)!r}, SEMANTICS §10 gives {v!r}" for k, v in want.items() if meta.get(k) != v]
 
 
