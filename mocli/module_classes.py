@@ -230,6 +230,27 @@ class Mxfp4MarlinLinear:
 
 
 @dataclass
+class Mxfp4MarlinMoE:
+    """MXFP4 experts in vLLM's Marlin layout (SEMANTICS §19.5), [w1; w3] halves (``w13_rows`` "halves"), SiLU:
+    what ``fused_marlin_moe`` takes as w1/w2 and their E8M0 scales (no global scales)."""
+
+    name: str
+    w13_weight: torch.Tensor  # I32 [E, H/16, 4 Ip]
+    w13_weight_scale: torch.Tensor  # U8 E8M0 [E, H/32, 2 Ip]
+    w2_weight: torch.Tensor  # I32 [E, Ip/16, 2 H]
+    w2_weight_scale: torch.Tensor  # U8 E8M0 [E, Ip/32, H]
+    experts: int
+    intermediate: int
+    hidden: int
+    naming: str
+    padded_intermediate: int
+    act_dtype: str
+    activation: str
+    w13_rows: str
+    expert_offset: int = 0
+
+
+@dataclass
 class MarlinMoE:
     """NVFP4 experts in vLLM's Marlin layout (SEMANTICS §13.6): w13 rows [w1; w3], each half padded to
     padded_intermediate; what ``fused_marlin_moe`` takes as w1/w2, their scales and global scales."""
@@ -287,4 +308,4 @@ class Mxfp4MoE:
 # Module kind -> its dataclass (its card's, ``mocli.kinds``: every class above is defined by now)
 CLASSES: dict[ModuleKind, type] = table("stored")
 ConvertedModule = (Fp8Linear | Fp8ChannelLinear | Fp8BlockLinear | Nvfp4Linear | Mxfp8Linear | Fp8MoE | Nvfp4MoE
-                   | Mxfp8MoE | Fp8BlockMoE | MarlinLinear | MarlinMoE | Mxfp4MarlinLinear | Mxfp4MoE)
+                   | Mxfp8MoE | Fp8BlockMoE | MarlinLinear | MarlinMoE | Mxfp4MarlinLinear | Mxfp4MarlinMoE | Mxfp4MoE)

@@ -16,6 +16,7 @@ from mocli.io.safetensors_file import TensorEntry
 from mocli.kinds import REPACK, Role
 from mocli.ops import mxfp4_marlin as mx
 from mocli.plan.dense import _Dense
+from mocli.plan.moe import _Moe
 from mocli.stream.units import BadData, Piece
 from mocli.tables import WEIGHT, WEIGHT_SCALE
 
@@ -88,3 +89,61 @@ class _Mxfp4MarlinDense(_Dense):
             rows = np.concatenate([w[a:b] for w, (a, b) in zip(whole, sl.rows, strict=True)])
             pieces.append(Piece(self.key(r, Role.BIAS), 0, mx.permute_bias(rows, shape[sl.tp_rank][0])))
         return pieces
+
+
+class _Mxfp4MarlinMoe(_Moe):
+    """An MoE layer whose experts load as [w1; w3] halves (compressed-tensors, Quark's non-gpt-oss MoE),
+    per rank (equal split of I, §19.3): per expert w13 [w1; w3] (Ip rows each, no swap) and w2 repacked,
+    their E8M0 scales permuted (``prepare_moe_fp4_layer_for_marlin``: no padding of its own, so Ip = the
+    rank's I). SiLU-gated, no biases: gpt-oss's experts (interleaved rows, biases, clamped SwiGLU) are
+    refused before planning (``MarlinLayout.moe_refusal``)."""
+
+    def plan(self) -> None:
+        h = self.h
+        for r in self.ranks:
+            e, ip, st = self.local(r), self.i_r(r), self.slice_transforms()
+            self.add(r, Role.W13_WEIGHT, "I32", (e, h // 16, 4 * ip), self.src("gate", WEIGHT, r) + self.src("up", WEIGHT, r),
+                     ["stack_experts"] + st + [REPACK])
+            self.add(r, Role.W13_WEIGHT_SCALE, "U8", (e, h // mx.GROUP, 2 * ip), self.src("gate", WEIGHT_SCALE, r)
+                     + self.src("up", WEIGHT_SCALE, r), ["stack_experts"] + st + SCALE_STEPS[1:])
+            self.add(r, Role.W2_WEIGHT, "I32", (e, ip // 16, 2 * h), self.src("down", WEIGHT, r),
+                     ["stack_experts"] + st + [REPACK])
+            self.add(r, Role.W2_WEIGHT_SCALE, "U8", (e, ip // mx.GROUP, h), self.src("down", WEIGHT_SCALE, r),
+                     ["stack_experts"] + st + SCALE_STEPS[1:])
+        for e, (g, u, d) in enumerate(self.mods):
+            self._units(e, g, u, d)
+        for r in self.ranks:
+            self.module(r, {"padded_intermediate": self.i_r(r), "act_dtype": ACT_DTYPE, "activation": "silu",
+                            "w13_rows": "halves"})
+
+    def _units(self, e: int, g, u, d) -> None:
+        h = self.h
+
+        def w13(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
+            (i0, i1), ip = rows, rows[1] - rows[0]
+            out = np.empty((h // 16, 16 * ip), dtype=np.uint8)
+            for half, m in enumerate((g, u)):
+                mx.repack(ctx.array(m.tensors[WEIGHT])[i0:i1], ip, h, out=out[:, 8 * ip * half:8 * ip * (half + 1)])
+            return [out]
+
+        def w13s(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
+            (i0, i1), ip = rows, rows[1] - rows[0]
+            out = np.empty((h // mx.GROUP, 2 * ip), dtype=np.uint8)
+            for half, m in enumerate((g, u)):
+                codes = checked_scales(ctx.array(m.tensors[WEIGHT_SCALE]), m.tensors[WEIGHT_SCALE])[i0:i1]
+                mx.permute_scales(codes, ip, h, out=out[:, ip * half:ip * (half + 1)])
+            return [out]
+
+        def w2(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
+            (i0, i1) = rows
+            return [mx.repack(ctx.array(d.tensors[WEIGHT])[:, i0 // 2:i1 // 2], h, i1 - i0)]
+
+        def w2s(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
+            (i0, i1) = rows
+            codes = checked_scales(ctx.array(d.tensors[WEIGHT_SCALE]), d.tensors[WEIGHT_SCALE])
+            return [mx.permute_scales(codes[:, i0 // mx.GROUP:i1 // mx.GROUP], h, i1 - i0)]
+
+        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], w13, compute=True)
+        self.expert_unit("w13s", e, Role.W13_WEIGHT_SCALE, [g.tensors[WEIGHT_SCALE], u.tensors[WEIGHT_SCALE]], w13s)
+        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], w2, compute=True)
+        self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], w2s)

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from mocli.kinds import ModuleKind
 from mocli.serve.common import U8, ServeError, mm
 from mocli.serve.dense import DenseKernel
+from mocli.serve.moe import MoeKernel
 from mocli.targets import mxfp4_marlin_decode as lay
 
 I32 = torch.int32
@@ -70,4 +72,49 @@ class Mxfp4MarlinLinearKernel(DenseKernel):
         return torch.from_numpy(lay.dequant(packed, codes)).to(self.t["weight"].device)
 
 
-__all__ = ["Mxfp4MarlinLinearKernel"]
+class Mxfp4MarlinMoeKernel(MoeKernel):
+    """MXFP4 experts in Marlin's layout with w13 rows [w1; w3] (each half Ip rows): act = silu(first half) *
+    second half, the intermediate in the activation dtype (as Marlin keeps it). Emulated from the decode."""
+
+    kind = ModuleKind.MXFP4_MARLIN_MOE
+    roles = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+
+    @classmethod
+    def spec(cls, meta, layout):
+        e, h, ip = int(meta["experts"]), int(meta["hidden"]), int(meta["padded_intermediate"])
+        return {"w13_weight": (I32, (e, h // 16, 4 * ip)), "w13_weight_scale": (U8, (e, h // lay.GROUP, 2 * ip)),
+                "w2_weight": (I32, (e, ip // 16, 2 * h)), "w2_weight_scale": (U8, (e, ip // lay.GROUP, h))}
+
+    def __init__(self, tensors, meta, layout, name: str = "") -> None:
+        if (meta.get("activation"), meta.get("w13_rows")) != ("silu", "halves"):
+            raise ServeError(f"{name}: activation {meta.get('activation')!r} with w13 rows {meta.get('w13_rows')!r}: "
+                             "mocli serves MXFP4 Marlin experts as silu on [w1; w3] halves only")
+        self.ip = int(meta["padded_intermediate"])
+        super().__init__(tensors, meta, layout, name)
+
+    def select(self):
+        return "emulated Marlin MXFP4 W4A16 MoE (decoded layout, exact products)", True
+
+    def act(self, o1: torch.Tensor) -> torch.Tensor:
+        return F.silu(o1[:, : self.inter]) * o1[:, self.inter:]
+
+    def expert(self, e, x, w13, w2):
+        h = self.act(mm(x, w13)).to(x.dtype)
+        return mm(h, w2)
+
+    def decode_w13(self, e):
+        h, i, what = self.hidden, self.inter, f"{self.name}.w13"
+        packed = lay.halves(lay.decode_weight(_np(self.t["w13_weight"][e]), 2 * self.ip, h, f"{what}_weight[{e}]"),
+                            i, self.ip, f"{what}_weight[{e}]")
+        codes = lay.halves(lay.decode_scales(_np(self.t["w13_weight_scale"][e]), 2 * self.ip, h // lay.GROUP,
+                                             f"{what}_weight_scale[{e}]"), i, self.ip, f"{what}_weight_scale[{e}]")
+        return torch.from_numpy(lay.dequant(packed, codes)).to(self.t["w13_weight"].device)
+
+    def decode_w2(self, e):
+        h, i, what = self.hidden, self.inter, f"{self.name}.w2"
+        packed = lay.decode_weight(_np(self.t["w2_weight"][e]), h, i, f"{what}_weight[{e}]")
+        codes = lay.decode_scales(_np(self.t["w2_weight_scale"][e]), h, i // lay.GROUP, f"{what}_weight_scale[{e}]")
+        return torch.from_numpy(lay.dequant(packed, codes)).to(self.t["w2_weight"].device)
+
+
+__all__ = ["Mxfp4MarlinLinearKernel", "Mxfp4MarlinMoeKernel"]

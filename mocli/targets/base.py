@@ -118,6 +118,10 @@ class TargetLayout:
         which tells a layout from another that shares its shapes: the kinds' cards say it (``Card.transforms``)."""
         return {c.kind: t for c in CARDS for target, t in c.transforms if target == self.target}
 
+    def moe_refusal(self, layer) -> str | None:
+        """Why this target cannot write an MoE layer whose scheme it takes (TGT002), or None."""
+        return None
+
     def roles(self, kind: ModuleKind) -> frozenset[Role]:
         """Every role a module of ``kind`` always holds in this layout, a bias aside."""
         from mocli.kinds import KINDS

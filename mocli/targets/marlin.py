@@ -13,7 +13,8 @@ from mocli.kinds import REPACK, ModuleKind
 from mocli.schemes import FP8, FP8_BLOCK, FP8_CHANNEL, MXFP4, MXFP8, NVFP4, W4A16_NVFP4
 from mocli.targets.base import SHARED_CONSTRAINTS, Constraint, Target, TargetLayout
 
-MARLIN_KINDS = frozenset({ModuleKind.NVFP4_MARLIN_LINEAR, ModuleKind.NVFP4_MARLIN_MOE, ModuleKind.MXFP4_MARLIN_LINEAR})
+MARLIN_KINDS = frozenset({ModuleKind.NVFP4_MARLIN_LINEAR, ModuleKind.NVFP4_MARLIN_MOE, ModuleKind.MXFP4_MARLIN_LINEAR,
+                          ModuleKind.MXFP4_MARLIN_MOE})
 # FP8 layers (a MIXED_PRECISION checkpoint's, beside W4A16 or NVFP4 ones) keep the plain FP8 layout the
 # FlashInfer targets share: Hopper's FP8 tensor cores (torch._scaled_mm, grouped GEMMs) run it as it is.
 # MXFP8 linears likewise keep flashinfer-cutlass's layout (weight as stored, scales 128x4): sm_90 has no MX
@@ -29,13 +30,27 @@ class MarlinLayout(TargetLayout):
     gpus = "sm_75-sm_90 (T4 ... A100, L40S, H100, H200)"
     kinds = MARLIN_KINDS | FP8_KINDS
     supported = {"linear": frozenset({FP8, FP8_CHANNEL, FP8_BLOCK, NVFP4, W4A16_NVFP4, MXFP8, MXFP4}),
-                 "moe": frozenset({FP8, NVFP4, W4A16_NVFP4})}
+                 "moe": frozenset({FP8, NVFP4, W4A16_NVFP4, MXFP4})}
     constraints = tuple(c for c in SHARED_CONSTRAINTS
                                                      if c.scheme is FP8 or c.scheme is MXFP8 and c.scope == "linear") + tuple(
         # prepare_nvfp4_moe_layer_for_marlin: the hidden size must be a whole number of 64-wide tiles
         Constraint("moe", s, "H", 64, "Marlin's MoE kernel tiles H by 64 (SEMANTICS §13.6)") for s in (NVFP4, W4A16_NVFP4)) + (
         # a row-parallel MXFP4 linear's rank keeps whole 32-value scale blocks along K (SEMANTICS §19.3)
-        Constraint("linear", MXFP4, "K", 32, "MXFP4 scales blocks of 32 along each rank's K (SEMANTICS §19.1)"),)
+        Constraint("linear", MXFP4, "K", 32, "MXFP4 scales blocks of 32 along each rank's K (SEMANTICS §19.1)"),
+        # prepare_moe_fp4_layer_for_marlin pads nothing: w13 (n = 2I, k = H) and w2 (n = H, k = I) must each fit
+        # one of Marlin's tile families as they are
+        Constraint("moe", MXFP4, "2I", 128, "Marlin's MXFP4 MoE takes the rank's I unpadded: I % 64 == 0 (SEMANTICS §19.5)"),
+        Constraint("moe", MXFP4, "H", 128, "Marlin's MXFP4 MoE takes H unpadded: H % 128 == 0 (SEMANTICS §19.5)"))
+
+    def moe_refusal(self, layer) -> str | None:
+        """gpt-oss's experts (interleaved gate/up rows, biases, clamped SwiGLU: SEMANTICS §19.2-19.3) are not
+        written for Marlin yet; [w1; w3] SiLU experts are."""
+        first = next(iter(layer.experts.values()), None)
+        if MXFP4 in layer.schemes and (layer.interleaved or (first is not None and first.gate is not None
+                                                             and "bias" in first.gate.tensors)):
+            return ("marlin does not write gpt-oss's MXFP4 experts yet (interleaved gate/up, biases, clamped SwiGLU: "
+                    "SEMANTICS §19.5); its [w1; w3] SiLU experts only")
+        return None
 
 
 __all__ = ["FP8_KINDS", "MARLIN_KINDS", "REPACK", "MarlinLayout"]  # REPACK: the Marlin planner records it

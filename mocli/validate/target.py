@@ -52,6 +52,10 @@ def _check_moe(target: Target, par: ParallelLayout, census: Census, findings: Fi
             findings.add("TGT002", layer.name, f"{target} has no fused-MoE path for {scheme} experts",
                          hint=_elsewhere(scheme, "moe"))
             continue
+        if (why := layout.moe_refusal(layer)) is not None:
+            findings.add("TGT002", layer.name, why, hint="serve the checkpoint as it is, or use a target that writes "
+                         "these experts (mocli validate --target ... says which)")
+            continue
         i, h = layer.intermediate, layer.hidden
         if i is None or h is None:
             continue

@@ -1,0 +1,71 @@
+"""``mxfp4_marlin_moe`` (SEMANTICS §19.5), checked with numpy alone: per rank every expert's weight and
+E8M0 scale bytes after ``mocli.targets.mxfp4_marlin_decode``'s inverses ([w1; w3] halves of Ip rows each,
+padding zero) against the source's rank slice, then stage-wise emulated GEMMs (BF16 input and intermediate,
+exact e2m1 x 2^e products) on sampled experts against the source, as ``mxfp8_moe``'s."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mocli.kinds import ModuleKind
+from mocli.numerics.in_numpy import bf16_round
+from mocli.tables import WEIGHT, WEIGHT_SCALE
+from mocli.targets import mxfp4_marlin_decode as lay
+from mocli.verify.kinds.context import CheckContext
+from mocli.verify.kinds.decoded_moe import DecodedMoe
+from mocli.verify.kinds.moe import check_moe
+from mocli.verify.kinds.mxfp4_marlin_linear import source_dequant
+from mocli.verify.results import Problems
+
+EMULATED_MOE = "emulated Marlin MXFP4 W4A16 MoE (decoded layout, exact products)"
+GROUP = 32
+
+
+class Mxfp4MarlinMoe(DecodedMoe):
+    kind = ModuleKind.MXFP4_MARLIN_MOE
+    label = EMULATED_MOE
+    quant = staticmethod(bf16_round)
+
+    @staticmethod
+    def dequant(w: np.ndarray, s: np.ndarray) -> np.ndarray:
+        return source_dequant(np.ascontiguousarray(w).view(np.uint8), s)
+
+    def consistency(self, mod, experts, problems: Problems) -> None:
+        if mod.padded_intermediate != mod.intermediate:
+            problems.append(f"padded_intermediate is {mod.padded_intermediate}; vLLM's prepare_moe_fp4_layer_for_marlin "
+                            f"pads nothing (I = {mod.intermediate})")
+        if (mod.activation, mod.w13_rows, mod.act_dtype) != ("silu", "halves", "bfloat16"):
+            problems.append(f"activation {mod.activation!r}, w13 rows {mod.w13_rows!r}, act_dtype {mod.act_dtype!r}: "
+                            "this layout is silu on [w1; w3] halves for bfloat16")
+
+    def decoded(self, mod, local: int) -> dict[str, np.ndarray]:
+        """Expert ``local`` in logical order: w13 [up; gate] rows (the order the driver compares), w2."""
+        i, h, ip, what = mod.intermediate, mod.hidden, mod.padded_intermediate, f"{mod.name}"
+        w13 = lay.halves(lay.decode_weight(mod.w13_weight[local], 2 * ip, h, f"{what}.w13_weight[{local}]"),
+                         i, ip, f"{what}.w13_weight[{local}]")
+        s13 = lay.halves(lay.decode_scales(mod.w13_weight_scale[local], 2 * ip, h // GROUP,
+                                           f"{what}.w13_weight_scale[{local}]"), i, ip, f"{what}.w13_weight_scale[{local}]")
+        return {"w13_weight": np.concatenate([w13[i:], w13[:i]]), "w13_weight_scale": np.concatenate([s13[i:], s13[:i]]),
+                "w2_weight": lay.decode_weight(mod.w2_weight[local], h, i, f"{what}.w2_weight[{local}]"),
+                "w2_weight_scale": lay.decode_scales(mod.w2_weight_scale[local], h, i // GROUP,
+                                                     f"{what}.w2_weight_scale[{local}]")}
+
+    def expected(self, ex, i_slice: tuple[int, int]) -> dict[str, list[np.ndarray]]:
+        (i0, i1), arr = i_slice, lambda m, role: self.src.arr(m.tensors[role].name)  # noqa: E731
+        return {"w13_weight": [arr(ex.up, WEIGHT)[i0:i1], arr(ex.gate, WEIGHT)[i0:i1]],
+                "w13_weight_scale": [arr(ex.up, WEIGHT_SCALE)[i0:i1], arr(ex.gate, WEIGHT_SCALE)[i0:i1]],
+                "w2_weight": [arr(ex.down, WEIGHT)[:, i0 // 2:i1 // 2]],
+                "w2_weight_scale": [arr(ex.down, WEIGHT_SCALE)[:, i0 // GROUP:i1 // GROUP]]}
+
+    def source(self, ex, which: str, rows=None, cols=None) -> np.ndarray:
+        m = getattr(ex, which)
+        w, s = self.src.arr(m.tensors[WEIGHT].name), self.src.arr(m.tensors[WEIGHT_SCALE].name)
+        if rows is not None:
+            w, s = w[rows[0]:rows[1]], s[rows[0]:rows[1]]
+        if cols is not None:
+            w, s = w[:, cols[0] // 2:cols[1] // 2], s[:, cols[0] // GROUP:cols[1] // GROUP]
+        return source_dequant(np.ascontiguousarray(w), s)
+
+
+def check(name: str, infos: dict[int, dict], ctx: CheckContext):
+    return check_moe(name, infos, ctx, Mxfp4MarlinMoe)
