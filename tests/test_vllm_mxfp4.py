@@ -84,19 +84,22 @@ def test_mxfp4_marlin_scales_are_vllms(tmp_path, name, tp):
     assert seen == 8 * tp
 
 
-SERVED = [("llama-ct-mxfp4", 1), ("llama-ct-mxfp4a16", 1), ("llama-quark-mxfp4", 1),
-          pytest.param("llama-ct-mxfp4", 2, marks=pytest.mark.slow)]
+SERVED = [("llama-ct-mxfp4", 1, 1), ("llama-ct-mxfp4a16", 1, 1), ("llama-quark-mxfp4", 1, 1),
+          ("qwen3_moe-ct-mxfp4", 1, 1), ("qwen3_moe-quark-mxfp4", 1, 1),
+          pytest.param("llama-ct-mxfp4", 2, 1, marks=pytest.mark.slow),
+          pytest.param("qwen3_moe-ct-mxfp4", 2, 1, marks=pytest.mark.slow),
+          pytest.param("qwen3_moe-ct-mxfp4a16", 2, 2, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("name,tp", SERVED)
-def test_marlin_mxfp4_serves_and_agrees_with_dequantized_source(tmp_path_factory, name, tp, record_property):
-    base = tmp_path_factory.mktemp(f"mxfp4-{name}-tp{tp}")
+@pytest.mark.parametrize("name,tp,ep", SERVED)
+def test_marlin_mxfp4_serves_and_agrees_with_dequantized_source(tmp_path_factory, name, tp, ep, record_property):
+    base = tmp_path_factory.mktemp(f"mxfp4-{name}-tp{tp}-ep{ep}")
     ref_dir = dequantized_copy(REAL / name, base / "bf16")
     out = base / "marlin"
-    r = run_cli("convert", REAL / name, "-o", out, "--target", "marlin", "--tp", tp)
+    r = run_cli("convert", REAL / name, "-o", out, "--target", "marlin", "--tp", tp, "--ep", ep)
     assert r.exit_code == 0, r.stderr
     ref = run_engine(ref_dir)
-    run = run_engine(out, tp=tp)
+    run = run_engine(out, tp=max(tp, ep), ep=ep > 1)
     problems = disagreements(run, reference=ref, fmt="mxfp4")
     assert not problems, problems
     rel = relative_rms(run, ref)
@@ -117,6 +120,24 @@ def test_planted_scale_fault_fails_agreement(tmp_path, record_property):
     for layer in (0, 1):
         edit_tensor(out, f"model.layers.{layer}.self_attn.o_proj.weight_scale",
                     lambda t: t.reshape(-1, 4)[:, [0, 2, 1, 3]].reshape(t.shape))
+    rel = relative_rms(run_engine(out), run_engine(ref_dir))
+    record_property("relative_rms_vs_source", round(rel, 4))
+    assert rel > FORMAT_TOLERANCE["mxfp4"]
+
+
+def test_planted_expert_fault_fails_agreement(tmp_path, record_property):
+    """The MoE agreement is not vacuous either: every expert's w13 scales with w1's and w3's halves swapped
+    (in both layers) serve, and disagree with the source beyond the tolerance."""
+    from tests.vllm_support import edit_tensor
+
+    name = "qwen3_moe-ct-mxfp4"
+    ref_dir = dequantized_copy(REAL / name, tmp_path / "bf16")
+    out = tmp_path / "marlin"
+    r = run_cli("convert", REAL / name, "-o", out, "--target", "marlin")
+    assert r.exit_code == 0, r.stderr
+    for layer in (0, 1):
+        edit_tensor(out, f"model.layers.{layer}.mlp.experts.w13_weight_scale",
+                    lambda t: torch.cat([t[..., t.shape[-1] // 2:], t[..., :t.shape[-1] // 2]], dim=-1))
     rel = relative_rms(run_engine(out), run_engine(ref_dir))
     record_property("relative_rms_vs_source", round(rel, 4))
     assert rel > FORMAT_TOLERANCE["mxfp4"]
