@@ -36,7 +36,7 @@ install-vllm:
 # 2-core VM on 2026-11-26; longer on a loaded machine: docs/SPEED.md).
 test-vllm:
 	$(VLLM_VENV)/bin/python -m pytest -m vllm tests/test_vllm.py tests/test_vllm_marlin.py tests/test_vllm_mxfp8.py \
-		tests/test_vllm_ct_fields.py tests/test_vllm_mxfp4.py
+		tests/test_vllm_ct_fields.py tests/test_vllm_mxfp4.py tests/test_vllm_mxfp4_trtllm.py
 
 # The plugin against the released source of every vLLM it supports (0.32.0, 0.33.0): each name and
 # signature it uses, read with ast, no vLLM installed and no CUDA. Downloads the two wheels once (~660 MB)
