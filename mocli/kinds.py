@@ -223,9 +223,10 @@ CARDS: tuple[Card, ...] = (
          thresholds=Thresholds(0.01, 0.01), transforms=(("marlin", REPACK),)),
     Card(ModuleKind.MXFP4_MARLIN_MOE, MXFP4, True,
          frozenset({Role.W13_WEIGHT, Role.W2_WEIGHT, Role.W13_WEIGHT_SCALE, Role.W2_WEIGHT_SCALE}),
-         **_code("mxfp4_marlin:_Mxfp4MarlinMoe", "Mxfp4MarlinMoE", "mxfp4_marlin:Mxfp4MarlinMoeKernel",
+         **_code("mxfp4_marlin:moe_planner", "Mxfp4MarlinMoE", "mxfp4_marlin:Mxfp4MarlinMoeKernel",
                  "mxfp4_marlin_moe", torch=False),
-         thresholds=Thresholds(0.01, 0.01, gemm2=0.01), transforms=(("marlin", REPACK),)),
+         thresholds=Thresholds(0.01, 0.01, gemm2=0.01), optional=frozenset({Role.W13_BIAS, Role.W2_BIAS}),
+         transforms=(("marlin", REPACK),)),
     # flashinfer-trtllm's MXFP4 experts: the source's e2m1 codes and E8M0 scales bit for bit (only moved),
     # BF16 activations (vLLM's default variant for gpt-oss): exact products, summation order and rounding only
     Card(ModuleKind.MXFP4_MOE, MXFP4, True, frozenset(_BLOCK_MOE_ROLES),

@@ -246,8 +246,15 @@ class Mxfp4MarlinMoE:
     padded_intermediate: int
     act_dtype: str
     activation: str
-    w13_rows: str
+    w13_rows: str  # "halves" ([w1; w3], silu) or "interleaved" (gpt-oss's (gate, up) rows, swigluoai)
     expert_offset: int = 0
+    padded_hidden: int | None = None  # gpt-oss: Hp = roundup(H, 256), the w13 K and w2 N vLLM's parameters have
+    scale_pad: int = 0  # the padding's E8M0 code (Quark's parameters start at 1)
+    w13_bias: torch.Tensor | None = None  # BF16 [E, 2 Ip], interleaved, marlin_permute_bias'd
+    w2_bias: torch.Tensor | None = None  # BF16 [E, Hp], zeros on TP ranks other than 0
+    swiglu_alpha: float | None = None
+    swiglu_beta: float | None = None
+    swiglu_limit: float | None = None
 
 
 @dataclass

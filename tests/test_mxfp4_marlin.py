@@ -301,11 +301,112 @@ def test_verify_names_a_planted_moe_fault(cli, converted_moe, tmp_path, fault):
     assert says in failed[Q0]["message"], failed[Q0]["message"]
 
 
-@pytest.mark.parametrize("name", GPT_OSS)
-def test_gpt_oss_experts_are_refused_by_validate_and_convert(cli, tmp_path, name):
-    """Not written for Marlin yet (interleaved gate/up, biases, clamped SwiGLU): validate and convert agree."""
+def test_split_gpt_oss_experts_are_refused_by_validate_and_convert(cli, tmp_path):
+    """llm-compressor's gpt-oss export (gate/up halves with biases, clamped SwiGLU) is not written for Marlin
+    yet: validate and convert agree (TGT002, nothing written)."""
+    name = "gpt_oss-ct-mxfp4a16"
     v = cli("validate", REAL / name, "--target", "marlin")
-    assert v.exit_code == 1 and "TGT002" in v.stdout and "gpt-oss" in v.stdout
+    assert v.exit_code == 1 and "TGT002" in v.stdout and "gate/up halves with biases" in v.stdout
     out = tmp_path / "out"
     r = cli("convert", REAL / name, "-o", out, "--target", "marlin")
     assert r.exit_code == 1 and "TGT002" in r.stderr and not out.exists()
+
+
+# --- gpt-oss (native, Quark): interleaved gate_up, biases, the unequal 32-block split ------------------
+
+@pytest.fixture(scope="module")
+def converted_gpt_oss(tmp_path_factory):
+    from tests.conftest import run_cli
+
+    base = tmp_path_factory.mktemp("mxfp4_marlin_gpt_oss")
+    made = {}
+    for name in GPT_OSS[:2]:
+        for tp, ep in ((1, 1), (2, 1), (2, 2), (4, 1)):
+            r = run_cli("-q", "validate", REAL / name, "--target", "marlin", "--tp", tp, "--ep", ep)
+            assert r.exit_code == 0, (name, tp, ep, r.stdout)
+            out = base / f"{name}-tp{tp}-ep{ep}"
+            r = run_cli("-q", "convert", REAL / name, "-o", out, "--target", "marlin", "--tp", tp, "--ep", ep)
+            assert r.exit_code == 0, (name, tp, ep, r.stderr)
+            made[name, tp, ep] = out
+    return made
+
+
+@pytest.mark.parametrize("name", GPT_OSS[:2])
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (2, 2), (4, 1)])
+def test_untouched_gpt_oss_output_verifies(cli, converted_gpt_oss, name, tp, ep):
+    code, report = _verify(cli, converted_gpt_oss[name, tp, ep])
+    failed = [(m["module"], m["rank"], m["message"]) for m in report["modules"] if not m["passed"]]
+    assert code == 0 and not failed, failed
+    assert sum(m["kind"] == "mxfp4_marlin_moe" for m in report["modules"]) == 2 * max(tp, ep)
+
+
+def _gpt_oss_expert(src_dir, name, layer, e):
+    """One expert's gate_up / down bytes and biases from the source file (the fused [E, ...] tensors of the
+    native export, Quark's per-expert ones), read here with safetensors."""
+    t = load_file(str(src_dir / "model.safetensors"))
+    p = f"model.layers.{layer}.mlp.experts"
+    if name == "gpt_oss-mxfp4":
+        return {w: (t[f"{p}.{w}_proj_blocks"][e].reshape(t[f"{p}.{w}_proj_blocks"].shape[1], -1),
+                    t[f"{p}.{w}_proj_scales"][e], t[f"{p}.{w}_proj_bias"][e]) for w in ("gate_up", "down")}
+    return {w: (t[f"{p}.{e}.{w}_proj.weight"], t[f"{p}.{e}.{w}_proj.weight_scale"], t[f"{p}.{e}.{w}_proj.bias"])
+            for w in ("gate_up", "down")}
+
+
+@pytest.mark.parametrize("name", GPT_OSS[:2])
+def test_gpt_oss_bytes_match_the_reference_per_rank(converted_gpt_oss, name):
+    """tp 4 (I = 256: each rank 64 rows of 32-blocks, padded to Ip = 128): each rank's expert bytes equal the
+    reference applied to its rows copied into the start of vLLM's padded parameters (zeros; Quark's scale
+    padding 1), interleaved rows kept; the down bias on rank 0 only."""
+    out = converted_gpt_oss[name, 4, 1]
+    ranks = json.loads((out / "mocli-layout.json").read_text())["ranks"]
+    pad = 1 if "quark" in name else 0
+    for rank in ranks:
+        t = load_file(str(next((out / rank["dir"]).glob("*.safetensors"))))
+        m = next(x for x in rank["modules"] if x["name"] == "model.layers.1.mlp.experts")
+        meta, r = m["meta"], rank["tp_rank"]
+        ip, hp, i0 = meta["padded_intermediate"], meta["padded_hidden"], 64 * r
+        assert (ip, hp, meta["intermediate"], meta["w13_rows"]) == (128, 256, 64, "interleaved")
+        for e in range(meta["experts"]):
+            (w13, s13, b13), (w2, s2, b2) = _gpt_oss_expert(REAL / name, name, 1, e).values()
+            pw = torch.zeros(2 * ip, hp // 2, dtype=torch.uint8)
+            pw[:128] = w13[2 * i0:2 * i0 + 128]
+            ps = torch.full((2 * ip, hp // 32), pad, dtype=torch.uint8)
+            ps[:128] = s13[2 * i0:2 * i0 + 128]
+            assert torch.equal(t[m["tensors"]["w13_weight"]][e], ref.marlin_repack(pw, 2 * ip, hp))
+            assert torch.equal(t[m["tensors"]["w13_weight_scale"]][e], ref.marlin_mxfp4_scales(ps, 2 * ip, hp))
+            pb = torch.zeros(2 * ip, dtype=torch.bfloat16)
+            pb[:128] = b13[2 * i0:2 * i0 + 128].to(torch.bfloat16)
+            assert torch.equal(t[m["tensors"]["w13_bias"]][e], ref.marlin_bias(pb, 2 * ip))
+            pw2 = torch.zeros(hp, ip // 2, dtype=torch.uint8)
+            pw2[:, :32] = w2[:, i0 // 2:i0 // 2 + 32]
+            ps2 = torch.full((hp, ip // 32), pad, dtype=torch.uint8)
+            ps2[:, :2] = s2[:, i0 // 32:i0 // 32 + 2]
+            assert torch.equal(t[m["tensors"]["w2_weight"]][e], ref.marlin_repack(pw2, hp, ip))
+            assert torch.equal(t[m["tensors"]["w2_weight_scale"]][e], ref.marlin_mxfp4_scales(ps2, hp, ip))
+            want_b2 = b2.to(torch.bfloat16) if r == 0 else torch.zeros_like(b2, dtype=torch.bfloat16)
+            assert torch.equal(t[m["tensors"]["w2_bias"]][e], ref.marlin_bias(want_b2, hp))
+
+
+G0 = "model.layers.0.mlp.experts"
+GPT_OSS_FAULTS = {  # (tp, edit on rank dir or output, words)
+    "w13 bias off by one row": (1, lambda o: edit_tensor(o, f"{G0}.w13_bias", lambda t: torch.roll(t, 1, dims=-1)),
+                                "w13_bias (expert"),
+    "down bias on rank 1": (2, lambda o: edit_tensor(o / "rank-1", f"{G0}.w2_bias", lambda t: t + 1), "w2_bias (expert"),
+    "scale padding not the parameter's": (4, lambda o: edit_tensor(o / "rank-0", f"{G0}.w2_weight_scale",
+                                                                    lambda t: t.index_fill_(1, torch.tensor([3]), 9)),
+                                          "padding"),
+    "interleave undone": (1, lambda o: edit_tensor(o, f"{G0}.w13_weight_scale", _expert_halves), "w13_weight_scale (expert 0)"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(GPT_OSS_FAULTS))
+def test_verify_names_a_planted_gpt_oss_fault(cli, converted_gpt_oss, tmp_path, fault):
+    tp, plant, says = GPT_OSS_FAULTS[fault]
+    out = tmp_path / "o"
+    shutil.copytree(converted_gpt_oss["gpt_oss-mxfp4", tp, 1], out)
+    plant(out)
+    code, report = _verify(cli, out)
+    assert code == 1
+    failed = {m["module"]: m for m in report["modules"] if not m["passed"]}
+    assert set(failed) == {G0}, sorted(failed)
+    assert says in failed[G0]["message"], failed[G0]["message"]

@@ -17,12 +17,12 @@ from mocli.ops.marlin import _scale_rows, padded_nk, permute_bias, repack
 GROUP = 32  # MXFP4 block size along K
 
 
-def permute_scales(codes: np.ndarray, np_: int, kp: int, out: np.ndarray | None = None) -> np.ndarray:
-    """E8M0 codes uint8 [N, K/32] -> Marlin's uint8 [Kp/32, Np]: zero-padded, transposed, permuted in runs
-    of 64 along Np (the permutation moves whole rows before the transpose: ``_scale_rows``). ``out``:
-    where to write it (a [Kp/32, Np] view)."""
+def permute_scales(codes: np.ndarray, np_: int, kp: int, out: np.ndarray | None = None, fill: int = 0) -> np.ndarray:
+    """E8M0 codes uint8 [N, K/32] -> Marlin's uint8 [Kp/32, Np]: padded with code ``fill`` (0; Quark's MoE
+    parameters start at 1), transposed, permuted in runs of 64 along Np (the permutation moves whole rows
+    before the transpose: ``_scale_rows``). ``out``: where to write it (a [Kp/32, Np] view)."""
     n, kb = codes.shape
-    src = np.zeros((np_, kp // GROUP), dtype=np.uint8)
+    src = np.full((np_, kp // GROUP), fill, dtype=np.uint8)
     src[:n, :kb] = codes
     res = np.empty((kp // GROUP, np_), dtype=np.uint8) if out is None else out
     res[...] = np.take(src, _scale_rows(np_), axis=0).T

@@ -15,8 +15,11 @@ import numpy as np
 from mocli.io.safetensors_file import TensorEntry
 from mocli.kinds import REPACK, Role
 from mocli.ops import mxfp4_marlin as mx
+from mocli.ops import roundup
 from mocli.plan.dense import _Dense
 from mocli.plan.moe import _Moe
+from mocli.plan.mxfp4_moe import SWIGLUOAI, _Mxfp4TrtllmMoe, _read
+from mocli.schemes.mxfp4 import BIAS
 from mocli.stream.units import BadData, Piece
 from mocli.tables import WEIGHT, WEIGHT_SCALE
 
@@ -147,3 +150,83 @@ class _Mxfp4MarlinMoe(_Moe):
         self.expert_unit("w13s", e, Role.W13_WEIGHT_SCALE, [g.tensors[WEIGHT_SCALE], u.tensors[WEIGHT_SCALE]], w13s)
         self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], w2, compute=True)
         self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], w2s)
+
+
+class _Mxfp4MarlinGptOssMoe(_Mxfp4TrtllmMoe):
+    """gpt-oss's experts (native and Quark: gate_up rows interleaved, biases, clamped SwiGLU) in Marlin's
+    layout, per rank (§19.3: the unequal 32-block split, the down bias on TP rank 0 only): the rank's rows
+    copied into the start of vLLM's padded parameters (Ip = roundup(I/tp, 128), Hp = roundup(H, 256); scale
+    padding 0, Quark's 1), then per expert the repack, the E8M0 scale moves and ``marlin_permute_bias`` on
+    BF16 biases (``prepare_moe_mxfp4_layer_for_marlin``, §19.5). w13 rows stay interleaved (gate, up)."""
+
+    def plan(self) -> None:
+        par = self.pc.parallel
+        self.hp = roundup(self.h, 256)
+        self.ip = {r: roundup(self.i if par.expert_parallel else self.i // par.tp, 128) for r in self.ranks}
+        for r in self.ranks:
+            e, ip, hp, st = self.local(r), self.ip[r], self.hp, ["stack_experts"] + self.slice_transforms()
+            w13 = self.w13_sources(r)
+            rank0 = par.single or par.expert_parallel or par.tp_rank(r) == 0
+            self.add(r, Role.W13_WEIGHT, "I32", (e, hp // 16, 4 * ip), w13[WEIGHT], st + ["pad_to_Ip_Hp", REPACK])
+            self.add(r, Role.W13_WEIGHT_SCALE, "U8", (e, hp // mx.GROUP, 2 * ip), w13[WEIGHT_SCALE],
+                     st + [f"pad_to_Ip_Hp_{self.pad}"] + SCALE_STEPS[1:])
+            self.add(r, Role.W2_WEIGHT, "I32", (e, ip // 16, 2 * hp), self.src("down", WEIGHT, r), st + ["pad_to_Hp_Ip", REPACK])
+            self.add(r, Role.W2_WEIGHT_SCALE, "U8", (e, ip // mx.GROUP, hp), self.src("down", WEIGHT_SCALE, r),
+                     st + [f"pad_to_Hp_Ip_{self.pad}"] + SCALE_STEPS[1:])
+            self.add(r, Role.W13_BIAS, "BF16", (e, 2 * ip), w13[BIAS], st + ["to_bf16", "pad_to_Ip", "marlin_permute_bias"])
+            self.add(r, Role.W2_BIAS, "BF16", (e, hp), self.src("down", BIAS, r),
+                     st + ["to_bf16", "pad_to_Hp", "marlin_permute_bias"] + ([] if rank0 else ["zeros_tp_rank_not_0"]))
+        for e in range(self.e_count):
+            self._gpt_oss_units(e)
+        for r in self.ranks:
+            self.module(r, {"padded_intermediate": self.ip[r], "padded_hidden": self.hp, "act_dtype": ACT_DTYPE,
+                            **SWIGLUOAI, "w13_rows": "interleaved", "scale_pad": self.pad,
+                            "split": "gpt_oss_32_blocks"})
+
+    def _gpt_oss_units(self, e: int) -> None:
+        gu, _, d = self.mods[e]
+        par, hp, pad = self.pc.parallel, self.hp, self.pad
+
+        def w13(ctx, _, r, rows):
+            return [mx.repack(_read(ctx, gu.tensors[WEIGHT], WEIGHT)[2 * rows[0]:2 * rows[1]], 2 * self.ip[r], hp)]
+
+        def w13s(ctx, _, r, rows):
+            codes = _read(ctx, gu.tensors[WEIGHT_SCALE], WEIGHT_SCALE)[2 * rows[0]:2 * rows[1]]
+            return [mx.permute_scales(codes, 2 * self.ip[r], hp, fill=pad)]
+
+        def w13b(ctx, _, r, rows):
+            b = _read(ctx, gu.tensors[BIAS], BIAS).reshape(-1)[2 * rows[0]:2 * rows[1]]
+            return [mx.permute_bias(bf16_words(b), 2 * self.ip[r])]
+
+        def w2(ctx, _, r, rows):
+            return [mx.repack(_read(ctx, d.tensors[WEIGHT], WEIGHT)[:, rows[0] // 2:rows[1] // 2], hp, self.ip[r])]
+
+        def w2s(ctx, _, r, rows):
+            codes = _read(ctx, d.tensors[WEIGHT_SCALE], WEIGHT_SCALE)[:, rows[0] // mx.GROUP:rows[1] // mx.GROUP]
+            return [mx.permute_scales(codes, hp, self.ip[r], fill=pad)]
+
+        def w2b(ctx, _, r, rows):
+            b = _read(ctx, d.tensors[BIAS], BIAS).reshape(-1)
+            if not (par.single or par.expert_parallel or par.tp_rank(r) == 0):
+                b = np.zeros_like(b)  # the kernel adds it per rank before the all-reduce: rank 0 only (§19.3)
+            return [mx.permute_bias(bf16_words(b), hp)]
+
+        for kind, role, entry, emit in (("w13", Role.W13_WEIGHT, gu.tensors[WEIGHT], w13),
+                                        ("w13s", Role.W13_WEIGHT_SCALE, gu.tensors[WEIGHT_SCALE], w13s),
+                                        ("w13b", Role.W13_BIAS, gu.tensors[BIAS], w13b),
+                                        ("w2", Role.W2_WEIGHT, d.tensors[WEIGHT], w2),
+                                        ("w2s", Role.W2_WEIGHT_SCALE, d.tensors[WEIGHT_SCALE], w2s),
+                                        ("w2b", Role.W2_BIAS, d.tensors[BIAS], w2b)):
+            self.expert_unit(kind, e, role, [entry], emit, compute=kind in ("w13", "w2"))
+
+
+def bf16_words(x: np.ndarray) -> np.ndarray:
+    """float32 values -> BF16 words uint16 (nearest even: exact for a BF16 source; a Quark F32 bias rounds as
+    vLLM's ``.to(params_dtype)`` does)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+
+
+def moe_planner(pc, kind, name, layer) -> _Moe:
+    """The card's planner: gpt-oss's interleaved experts, or the [w1; w3] halves."""
+    return (_Mxfp4MarlinGptOssMoe if layer.interleaved else _Mxfp4MarlinMoe)(pc, kind, name, layer)

@@ -73,47 +73,76 @@ class Mxfp4MarlinLinearKernel(DenseKernel):
 
 
 class Mxfp4MarlinMoeKernel(MoeKernel):
-    """MXFP4 experts in Marlin's layout with w13 rows [w1; w3] (each half Ip rows): act = silu(first half) *
-    second half, the intermediate in the activation dtype (as Marlin keeps it). Emulated from the decode."""
+    """MXFP4 experts in Marlin's layout. ``w13_rows`` "halves": [w1; w3] (each Ip rows), act = silu(w1 x) *
+    w3 x. "interleaved" (gpt-oss): (gate, up) row pairs, biases, act = (u + 1) * g * sigmoid(alpha g) with
+    g = min(gate, limit), u = clamp(up, -limit, limit) (SEMANTICS §19.2). The intermediate in the activation
+    dtype, as Marlin keeps it. Emulated from the decode."""
 
     kind = ModuleKind.MXFP4_MARLIN_MOE
     roles = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 
     @classmethod
     def spec(cls, meta, layout):
-        e, h, ip = int(meta["experts"]), int(meta["hidden"]), int(meta["padded_intermediate"])
-        return {"w13_weight": (I32, (e, h // 16, 4 * ip)), "w13_weight_scale": (U8, (e, h // lay.GROUP, 2 * ip)),
-                "w2_weight": (I32, (e, ip // 16, 2 * h)), "w2_weight_scale": (U8, (e, ip // lay.GROUP, h))}
+        e, ip = int(meta["experts"]), int(meta["padded_intermediate"])
+        hp = int(meta.get("padded_hidden") or meta["hidden"])
+        return {"w13_weight": (I32, (e, hp // 16, 4 * ip)), "w13_weight_scale": (U8, (e, hp // lay.GROUP, 2 * ip)),
+                "w2_weight": (I32, (e, ip // 16, 2 * hp)), "w2_weight_scale": (U8, (e, ip // lay.GROUP, hp)),
+                "w13_bias": (torch.bfloat16, (e, 2 * ip)), "w2_bias": (torch.bfloat16, (e, hp))}
 
     def __init__(self, tensors, meta, layout, name: str = "") -> None:
-        if (meta.get("activation"), meta.get("w13_rows")) != ("silu", "halves"):
-            raise ServeError(f"{name}: activation {meta.get('activation')!r} with w13 rows {meta.get('w13_rows')!r}: "
-                             "mocli serves MXFP4 Marlin experts as silu on [w1; w3] halves only")
-        self.ip = int(meta["padded_intermediate"])
+        self.rows = meta.get("w13_rows")
+        if (meta.get("activation"), self.rows) not in (("silu", "halves"), ("swigluoai", "interleaved")):
+            raise ServeError(f"{name}: activation {meta.get('activation')!r} with w13 rows {self.rows!r}: mocli serves "
+                             "MXFP4 Marlin experts as silu on [w1; w3] halves or swigluoai on interleaved rows")
+        self.ip, self.pad = int(meta["padded_intermediate"]), int(meta.get("scale_pad", 0))
+        self.hp = int(meta.get("padded_hidden") or meta["hidden"])
+        self.alpha, self.limit = float(meta.get("swiglu_alpha") or 1.702), float(meta.get("swiglu_limit") or 7.0)
         super().__init__(tensors, meta, layout, name)
+        self.b13 = self._bias("w13_bias", 2 * self.ip, 2 * self.inter)
+        self.b2 = self._bias("w2_bias", self.hp, self.hidden)
 
     def select(self):
         return "emulated Marlin MXFP4 W4A16 MoE (decoded layout, exact products)", True
 
+    def _bias(self, role: str, stored_n: int, n: int) -> torch.Tensor | None:
+        t = self.t.get(role)
+        if t is None:
+            return None
+        raw = t.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(t.shape[0], stored_n, -1)
+        back = np.stack([lay.decode_bias(raw[e], n, f"{self.name}.{role}[{e}]") for e in range(t.shape[0])])
+        return torch.from_numpy(np.ascontiguousarray(back)).view(torch.bfloat16).reshape(t.shape[0], n).float().to(t.device)
+
     def act(self, o1: torch.Tensor) -> torch.Tensor:
-        return F.silu(o1[:, : self.inter]) * o1[:, self.inter:]
+        if self.rows == "halves":
+            return F.silu(o1[:, : self.inter]) * o1[:, self.inter:]
+        g, u = o1[:, 0::2].clamp(max=self.limit), o1[:, 1::2].clamp(-self.limit, self.limit)
+        return (u + 1) * g * torch.sigmoid(self.alpha * g)
 
     def expert(self, e, x, w13, w2):
-        h = self.act(mm(x, w13)).to(x.dtype)
-        return mm(h, w2)
+        o1 = mm(x, w13)
+        if self.b13 is not None:
+            o1 = o1 + self.b13[e]
+        o2 = mm(self.act(o1).to(x.dtype), w2)
+        return o2 + self.b2[e] if self.b2 is not None else o2
 
     def decode_w13(self, e):
         h, i, what = self.hidden, self.inter, f"{self.name}.w13"
-        packed = lay.halves(lay.decode_weight(_np(self.t["w13_weight"][e]), 2 * self.ip, h, f"{what}_weight[{e}]"),
-                            i, self.ip, f"{what}_weight[{e}]")
-        codes = lay.halves(lay.decode_scales(_np(self.t["w13_weight_scale"][e]), 2 * self.ip, h // lay.GROUP,
-                                             f"{what}_weight_scale[{e}]"), i, self.ip, f"{what}_weight_scale[{e}]")
+        if self.rows == "interleaved":  # the rank's 2i rows first, the padding rows and columns after them
+            packed = lay.decode_weight(_np(self.t["w13_weight"][e]), 2 * i, h, f"{what}_weight[{e}]")
+            codes = lay.decode_scales(_np(self.t["w13_weight_scale"][e]), 2 * i, h // lay.GROUP,
+                                      f"{what}_weight_scale[{e}]", fill=self.pad)
+        else:
+            packed = lay.halves(lay.decode_weight(_np(self.t["w13_weight"][e]), 2 * self.ip, h, f"{what}_weight[{e}]"),
+                                i, self.ip, f"{what}_weight[{e}]")
+            codes = lay.halves(lay.decode_scales(_np(self.t["w13_weight_scale"][e]), 2 * self.ip, h // lay.GROUP,
+                                                 f"{what}_weight_scale[{e}]"), i, self.ip, f"{what}_weight_scale[{e}]")
         return torch.from_numpy(lay.dequant(packed, codes)).to(self.t["w13_weight"].device)
 
     def decode_w2(self, e):
         h, i, what = self.hidden, self.inter, f"{self.name}.w2"
         packed = lay.decode_weight(_np(self.t["w2_weight"][e]), h, i, f"{what}_weight[{e}]")
-        codes = lay.decode_scales(_np(self.t["w2_weight_scale"][e]), h, i // lay.GROUP, f"{what}_weight_scale[{e}]")
+        codes = lay.decode_scales(_np(self.t["w2_weight_scale"][e]), h, i // lay.GROUP, f"{what}_weight_scale[{e}]",
+                                  fill=self.pad)
         return torch.from_numpy(lay.dequant(packed, codes)).to(self.t["w2_weight"].device)
 
 

@@ -43,13 +43,14 @@ class MarlinLayout(TargetLayout):
         Constraint("moe", MXFP4, "H", 128, "Marlin's MXFP4 MoE takes H unpadded: H % 128 == 0 (SEMANTICS §19.5)"))
 
     def moe_refusal(self, layer) -> str | None:
-        """gpt-oss's experts (interleaved gate/up rows, biases, clamped SwiGLU: SEMANTICS §19.2-19.3) are not
-        written for Marlin yet; [w1; w3] SiLU experts are."""
+        """compressed-tensors' gpt-oss experts (gate/up halves with biases, clamped SwiGLU: SEMANTICS §19.2) are
+        not written for Marlin yet; gpt-oss's interleaved ones and biasless [w1; w3] SiLU experts are."""
         first = next(iter(layer.experts.values()), None)
-        if MXFP4 in layer.schemes and (layer.interleaved or (first is not None and first.gate is not None
-                                                             and "bias" in first.gate.tensors)):
-            return ("marlin does not write gpt-oss's MXFP4 experts yet (interleaved gate/up, biases, clamped SwiGLU: "
-                    "SEMANTICS §19.5); its [w1; w3] SiLU experts only")
+        if MXFP4 in layer.schemes and not layer.interleaved and first is not None and first.gate is not None \
+                and "bias" in first.gate.tensors:
+            return ("marlin does not write gpt-oss experts split into gate/up halves with biases (llm-compressor's "
+                    "export) yet: gpt-oss's native and Quark exports (interleaved gate_up) and biasless [w1; w3] "
+                    "experts only (SEMANTICS §19.5)")
         return None
 
 

@@ -17,12 +17,12 @@ from mocli.targets.marlin_decode import _natural_rows, decode_bias, decode_weigh
 GROUP = 32
 
 
-def decode_scales(stored: np.ndarray, n: int, kb: int, what: str) -> np.ndarray:
-    """Marlin E8M0 bytes [Kp/32, Np] -> the source's codes uint8 [n, kb]; padding must be code 0."""
+def decode_scales(stored: np.ndarray, n: int, kb: int, what: str, fill: int = 0) -> np.ndarray:
+    """Marlin E8M0 bytes [Kp/32, Np] -> the source's codes uint8 [n, kb]; padding must be code ``fill``."""
     raw = np.ascontiguousarray(stored).view(np.uint8)
     back = np.take(np.ascontiguousarray(raw.T), _natural_rows(raw.shape[1]), axis=0)  # [Np, Kp/32]
-    if bool(back[n:].any()) or bool(back[:n, kb:].any()):
-        raise LayoutError(f"{what}: Marlin scale padding is not code 0")
+    if bool((back[n:] != fill).any()) or bool((back[:n, kb:] != fill).any()):
+        raise LayoutError(f"{what}: Marlin scale padding is not code {fill}")
     return np.ascontiguousarray(back[:n, :kb])
 
 

@@ -15,6 +15,7 @@ from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.decoded_moe import DecodedMoe
 from mocli.verify.kinds.moe import check_moe
 from mocli.verify.kinds.mxfp4_marlin_linear import source_dequant
+from mocli.verify.kinds.mxfp4_moe import Mxfp4Moe, bf16
 from mocli.verify.results import Problems
 
 EMULATED_MOE = "emulated Marlin MXFP4 W4A16 MoE (decoded layout, exact products)"
@@ -67,5 +68,46 @@ class Mxfp4MarlinMoe(DecodedMoe):
         return source_dequant(np.ascontiguousarray(w), s)
 
 
+class Mxfp4MarlinGptOssMoe(Mxfp4Moe):
+    """gpt-oss's experts in Marlin's layout (``w13_rows`` "interleaved"): ``mxfp4_moe``'s source side, padding
+    sizes (vLLM pads alike for Marlin and TRT-LLM, §19.4), biases and GEMM stages, Marlin's bytes: each
+    expert's words and E8M0 scales after the inverses (the rank's interleaved rows first, padding zero and the
+    manifest's ``scale_pad``), the BF16 biases un-permuted (padding zero)."""
+
+    kind = ModuleKind.MXFP4_MARLIN_MOE
+
+    def consistency(self, mod, experts, problems: Problems) -> None:
+        super().consistency(mod, experts, problems)
+        if (mod.activation, mod.act_dtype) != ("swigluoai", "bfloat16"):
+            problems.append(f"activation {mod.activation!r}, act_dtype {mod.act_dtype!r}: gpt-oss's experts are "
+                            "swigluoai, built for bfloat16")
+
+    def decoded(self, mod, local: int) -> dict[str, np.ndarray]:
+        i, h, pad, what = mod.intermediate, mod.hidden, mod.scale_pad, mod.name
+        w = lay.decode_weight(mod.w13_weight[local], 2 * i, h, f"{what}.w13_weight[{local}]")
+        s = lay.decode_scales(mod.w13_weight_scale[local], 2 * i, h // GROUP, f"{what}.w13_weight_scale[{local}]", fill=pad)
+        out = {"w13_weight": np.concatenate([w[1::2], w[0::2]]), "w13_weight_scale": np.concatenate([s[1::2], s[0::2]]),
+               "w2_weight": lay.decode_weight(mod.w2_weight[local], h, i, f"{what}.w2_weight[{local}]"),
+               "w2_weight_scale": lay.decode_scales(mod.w2_weight_scale[local], h, i // GROUP,
+                                                    f"{what}.w2_weight_scale[{local}]", fill=pad)}
+        for which, n in (("w13", 2 * i), ("w2", h)):
+            b = getattr(mod, f"{which}_bias")
+            if b is not None:
+                raw = np.ascontiguousarray(b[local]).view(np.uint8).reshape(-1, 2)
+                v = lay.decode_bias(raw, n, f"{what}.{which}_bias[{local}]").view(np.uint16).reshape(-1)
+                v = (v.astype(np.uint32) << 16).view(np.float32)
+                out[f"{which}_bias"] = np.concatenate([v[1::2], v[0::2]]) if which == "w13" else v
+        return out
+
+    def numbers(self, ck, mod, off, i_slice):
+        return (EMULATED_MOE, *super().numbers(ck, mod, off, i_slice)[1:])
+
+    def expected(self, ex, i_slice, mod):
+        """``mxfp4_moe``'s, the biases rounded to BF16 (vLLM's ``.to(params_dtype)``; exact for a BF16 source)."""
+        out = super().expected(ex, i_slice, mod)
+        return {k: bf16(v) if k.endswith("_bias") else v for k, v in out.items()}
+
+
 def check(name: str, infos: dict[int, dict], ctx: CheckContext):
-    return check_moe(name, infos, ctx, Mxfp4MarlinMoe)
+    rows = next(iter(infos.values()))["meta"].get("w13_rows")
+    return check_moe(name, infos, ctx, Mxfp4MarlinGptOssMoe if rows == "interleaved" else Mxfp4MarlinMoe)
