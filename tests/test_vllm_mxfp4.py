@@ -141,3 +141,69 @@ def test_planted_expert_fault_fails_agreement(tmp_path, record_property):
     rel = relative_rms(run_engine(out), run_engine(ref_dir))
     record_property("relative_rms_vs_source", round(rel, 4))
     assert rel > FORMAT_TOLERANCE["mxfp4"]
+
+
+# --- gpt-oss (native MXFP4 export): attention sinks and sliding window run on the CPU build ----------------
+
+def gpt_oss_dequantized_copy(src: Path, dst: Path) -> Path:
+    """A BF16 gpt-oss checkpoint (HF's unquantized names: experts.gate_up_proj [E, H, 2I] with columns
+    interleaved as the rows were, down_proj [E, I, H], biases as stored) from the native MXFP4 export,
+    dequantized here: blocks [E, N, K/32, 16] as [E, N, K/2] e2m1 (low nibble first) times 2^(code - 127)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.reference import unpack_fp4
+
+    t = load_file(str(src / "model.safetensors"))
+    out = {}
+    for name, v in t.items():
+        if name.endswith("_scales"):
+            continue
+        if name.endswith("_blocks"):
+            e, n = v.shape[:2]
+            s = t[name.replace("_blocks", "_scales")].float()
+            w = unpack_fp4(v.reshape(e, n, -1)) * torch.exp2(s - 127).repeat_interleave(32, -1)
+            out[name.removesuffix("_blocks")] = w.transpose(1, 2).to(torch.bfloat16).contiguous()
+        else:
+            out[name] = v
+    dst.mkdir(parents=True)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / f).exists():
+            (dst / f).write_bytes((src / f).read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_gpt_oss_marlin_serves_and_agrees_with_dequantized_source(tmp_path, tp, record_property):
+    """gpt-oss's experts in Marlin's layout (interleaved rows, biases, clamped SwiGLU) serve through the plugin
+    and agree with the BF16 model vLLM builds from the dequantized export (its own unquantized gpt-oss MoE)."""
+    name = "gpt_oss-mxfp4"
+    ref_dir = gpt_oss_dequantized_copy(REAL / name, tmp_path / "bf16")
+    out = tmp_path / "marlin"
+    r = run_cli("convert", REAL / name, "-o", out, "--target", "marlin", "--tp", tp)
+    assert r.exit_code == 0, r.stderr
+    ref = run_engine(ref_dir)
+    run = run_engine(out, tp=tp)
+    problems = disagreements(run, reference=ref, fmt="mxfp4")
+    assert not problems, problems
+    record_property("relative_rms_vs_source", round(relative_rms(run, ref), 4))
+
+
+def test_gpt_oss_planted_bias_fault_fails_agreement(tmp_path, record_property):
+    """Every expert's gate_up bias rolled by one row (gate and up biases trade places) serves, and disagrees
+    with the source beyond the tolerance: the biases and the interleave reach the engine's output."""
+    from tests.vllm_support import edit_tensor
+
+    name = "gpt_oss-mxfp4"
+    ref_dir = gpt_oss_dequantized_copy(REAL / name, tmp_path / "bf16")
+    out = tmp_path / "marlin"
+    r = run_cli("convert", REAL / name, "-o", out, "--target", "marlin")
+    assert r.exit_code == 0, r.stderr
+    for layer in (0, 1):
+        edit_tensor(out, f"model.layers.{layer}.mlp.experts.w13_bias", lambda t: torch.roll(t, 1, dims=-1))
+    rel = relative_rms(run_engine(out), run_engine(ref_dir))
+    record_property("relative_rms_vs_source", round(rel, 4))
+    assert rel > FORMAT_TOLERANCE["mxfp4"]
