@@ -164,10 +164,11 @@ class MocliMoEMethod(FusedMoEMethodBase):
         if built != stored:
             raise LayoutMismatch(f"{name}: vLLM builds this rank's experts as (experts, I, H) = {built}, the layout "
                                  f"holds {stored} (converted for another parallel layout or model)")
-        activation = getattr(getattr(layer, "activation", None), "value", "silu")
-        if str(activation).lower() != "silu" or getattr(layer, "apply_router_weight_on_input", False):
-            raise LayoutMismatch(f"{name}: mocli's MoE kernels compute silu(gate) * up with router weights on the "
-                                 f"output; this layer uses {activation} / weights on the input")
+        # the layout's activation (meta, default silu): gpt-oss's MXFP4 experts store swigluoai (SEMANTICS §19.2)
+        activation, stored_act = getattr(getattr(layer, "activation", None), "value", "silu"), meta.get("activation", "silu")
+        if str(activation).lower() != stored_act or getattr(layer, "apply_router_weight_on_input", False):
+            raise LayoutMismatch(f"{name}: mocli's MoE kernel computes {stored_act}(gate, up) with router weights on "
+                                 f"the output; this layer uses {activation} / weights on the input")
         self.params.register(layer)
 
     def maybe_roundup_sizes(self, hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config):
