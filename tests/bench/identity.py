@@ -61,7 +61,8 @@ EXPECTED: dict[str, str] = {
     "weight_global_scale would be inf; 0.1.0 wrote the inf with exit 0, and HEAD's verify fails that output",
     # MXFP4 exports (fixtures added this round, c2e9048): 0.1.0 could not read them (CFG005 for the quark and
     # gpt-oss quant_methods, or their packed U8 weights taken for NVFP4: repair relabelled them NVFP4)
-    "*/real/*mxfp4*": "issue 46 (0bc7995 reads MXFP4, 2f8de9e VLL002, 5ffd41c marlin converts MXFP4 linears): "
+    "*/real/*mxfp4*": "issue 46 (0bc7995 reads MXFP4, 2f8de9e VLL002, 5ffd41c marlin converts MXFP4 linears, 175081a flashinfer-trtllm "
+    "its experts): "
     "an MXFP4 input 0.1.0 did not read",
 }
 
