@@ -207,3 +207,43 @@ def test_gpt_oss_planted_bias_fault_fails_agreement(tmp_path, record_property):
     rel = relative_rms(run_engine(out), run_engine(ref_dir))
     record_property("relative_rms_vs_source", round(rel, 4))
     assert rel > FORMAT_TOLERANCE["mxfp4"]
+
+
+def quark_gpt_oss_dequantized_copy(src: Path, dst: Path) -> Path:
+    """Quark's gpt-oss export as a BF16 gpt-oss checkpoint: tests/vllm_support.py's dequantized copy (its own
+    MXFP4 branch) for every linear, then each layer's per-expert gate_up / down (and biases) stacked into HF's
+    unquantized experts.gate_up_proj [E, H, 2I] (rows interleaved as stored) and down_proj [E, I, H]."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    dequantized_copy(src, dst)
+    t = load_file(str(dst / "model.safetensors"))
+    out, experts = {}, {}
+    for name, v in t.items():
+        m = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(gate_up_proj|down_proj)\.(weight|bias)", name)
+        if m is None:
+            out[name] = v
+        else:
+            experts.setdefault((m[1], m[3], m[4]), {})[int(m[2])] = v
+    for (prefix, proj, what), per in experts.items():
+        stacked = torch.stack([per[e] for e in sorted(per)])
+        out[f"{prefix}.{proj}" + ("_bias" if what == "bias" else "")] = \
+            stacked if what == "bias" else stacked.transpose(1, 2).contiguous()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_quark_gpt_oss_marlin_serves_and_agrees_with_dequantized_source(tmp_path, record_property):
+    """Quark's gpt-oss export: MXFP4 attention with biases (mxfp4_marlin_linear) and interleaved experts with
+    Quark's padding conventions, served through the plugin, against the BF16 model dequantized in the tests."""
+    name = "gpt_oss-quark-mxfp4"
+    ref_dir = quark_gpt_oss_dequantized_copy(REAL / name, tmp_path / "bf16")
+    out = tmp_path / "marlin"
+    r = run_cli("convert", REAL / name, "-o", out, "--target", "marlin")
+    assert r.exit_code == 0, r.stderr
+    ref = run_engine(ref_dir)
+    run = run_engine(out)
+    problems = disagreements(run, reference=ref, fmt="mxfp4")
+    assert not problems, problems
+    record_property("relative_rms_vs_source", round(relative_rms(run, ref), 4))
