@@ -265,7 +265,7 @@ def _flat(help_text: str) -> str:
 # one real export per stored scheme, for the linears each target takes
 LINEAR_EXPORTS = {"MXFP8": "llama-mxfp8", "FP8": "llama-fp8_kv", "FP8_PB_WO": "llama-ct-fp8_block",
                   "FP8_PER_CHANNEL_PER_TOKEN": "llama-ct-fp8_dynamic", "W4A16_NVFP4": "llama-w4a16_nvfp4",
-                  "NVFP4_AWQ": "llama-nvfp4_awq", "NVFP4": "llama-nvfp4_four_over_six"}
+                  "NVFP4_AWQ": "llama-nvfp4_awq", "NVFP4": "llama-nvfp4_four_over_six", "MXFP4": "llama-ct-mxfp4"}
 
 
 def test_convert_help_describes_each_target_from_the_registry(cli):
