@@ -46,7 +46,7 @@ class Args:
     block: list | None
 
     def __str__(self) -> str:
-        size = f" group {self.group_size}" if self.group_size else f" block {self.block}" if self.block else ""
+        size = f" {self.group_size}" if self.group_size else f" {self.block}" if self.block else ""  # "group 32"
         sym = "" if self.symmetric else " asymmetric"
         dyn = {True: " dynamic", False: " static"}.get(self.dynamic, f" dynamic {self.dynamic}")
         return f"{self.type} {self.num_bits}-bit {self.strategy}{size}{sym}{dyn}"

@@ -26,6 +26,7 @@ from mocli.io.safetensors_file import TensorEntry
 from mocli.quant_config import Algo
 from mocli.schemes import Merge
 from mocli.tables import INPUT_SCALE, SCALE_SUFFIXES, WEIGHT_SCALE
+from mocli.validate.mxfp4 import MODELOPT_HINT, MODELOPT_REFUSAL, modelopt_refuses
 
 # Findings a repair fixes (SEMANTICS §11.1-4). Everything else that is an error refuses the run:
 # NaN/Inf or non-positive weight scales, NaN weight bytes, missing weights, wrong dtypes or shapes,
@@ -163,8 +164,8 @@ def _fill_input_scales(plan: RepairPlan, census: Census, scales) -> None:
         down = [v for ex in experts if ex.down is not None if (v := _scalar(scales, ex.down, INPUT_SCALE)) is not None]
         for ex in experts:
             for m, pool in ((ex.gate, gate_up), (ex.up, gate_up), (ex.down, down)):
-                if m is None or m.scheme is None or INPUT_SCALE in m.tensors:
-                    continue
+                if m is None or m.scheme is None or not m.scheme.static_input or INPUT_SCALE in m.tensors:
+                    continue  # weight-only and dynamic-activation schemes have no input scale to fill
                 name = f"{m.name}.{INPUT_SCALE}"
                 value = max(pool)  # non-empty: plan_repair refuses a layer where no expert has one
                 plan.edits[name] = TensorEdit(("F32", ()), _constant(value, ()))
@@ -207,6 +208,12 @@ def _reconcile_config(plan: RepairPlan, ckpt: Checkpoint, census: Census, codes:
     for code, where, what in rewrite.changes:
         plan.repairs.append(Repair(code, where, what))
     algo, layers, group = _stored_algo(census)
+    if algo is not quant.algo and modelopt_refuses(quant.method, (algo, *(v.get("quant_algo") for v in layers.values()))):
+        # relabelling after the tensors would name what vLLM refuses (and drop what the old name meant, e.g.
+        # W4A8_MXFP4_FP8's FP8 activations): an output no engine loads is no repair
+        plan.refused.append(Finding("VLL002", "quant_algo", f"the tensors store MXFP4, and {MODELOPT_REFUSAL}",
+                                    MODELOPT_HINT))
+        return
     fields: dict[str, Any] = {"exclude_modules": rewrite.entries}
     if algo is not None and algo is not quant.algo:
         plan.repairs.append(Repair("TNS005" if "TNS005" in codes else "CFG003", "quant_algo",

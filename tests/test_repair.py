@@ -323,3 +323,23 @@ def test_repairing_a_repaired_checkpoint_records_its_own_provenance(cli, tmp_pat
     hq = json.loads((tmp_path / "twice" / "hf_quant_config.json").read_text())["mocli_repair"]
     assert cj == hq and cj["source"] == {"path": str((tmp_path / "once").resolve())}
     assert cli("verify", tmp_path / "twice").exit_code == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-mxfp8", "qwen3_moe-w4a16_nvfp4"])
+def test_experts_without_static_inputs_get_no_input_scale(cli, tmp_path, name):
+    """MXFP8 (dynamic activations) and W4A16_NVFP4 (weight-only) experts carry no input_scale by design: repair
+    has nothing to fill (it exited 3 on max() of no scales in 0.1.0) and copies the export as it is."""
+    r = cli("--json", "repair", REAL / name, "-o", tmp_path / "o")
+    assert r.exit_code == 0, r.output
+    assert r.json["nothing_to_do"] and not r.json["repairs"]
+    assert not any(n.endswith("input_scale") for n in load_tensors(tmp_path / "o"))
+
+
+def test_a_config_relabelled_to_what_vllm_refuses_is_no_repair(cli, tmp_path):
+    """ModelOpt's W4A8_MXFP4_FP8 export stores MXFP4 tensors under an algorithm mocli does not read: relabelling it
+    "mxfp4" after the tensors would drop its FP8 activations and name what vLLM 0.33 refuses (VLL002), so repair
+    refuses and writes nothing (0.1.0 relabelled it and its own verify failed the output)."""
+    r = cli("--json", "repair", REAL / "llama-w4a8_mxfp4_fp8", "-o", tmp_path / "o")
+    assert r.exit_code == 1
+    assert "VLL002" in r.stderr and not (tmp_path / "o").exists()
+    assert not list(tmp_path.glob("o*"))

@@ -15,14 +15,20 @@ from mocli.schemes.mxfp4 import BIAS
 
 _REEXPORT = "the export is broken; re-export the checkpoint"
 MODELOPT_REFUSAL = ("vLLM 0.33 refuses ModelOpt's quant_algo \"mxfp4\" (modelopt.py :: ModelOptQuantConfigBase."
-                    "from_config upper-cases it to MXFP4, which is not in QUANT_ALGOS), and no mocli target converts "
-                    "MXFP4 yet")
+                    "from_config upper-cases it to MXFP4, which is not in QUANT_ALGOS), and mocli converts only "
+                    "llm-compressor's, Quark's and gpt-oss's MXFP4")
+MODELOPT_HINT = "re-export with llm-compressor's MXFP4 preset (compressed-tensors) or AMD Quark, which vLLM reads"
+
+
+def modelopt_refuses(method: str | None, algos) -> bool:
+    """Whether a ModelOpt config naming these algorithms is one vLLM 0.33 refuses (MXFP4: VLL002); repair asks
+    it too before it relabels a config after its tensors."""
+    return method == "modelopt" and MXFP4.algo in algos
 
 
 def check_mxfp4(quant: QuantConfig, census: Census, engines: frozenset[str], findings: Findings) -> None:
-    if "vllm" in engines and quant.method == "modelopt" and MXFP4.algo in (quant.algo, *quant.quantized_layers):
-        findings.add("VLL002", "quant_algo", MODELOPT_REFUSAL, hint="re-export with llm-compressor's MXFP4 preset "
-                     "(compressed-tensors) or AMD Quark, which vLLM reads")
+    if "vllm" in engines and modelopt_refuses(quant.method, (quant.algo, *quant.quantized_layers)):
+        findings.add("VLL002", "quant_algo", MODELOPT_REFUSAL, hint=MODELOPT_HINT)
     if "vllm" in engines and quant.method == "compressed-tensors" and quant.weight_only:
         dense = [n for n, _, scheme in census.dense_units() if scheme is MXFP4]
         if dense:
