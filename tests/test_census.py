@@ -83,3 +83,26 @@ def test_lone_shard_is_a_plain_linear(tmp_path):
     e = TensorEntry("x.mlp.gate_proj.weight", tmp_path, "BF16", (4, 4), 0, 32)
     c = build_census({e.name: e})
     assert c.fused == [] and c.modules["x.mlp.gate_proj"].kind is Kind.LINEAR
+
+
+def test_paused_gc_freezes_only_for_the_program(monkeypatch):
+    """The collector is paused inside and back on after; what was built is frozen only where the mocli
+    program owns the process (bulk.FREEZE, set by mocli.cli.main), never for a library caller."""
+    import gc
+
+    from mocli.io import bulk
+
+    assert gc.isenabled()
+    before = gc.get_freeze_count()
+    with bulk.paused_gc():
+        assert not gc.isenabled()
+        keep = [[i] for i in range(1000)]
+    assert gc.isenabled() and gc.get_freeze_count() == before
+    monkeypatch.setattr(bulk, "FREEZE", True)
+    try:
+        with bulk.paused_gc():
+            keep += [[i] for i in range(1000)]
+        assert gc.get_freeze_count() >= before + 1000
+    finally:
+        gc.unfreeze()
+    assert keep

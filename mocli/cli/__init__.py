@@ -13,6 +13,7 @@ from typing import Any
 from mocli import trace
 from mocli.cli import convert, inspect, quantize, repair, validate, verify  # noqa: F401 - they register their commands
 from mocli.cli.app import app, parse_size, silence_broken_pipe
+from mocli.io import bulk
 
 __all__ = ["app", "main", "parse_size"]
 
@@ -25,6 +26,8 @@ def main(argv: list[str] | None = None) -> Any:
     inspect and 0.6 s of ``validate --target marlin`` (CPU time, 2-core build machine): time a user
     waits for nothing. Output streams are flushed first; atexit handlers are skipped, so the commands
     keep nothing for them."""
+    if argv is None:  # the program: the process ends with the command (see mocli.io.bulk.FREEZE)
+        bulk.FREEZE = True
     try:
         app(args=argv, prog_name="mocli")
         code = 0

@@ -6,6 +6,12 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+# Set by the ``mocli`` program (``mocli.cli.main``), whose process ends with the command: what a paused
+# section built is frozen (``gc.freeze``) as it ends, so the collector's next full pass does not walk it
+# (0.14 s of ``validate --target marlin``'s 1.45 on a 94,858-tensor checkpoint, 2-core build machine).
+# Not in a library caller (the vLLM plugin): freezing would keep its garbage cycles for good.
+FREEZE = False
+
 
 @contextmanager
 def paused_gc() -> Iterator[None]:
@@ -16,5 +22,7 @@ def paused_gc() -> Iterator[None]:
     try:
         yield
     finally:
+        if FREEZE:
+            gc.freeze()
         if was:
             gc.enable()
