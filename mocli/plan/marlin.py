@@ -59,7 +59,38 @@ def _unify(pc: PlanContext, s2: list, what: str) -> np.float32:
     return big
 
 
-class _MarlinDense(_Dense):
+class _MarlinBias:
+    """The Marlin bias of a dense module, shared by NVFP4 (``_MarlinDense``) and MXFP4
+    (``mocli.plan.mxfp4_marlin``): padded to Np and permuted, dtype unchanged."""
+
+    def _plan_bias(self) -> None:
+        """A Marlin bias is padded to Np and permuted (``marlin_permute_bias``)."""
+        biases = self._bias_entries()
+        if not biases:
+            return
+        for r in self.ranks:
+            sl = self.slice_of(r)
+            np_, _ = marlin.padded_nk(sl.n, sl.k)
+            self.add(r, Role.BIAS, biases[0].dtype, (np_,), [b.name for b in biases],
+                     self.fused + self.slice_transforms() + ["marlin_pad", "marlin_permute_bias"])
+            for m in self.pc.plan.modules[-len(self.ranks):]:
+                if m.group == self.pc.parallel.group(r):
+                    m.tensors[str(Role.BIAS)] = f"{self.prefix}.{Role.BIAS}"
+
+    def _bias(self, ctx: UnitContext, shape: dict) -> list[Piece]:
+        biases = self._bias_entries()
+        if not biases:
+            return []
+        whole = [ctx.array(b) for b in biases]  # bytes, one row per element
+        pieces = []
+        for r in self.ranks:
+            sl = self.slice_of(r)
+            rows = np.concatenate([w[a:b] for w, (a, b) in zip(whole, sl.rows, strict=True)])
+            pieces.append(Piece(self.key(r, Role.BIAS), 0, marlin.permute_bias(rows, shape[sl.tp_rank][0])))
+        return pieces
+
+
+class _MarlinDense(_MarlinBias, _Dense):
     """A linear (a fused group or alone): weight repacked, block scales permuted and rewritten, the
     global scale ×2^119/sf, per tp rank; a W4A4 source's input scale kept as metadata."""
 
@@ -109,33 +140,6 @@ class _MarlinDense(_Dense):
         self.finish(lambda r: {"padded_n": shape[self.slice_of(r).tp_rank][0], "padded_k": shape[self.slice_of(r).tp_rank][1],
                                "scale_factor": sf[self.slice_of(r).tp_rank], "act_dtype": ACT_DTYPE},
                     weights + bscales, run)
-
-    def _plan_bias(self) -> None:
-        """A Marlin bias is padded to Np and permuted (``marlin_permute_bias``)."""
-        biases = self._bias_entries()
-        if not biases:
-            return
-        for r in self.ranks:
-            sl = self.slice_of(r)
-            np_, _ = marlin.padded_nk(sl.n, sl.k)
-            self.add(r, Role.BIAS, biases[0].dtype, (np_,), [b.name for b in biases],
-                     self.fused + self.slice_transforms() + ["marlin_pad", "marlin_permute_bias"])
-            for m in self.pc.plan.modules[-len(self.ranks):]:
-                if m.group == self.pc.parallel.group(r):
-                    m.tensors[str(Role.BIAS)] = f"{self.prefix}.{Role.BIAS}"
-
-    def _bias(self, ctx: UnitContext, shape: dict) -> list[Piece]:
-        biases = self._bias_entries()
-        if not biases:
-            return []
-        whole = [ctx.array(b) for b in biases]  # bytes, one row per element
-        pieces = []
-        for r in self.ranks:
-            sl = self.slice_of(r)
-            rows = np.concatenate([w[a:b] for w, (a, b) in zip(whole, sl.rows, strict=True)])
-            pieces.append(Piece(self.key(r, Role.BIAS), 0, marlin.permute_bias(rows, shape[sl.tp_rank][0])))
-        return pieces
-
 
 def _on_gpu(ctx: UnitContext) -> bool:
     """The run has a CUDA device (``convert --device cuda``): an expert's weights are repacked there, in

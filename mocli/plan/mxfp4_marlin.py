@@ -17,6 +17,7 @@ from mocli.kinds import REPACK, Role
 from mocli.ops import mxfp4_marlin as mx
 from mocli.ops import roundup
 from mocli.plan.dense import _Dense
+from mocli.plan.marlin import _MarlinBias
 from mocli.plan.moe import _Moe
 from mocli.plan.mxfp4_moe import SWIGLUOAI, _Mxfp4TrtllmMoe, _read
 from mocli.schemes.mxfp4 import BIAS
@@ -38,7 +39,7 @@ def checked_scales(raw: np.ndarray, entry: TensorEntry) -> np.ndarray:
     return raw
 
 
-class _Mxfp4MarlinDense(_Dense):
+class _Mxfp4MarlinDense(_MarlinBias, _Dense):
     """A linear (a fused group or alone): weight repacked, E8M0 scales permuted, bias padded and
     permuted, per tp rank."""
 
@@ -66,32 +67,6 @@ class _Mxfp4MarlinDense(_Dense):
 
         self.finish(lambda r: {"padded_n": shape[self.slice_of(r).tp_rank][0], "padded_k": shape[self.slice_of(r).tp_rank][1],
                                "act_dtype": ACT_DTYPE}, weights + scales, run)
-
-    def _plan_bias(self) -> None:
-        """A Marlin bias is padded to Np and permuted (``marlin_permute_bias``), dtype unchanged."""
-        biases = self._bias_entries()
-        if not biases:
-            return
-        for r in self.ranks:
-            sl = self.slice_of(r)
-            np_, _ = mx.padded_nk(sl.n, sl.k)
-            self.add(r, Role.BIAS, biases[0].dtype, (np_,), [b.name for b in biases],
-                     self.fused + self.slice_transforms() + ["marlin_pad", "marlin_permute_bias"])
-            for m in self.pc.plan.modules[-len(self.ranks):]:
-                if m.group == self.pc.parallel.group(r):
-                    m.tensors[str(Role.BIAS)] = f"{self.prefix}.{Role.BIAS}"
-
-    def _bias(self, ctx: UnitContext, shape: dict) -> list[Piece]:
-        biases = self._bias_entries()
-        if not biases:
-            return []
-        whole = [ctx.array(b) for b in biases]
-        pieces = []
-        for r in self.ranks:
-            sl = self.slice_of(r)
-            rows = np.concatenate([w[a:b] for w, (a, b) in zip(whole, sl.rows, strict=True)])
-            pieces.append(Piece(self.key(r, Role.BIAS), 0, mx.permute_bias(rows, shape[sl.tp_rank][0])))
-        return pieces
 
 
 class _Mxfp4MarlinMoe(_Moe):
