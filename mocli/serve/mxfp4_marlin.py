@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from mocli.kinds import ModuleKind
 from mocli.serve.common import U8, ServeError, mm
 from mocli.serve.dense import DenseKernel
+from mocli.serve.marlin import MarlinLinearKernel
 from mocli.serve.moe import MoeKernel
 from mocli.targets import mxfp4_marlin_decode as lay
 
@@ -58,13 +59,7 @@ class Mxfp4MarlinLinearKernel(DenseKernel):
             y = y + self._logical_bias(bias)
         return y.to(x.dtype).reshape(*lead, self.n)
 
-    def _logical_bias(self, bias: torch.Tensor) -> torch.Tensor:
-        """The stored bias un-permuted to [N] once (per bias tensor)."""
-        if self._bias is None or self._bias[0] != bias.data_ptr():
-            raw = bias.detach().cpu().contiguous()
-            back = lay.decode_bias(raw.view(torch.uint8).numpy().reshape(self.np_, -1), self.n, f"{self.name}.bias")
-            self._bias = (bias.data_ptr(), torch.from_numpy(back.copy()).reshape(-1).view(raw.dtype).to(bias.device))
-        return self._bias[1].float()
+    _logical_bias = MarlinLinearKernel._logical_bias  # the same un-permute (marlin_decode.decode_bias)
 
     def decode(self):
         packed = lay.decode_weight(_np(self.t["weight"]), self.n, self.k, f"{self.name}.weight")
