@@ -17,8 +17,8 @@ from mocli.tables import WEIGHT, WEIGHT_SCALE
 from mocli.targets import mxfp4_marlin_decode as lay
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.dense import NumpyDenseCase, check_dense
-from mocli.verify.kinds.marlin_linear import expected_padding
-from mocli.verify.results import THRESHOLDS, rng
+from mocli.verify.kinds.marlin_linear import MarlinLinearCheck, expected_padding
+from mocli.verify.results import THRESHOLDS
 
 EMULATED = "emulated Marlin MXFP4 W4A16 (decoded layout, exact products)"
 GROUP = 32
@@ -36,11 +36,8 @@ class Mxfp4MarlinLinearCheck(NumpyDenseCase):
         super().__init__(kind, shards, ctx)
         self.threshold = THRESHOLDS[kind].kept
 
-    def draw(self, name, k):
-        return rng(self.ctx.opts.seed, name).standard_normal((self.ctx.opts.tokens, k), dtype=np.float32)
-
-    def quant(self, x, cols=None):
-        return bf16_round(x)  # weight-only: the activations as the BF16 model hands them over
+    # weight-only like NVFP4's Marlin: the same BF16 activations, and the same bias un-permute on load
+    draw, quant, load = MarlinLinearCheck.draw, MarlinLinearCheck.quant, MarlinLinearCheck.load
 
     def sampled_weights(self, offsets, sample):
         out = []
@@ -50,13 +47,6 @@ class Mxfp4MarlinLinearCheck(NumpyDenseCase):
                 out.append(source_dequant(self.src.arr(m.tensors[WEIGHT].name)[local],
                                           self.src.arr(m.tensors[WEIGHT_SCALE].name)[local]))
         return np.concatenate(out)
-
-    def load(self, ck, name):
-        mod = ck.module_arrays(name)
-        if mod.bias is not None:  # compared in logical order: un-permuted, the padding checked zero
-            raw = np.ascontiguousarray(mod.bias).view(np.uint8).reshape(mod.padded_n, -1)
-            mod.bias = np.ascontiguousarray(lay.decode_bias(raw, mod.n, f"{name}.bias")).view(mod.bias.dtype).reshape(-1)
-        return mod
 
     def check(self, mod, slices, problems) -> None:
         src, name = self.src, mod.name
