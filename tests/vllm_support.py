@@ -390,3 +390,21 @@ def disagreements(run: Run, *, reference: Run, fmt: str, same_layout: dict[str, 
         if not tokens_agree(other, run):
             out.append(f"{name}: greedy tokens differ before any near-tie ({other.tokens} vs {run.tokens})")
     return out
+
+
+def safetensors_dir(d: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the *.safetensors files directly in ``d``."""
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out |= {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
+    return out
+
+
+def layout_ranks(out: Path):
+    """(modules, tensors) per rank of a converted output, from its mocli-layout.json (rank dirs see the top files)."""
+    manifest = json.loads((out / "mocli-layout.json").read_text())
+    top = safetensors_dir(out)
+    if not manifest.get("ranks"):
+        return [(manifest["modules"], top)]
+    return [(r["modules"], top | safetensors_dir(out / r["dir"])) for r in manifest["ranks"]]
