@@ -1,0 +1,63 @@
+"""Lossless MXFP4 -> 128x128 block-FP8 re-encoding (SEMANTICS §19.7): hand-computed blocks."""
+import pytest
+import torch
+
+from mocli.plan.mxfp4_fp8block import SpreadError, dequant, reencode
+
+# e2m1 codes: 1 -> 0.5, 3 -> 1.5, 2 -> 1.0, 7 -> 6.0, sign bit 8
+
+
+def _block(rows, cols, code_fill, plants):
+    """Nibbles all zero except plants {(r, k): (nibble, code)}; codes per 32-group."""
+    nib = torch.zeros(rows, cols, dtype=torch.int32)
+    codes = torch.full((rows, cols // 32), code_fill, dtype=torch.uint8)
+    for (r, k), (n, c) in plants.items():
+        nib[r, k] = n
+        codes[r, k // 32] = c
+    packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
+    return packed, codes
+
+
+def test_spread_14_fits_with_hand_values():
+    # 6 * 2^(140-127) and 0.5 * 2^(126-127): s = max e - 8 = (2 + 13) - 8 = 7
+    packed, codes = _block(128, 128, 130, {(0, 0): (7, 140), (5, 64): (1, 126), (9, 33): (8 | 3, 130)})
+    q, s = reencode(packed, codes)
+    assert s.tolist() == [[128.0]]
+    assert q[0, 0].float().item() == 384.0          # 6 * 2^13 / 2^7
+    assert q[5, 64].float().item() == 2.0 ** -9      # smallest e4m3 subnormal
+    d = dequant(q, s)
+    assert d[0, 0].item() == 6 * 2.0 ** 13
+    assert d[5, 64].item() == 0.5 * 2.0 ** -1
+    assert d[9, 33].item() == -1.5 * 2.0 ** 3
+    assert int((d != 0).sum()) == 3
+
+
+def test_spread_15_adversarial_refused_naming_block():
+    # 6 * 2^14 needs s >= 8; 0.5 * 2^-1 needs s <= 7: spread (2+14) - (-1-1) = 18
+    packed, codes = _block(256, 256, 130, {(130, 200): (7, 141), (131, 130): (1, 126)})
+    with pytest.raises(SpreadError) as err:
+        reencode(packed, codes)
+    assert (err.value.row, err.value.col, err.value.spread) == (1, 1, 18)
+    assert "block (row 1, col 1)" in str(err.value)
+
+
+def test_spread_15_benign_fits_under_value_rule():
+    # codes 141 and 126 (scale-only rule refuses), but the values are 1.0 * 2^14 and 0.5 * 2^-1:
+    # spread 14 - (-2) = 16 <= 17, s = 6
+    packed, codes = _block(128, 128, 130, {(1, 1): (2, 141), (2, 100): (1, 126)})
+    q, s = reencode(packed, codes)
+    assert s.tolist() == [[64.0]]
+    assert q[1, 1].float().item() == 256.0
+    assert q[2, 100].float().item() == 2.0 ** -8
+    assert dequant(q, s)[1, 1].item() == 2.0 ** 14
+
+
+def test_all_zero_block_scale_one_and_planted_fault_visible():
+    packed, codes = _block(128, 256, 127, {(3, 3): (5, 128)})   # 3.0 * 2^1 = 6
+    q, s = reencode(packed, codes)
+    assert s[0, 1].item() == 1.0
+    d = dequant(q, s)
+    assert d[3, 3].item() == 6.0
+    bad = q.view(torch.uint8).clone()
+    bad[3, 3] ^= 1
+    assert not torch.equal(dequant(bad.view(torch.float8_e4m3fn), s), d)
