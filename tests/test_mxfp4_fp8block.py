@@ -61,3 +61,60 @@ def test_all_zero_block_scale_one_and_planted_fault_visible():
     bad = q.view(torch.uint8).clone()
     bad[3, 3] ^= 1
     assert not torch.equal(dequant(bad.view(torch.float8_e4m3fn), s), d)
+
+
+def _decode_by_hand(packed, codes):
+    """Second decode: per-element Python floats (no shared code with the module)."""
+    lut = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    p, c = packed.tolist(), codes.tolist()
+    out = []
+    for r, row in enumerate(p):
+        vals = []
+        for j, byte in enumerate(row):
+            for n, k in ((byte & 0xF, 2 * j), (byte >> 4, 2 * j + 1)):
+                v = lut[n & 7] * 2.0 ** (c[r][k // 32] - 127)
+                vals.append(-v if n & 8 else v)
+        out.append(vals)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def test_real_qwen3_moe_ct_mxfp4_experts_bit_exact():
+    from pathlib import Path
+
+    from safetensors import safe_open
+    path = Path(__file__).resolve().parents[1] / "fixtures/real/qwen3_moe-ct-mxfp4/model.safetensors"
+    if not path.exists():
+        path = Path("/work/main/fixtures/real/qwen3_moe-ct-mxfp4/model.safetensors")
+    with safe_open(str(path), "pt") as f:
+        names = [k[:-len("weight_packed")] for k in f.keys()
+                 if ".experts.0." in k and k.endswith("weight_packed")]
+        assert names
+        for n in names:
+            packed, codes = f.get_tensor(n + "weight_packed"), f.get_tensor(n + "weight_scale")
+            q, s = reencode(packed, codes)
+            got = dequant(q, s).to(torch.float64)
+            assert torch.equal(got, _decode_by_hand(packed, codes)), n
+
+
+def test_rule_matches_brute_force_over_scales():
+    """Random blocks with wide code spreads: reencode succeeds iff some power of two makes the cast exact."""
+    g = torch.Generator().manual_seed(7)
+    seen = set()
+    for _ in range(40):
+        packed = torch.randint(0, 256, (128, 64), generator=g, dtype=torch.uint8)
+        lo = int(torch.randint(110, 130, (1,), generator=g))
+        width = int(torch.randint(11, 18, (1,), generator=g))
+        codes = torch.randint(lo, lo + width, (128, 4), generator=g, dtype=torch.uint8)
+        if width == 17:  # only +-1.0: code spread 16 > 14, yet the values fit (value rule)
+            packed = packed & 0xAA
+        ref = _decode_by_hand(packed, codes).to(torch.float32)
+        exact = [s for s in range(-40, 40)
+                 if torch.equal((ref / 2.0 ** s).to(torch.float8_e4m3fn).float() * 2.0 ** s, ref)]
+        try:
+            reencode(packed, codes)
+            ok = True
+        except SpreadError:
+            ok = False
+        assert ok == bool(exact)
+        seen.add(ok)
+    assert seen == {True, False}
