@@ -78,19 +78,21 @@ def _decode_by_hand(packed, codes):
     return torch.tensor(out, dtype=torch.float64)
 
 
-def test_real_qwen3_moe_ct_mxfp4_experts_bit_exact():
+@pytest.mark.parametrize("fixture,packed_key", [("qwen3_moe-ct-mxfp4", "weight_packed"),
+                                                 ("qwen3_moe-quark-mxfp4", "weight")])
+def test_real_qwen3_moe_mxfp4_experts_bit_exact(fixture, packed_key):
     from pathlib import Path
 
     from safetensors import safe_open
-    path = Path(__file__).resolve().parents[1] / "fixtures/real/qwen3_moe-ct-mxfp4/model.safetensors"
+    path = Path(__file__).resolve().parents[1] / f"fixtures/real/{fixture}/model.safetensors"
     if not path.exists():
-        path = Path("/work/main/fixtures/real/qwen3_moe-ct-mxfp4/model.safetensors")
+        path = Path(f"/work/main/fixtures/real/{fixture}/model.safetensors")
     with safe_open(str(path), "pt") as f:
-        names = [k[:-len("weight_packed")] for k in f.keys()
-                 if ".experts.0." in k and k.endswith("weight_packed")]
+        names = [k[:-len(packed_key)] for k in f.keys()
+                 if ".experts.0." in k and k.endswith("." + packed_key)]
         assert names
         for n in names:
-            packed, codes = f.get_tensor(n + "weight_packed"), f.get_tensor(n + "weight_scale")
+            packed, codes = f.get_tensor(n + packed_key), f.get_tensor(n + "weight_scale")
             q, s = reencode(packed, codes)
             got = dequant(q, s).to(torch.float64)
             assert torch.equal(got, _decode_by_hand(packed, codes)), n
