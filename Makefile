@@ -70,7 +70,7 @@ bench: install
 
 # The same on a GPU machine: convert, quantize and verify with --device cuda (quantize also against --device cpu), and the loader.
 bench-gpu:
-	$(PYTHON) tests/bench/bench.py --device cuda --only convert,quantize
+	$(PYTHON) tests/bench/bench.py --device cuda --only convert,quantize --algos nvfp4,fp8,ct-nvfp4,ct-mxfp4
 
 # Issue 45's "behaviour unchanged" check (tests/bench/identity.py): every target x tp1/tp2/tp2 ep2
 # conversion of fixtures/real and a few generated kinds, repair and quantize, run by the previous release

@@ -129,13 +129,14 @@ def make(kind: str, out: Path, *args: str) -> Path:
     return out
 
 
-def make_ct(scratch: Path) -> Path:
-    """make_big's NVFP4 MoE respelled as compressed-tensors (tests/bench/to_ct.py, untimed)."""
-    out = scratch / "ct-nvfp4"
+def make_ct(scratch: Path, script: str = "to_ct.py", name: str = "ct-nvfp4") -> Path:
+    """make_big's NVFP4 MoE respelled as compressed-tensors (tests/bench/to_ct.py, or to_mxfp4.py for its
+    MXFP4 form; untimed)."""
+    out = scratch / name
     if not (out / "model.safetensors.index.json").exists():
         src = make("moe-nvfp4", scratch / "nvfp4")
         print(f"[respelling {src} as compressed-tensors at {out} ...]", flush=True)
-        subprocess.run([sys.executable, str(Path(__file__).with_name("to_ct.py")), str(src), str(out)], check=True)
+        subprocess.run([sys.executable, str(Path(__file__).with_name(script)), str(src), str(out)], check=True)
     return out
 
 
@@ -146,15 +147,18 @@ def mocli(*args: str) -> list[str]:
 # The targets each convert case is written for, and the outputs verify is timed on (against their convert)
 CONVERT_TARGETS = {"NVFP4": ("flashinfer-cutlass", "flashinfer-trtllm", "marlin"),
                    "FP8": ("flashinfer-cutlass", "flashinfer-trtllm"),
-                   "CT-NVFP4": ("flashinfer-cutlass", "flashinfer-trtllm")}
-VERIFIED = {("NVFP4", "flashinfer-trtllm"), ("NVFP4", "marlin")}
+                   "CT-NVFP4": ("flashinfer-cutlass", "flashinfer-trtllm"),
+                   "CT-MXFP4": ("marlin", "flashinfer-trtllm")}
+VERIFIED = {("NVFP4", "flashinfer-trtllm"), ("NVFP4", "marlin"), ("CT-MXFP4", "marlin"),
+            ("CT-MXFP4", "flashinfer-trtllm")}
 CP_GOAL = 1.25  # convert / cp of the same source bytes (the physical anchor beside the floor)
 
 
 def bench_convert(scratch: Path, rounds: int, device: str, results: list, algos: set[str]) -> None:
     cases = [("NVFP4", lambda: make("moe-nvfp4", scratch / "nvfp4"), 1.0),
              ("FP8", lambda: make("moe-fp8", scratch / "fp8", "--layers", "4"), 1.15),
-             ("CT-NVFP4", lambda: make_ct(scratch), 1.0)]  # compressed-tensors' spelling of the NVFP4 one
+             ("CT-NVFP4", lambda: make_ct(scratch), 1.0),  # compressed-tensors' spelling of the NVFP4 one
+             ("CT-MXFP4", lambda: make_ct(scratch, "to_mxfp4.py", "ct-mxfp4"), 1.0)]  # its MXFP4 experts
     for algo, made, goal in cases:
         if algo.lower() not in algos:
             continue
@@ -169,7 +173,7 @@ def bench_convert(scratch: Path, rounds: int, device: str, results: list, algos:
             if v:
                 results.append(line(f"verify {gib:.2f} GiB {algo} {target} output --device {device} / its convert",
                                     v, a, 1.0, "verify", "convert"))
-            if v and device == "cuda" and target == "flashinfer-trtllm":
+            if v and device == "cuda" and algo == "NVFP4" and target == "flashinfer-trtllm":
                 results.append(line(f"verify {gib:.2f} GiB NVFP4 output --device cuda, whole process", v, None, 10.0,
                                     "verify"))
                 bench_load(scratch / "out", rounds, results)
@@ -301,7 +305,7 @@ def main() -> None:
     ap.add_argument("--scratch", type=Path, default=ROOT / "bench-out")
     ap.add_argument("--only", default="headers,convert,rss,quantize")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--algos", default="nvfp4,fp8,ct-nvfp4", help="convert cases to run")
+    ap.add_argument("--algos", default="nvfp4,fp8,ct-nvfp4,ct-mxfp4", help="convert cases to run")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
     if not (SHARED / "floor.py").exists():
