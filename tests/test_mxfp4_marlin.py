@@ -225,12 +225,16 @@ def test_mxfp4_linears_on_a_flashinfer_target_point_to_marlin(cli, target):
 
 @pytest.fixture(scope="module")
 def converted_moe(tmp_path_factory):
+    return _validated_and_converted(tmp_path_factory.mktemp("mxfp4_marlin_moe"), MOE, ((1, 1), (2, 1), (2, 2)))
+
+
+def _validated_and_converted(base, names, layouts) -> dict:
+    """Each export at each (tp, ep): validate --target marlin is clean, then convert; the outputs by (name, tp, ep)."""
     from tests.conftest import run_cli
 
-    base = tmp_path_factory.mktemp("mxfp4_marlin_moe")
     made = {}
-    for name in MOE:
-        for tp, ep in ((1, 1), (2, 1), (2, 2)):
+    for name in names:
+        for tp, ep in layouts:
             r = run_cli("-q", "validate", REAL / name, "--target", "marlin", "--tp", tp, "--ep", ep)
             assert r.exit_code == 0, (name, tp, ep, r.stdout)
             out = base / f"{name}-tp{tp}-ep{ep}"
@@ -316,19 +320,8 @@ def test_split_gpt_oss_experts_are_refused_by_validate_and_convert(cli, tmp_path
 
 @pytest.fixture(scope="module")
 def converted_gpt_oss(tmp_path_factory):
-    from tests.conftest import run_cli
-
-    base = tmp_path_factory.mktemp("mxfp4_marlin_gpt_oss")
-    made = {}
-    for name in GPT_OSS[:2]:
-        for tp, ep in ((1, 1), (2, 1), (2, 2), (4, 1)):
-            r = run_cli("-q", "validate", REAL / name, "--target", "marlin", "--tp", tp, "--ep", ep)
-            assert r.exit_code == 0, (name, tp, ep, r.stdout)
-            out = base / f"{name}-tp{tp}-ep{ep}"
-            r = run_cli("-q", "convert", REAL / name, "-o", out, "--target", "marlin", "--tp", tp, "--ep", ep)
-            assert r.exit_code == 0, (name, tp, ep, r.stderr)
-            made[name, tp, ep] = out
-    return made
+    return _validated_and_converted(tmp_path_factory.mktemp("mxfp4_marlin_gpt_oss"), GPT_OSS[:2],
+                                    ((1, 1), (2, 1), (2, 2), (4, 1)))
 
 
 @pytest.mark.parametrize("name", GPT_OSS[:2])
