@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from mocli.errors import CorruptFileError
 from mocli.formats.layout import Layout, read_layout
+from mocli.formats.manifest import ModuleEntry
 from mocli.io.paths import open_regular
 from mocli.io.safetensors_file import TensorEntry, TensorReader, tensor_bytes_view, torch_dtypes
-from mocli.kinds import ModuleKind
 from mocli.module_classes import (  # noqa: F401 - the public API names them from here
     CLASSES,
     ConvertedModule,
@@ -52,7 +52,7 @@ class ConvertedCheckpoint:
     modules: dict[str, ConvertedModule]
     _reader: TensorReader
     _entries: dict[str, TensorEntry]
-    _module_info: dict[str, dict[str, Any]]
+    _module_entries: dict[str, ModuleEntry]
     # every tensor of the rank outside the modules (embeddings, norms, routers...), by source name;
     # filled when load_converted loads everything
     passthrough: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -72,19 +72,19 @@ class ConvertedCheckpoint:
     @property
     def module_names(self) -> list[str]:
         """The rank's converted modules, in the manifest's order."""
-        return list(self._module_info)
+        return list(self._module_entries)
 
     def holds(self, name: str) -> bool:
-        return name in self._module_info
+        return name in self._module_entries
 
     @property
     def entries(self) -> dict[str, TensorEntry]:
         """Every tensor of the rank (its shards and the shared ones), by name."""
         return self._entries
 
-    def module_info(self, name: str) -> dict[str, Any]:
-        """The module's manifest entry (``ModuleEntry.to_json``: name, kind, scheme, tensors, sources, meta)."""
-        return self._module_info[name]
+    def module_entry(self, name: str) -> ModuleEntry:
+        """The module's manifest entry, typed (``ModuleEntry``: name, kind, scheme, tensors, sources, meta)."""
+        return self._module_entries[name]
 
     def entry(self, name: str) -> TensorEntry:
         return self._entries[name]
@@ -102,8 +102,8 @@ class ConvertedCheckpoint:
 
         if tensors is None and torch.device(device).type == "cuda":
             # one span per file through pinned staging, not one pageable copy per tensor
-            m = self.module_info(name)
-            tensors = load_tensors([self._entries[t] for t in m["tensors"].values() if t in self._entries], device)
+            m = self.module_entry(name)
+            tensors = load_tensors([self._entries[t] for t in m.tensors.values() if t in self._entries], device)
         return self._build(name, lambda t: tensors[t] if tensors is not None else self.tensor(t, device))
 
     def module_arrays(self, name: str) -> ConvertedModule:
@@ -112,17 +112,17 @@ class ConvertedCheckpoint:
         return self._build(name, lambda t: self._reader.array(self._entries[t]))
 
     def _build(self, name: str, fetch) -> ConvertedModule:
-        m = self.module_info(name)
-        cls = CLASSES[ModuleKind(m["kind"])]
+        m = self.module_entry(name)
+        cls = CLASSES[m.kind]
         names = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {"name": name}
-        for role, tname in m["tensors"].items():
+        for role, tname in m.tensors.items():
             if role in names:
                 if tname not in self._entries:
                     raise CorruptFileError(f"{self.path}: manifest names tensor '{tname}' that no shard holds",
                                            hint="the output is damaged; convert again")
                 kwargs[role] = fetch(tname)
-        kwargs |= {k: v for k, v in m["meta"].items() if k in names}
+        kwargs |= {k: v for k, v in m.meta.items() if k in names}
         missing = [f.name for f in fields(cls) if f.name not in kwargs and f.default is MISSING]
         if missing:
             raise CorruptFileError(f"{self.path}: module '{name}' lacks {', '.join(missing)} in the manifest",
@@ -143,7 +143,7 @@ def open_converted(path: str | Path | Layout, rank: int | None = None) -> Conver
     layout = path if isinstance(path, Layout) else read_layout(path)
     _, modules, _ = layout.view(rank)
     return ConvertedCheckpoint(layout.path, layout, rank, {}, TensorReader(follow=False), layout.entries(rank),
-                               {m.name: m.to_json() for m in modules})
+                               {m.name: m for m in modules})
 
 
 def load_converted(path: str | Path, device: str | torch.device = "cpu", modules: list[str] | None = None,
@@ -153,10 +153,10 @@ def load_converted(path: str | Path, device: str | torch.device = "cpu", modules
     rank's other tensors, so a serving process has the whole rank, and reads each shard file once,
     straight into place."""
     ck = open_converted(path, rank)
-    wanted = list(ck._module_info) if modules is None else modules
+    wanted = list(ck._module_entries) if modules is None else modules
     if not wanted and modules is not None:
         return ck
-    in_modules = {t for n in wanted for t in ck.module_info(n)["tensors"].values()}
+    in_modules = {t for n in wanted for t in ck.module_entry(n).tensors.values()}
     names = set(ck._entries) if modules is None else in_modules
     tensors = load_tensors([ck._entries[n] for n in sorted(names) if n in ck._entries], device)
     for name in wanted:

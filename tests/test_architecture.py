@@ -225,12 +225,15 @@ def test_the_manifest_is_a_dict_only_inside_formats(cli, tmp_path, monkeypatch):
 
     1. read: converting, verifying and loading a real output, every parse of the manifest's bytes into a
        dict happens in a module of ``mocli/formats/`` (traced at ``json.loads``, whatever the variable);
-    2. held: nothing reachable from a read ``Layout`` (its fields, and theirs) is a dict of the manifest
-       or of a rank's section (one with ``format: mocli-layout``, or with ``modules`` and ``tensors``);
+    2. held: nothing reachable from a read ``Layout`` or an opened rank (``ConvertedCheckpoint``: its fields,
+       and theirs) is a dict of the manifest, of a rank's section (one with ``format: mocli-layout``, or with
+       ``modules`` and ``tensors``) or of a module entry (``kind``, ``tensors`` and ``meta``): verify, the
+       loader and the plugin's kernels read a module as a ``ModuleEntry``;
     3. written: ``manifest_json`` (the one serialiser) is named nowhere outside ``mocli/formats/``;
     and, what issue 45 counted, no subscript or ``.get`` on a name or attribute called ``*manifest*``
     outside ``mocli/formats/`` (the plugin, which needs vLLM, is held by 3 and this)."""
     from mocli.formats.layout import read_layout
+    from mocli.formats.manifest import ModuleEntry
     from mocli.loader import load_converted
     from tests.conftest import REAL_QWEN
 
@@ -238,13 +241,14 @@ def test_the_manifest_is_a_dict_only_inside_formats(cli, tmp_path, monkeypatch):
     out = tmp_path / "o"
     assert cli("-q", "convert", REAL_QWEN, "-o", out, "--target", "flashinfer-trtllm", "--tp", "2").exit_code == 0
     assert cli("-q", "verify", out, "--layers", "*.0.mlp.experts").exit_code == 0
-    load_converted(out, rank=1, modules=[])
+    ck = load_converted(out, rank=1, modules=[])
     layout = read_layout(out)
+    assert ck.module_names and all(isinstance(ck.module_entry(n), ModuleEntry) for n in ck.module_names)
     outside = [c for c in callers if not c.startswith(f"{ROOT / 'formats'}/")]
     assert callers and not outside, outside
 
-    raw = [sorted(d)[:6] for d in _dicts_reachable(layout, set())
-           if d.get("format") == "mocli-layout" or {"modules", "tensors"} <= set(d)]
+    raw = [sorted(d)[:6] for d in _dicts_reachable((layout, ck), set())
+           if d.get("format") == "mocli-layout" or {"modules", "tensors"} <= set(d) or {"kind", "tensors", "meta"} <= set(d)]
     assert not raw, raw
 
     named, indexed = _manifest_names_outside_formats()

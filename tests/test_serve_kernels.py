@@ -103,7 +103,7 @@ def input_scale(src, modules: list[str]) -> torch.Tensor | None:
 def dense_case(src, info, g: torch.Generator, device: str = "cpu"):
     """(x for the rank, reference output, threshold) of one dense module; x sized so the format's range
     is used. The reference is computed on ``device`` (where ``src`` puts its tensors)."""
-    kind, meta, shards = info["kind"], info["meta"], info["sources"]
+    kind, meta, shards = info.kind, info.meta, info.sources
     full_k = dequant(src, shards[0]).shape[1]
     slices = meta.get("slices") or [[0, dequant(src, m).shape[0], 0, full_k] for m in shards]
     w = torch.cat([dequant_unified(src, m, shards)[r0:r1, c0:c1]
@@ -126,20 +126,20 @@ def awq_scaled(x: torch.Tensor, src, module: str, c0: int = 0, c1: int | None = 
 def moe_case(src, info, g: torch.Generator, device: str = "cpu"):
     """(x, topk_weights, topk_ids (global), reference, threshold) of one MoE rank: the experts it holds,
     its slice of I."""
-    meta, layer = info["meta"], info["sources"][0]
+    meta, layer = info.meta, info.sources[0]
     gate, up, down = NAMES[meta["naming"]]
     total, off, e_local = meta.get("experts_total", meta["experts"]), meta.get("expert_offset", 0), meta["experts"]
     i0, i1 = meta.get("intermediate_slice", [0, meta["intermediate"]])
     every = [f"{layer}.{e}." for e in range(total)]
     a1 = input_scale(src, [p + gate for p in every] + [p + up for p in every])
     a2 = input_scale(src, [p + down for p in every])
-    fp8, marlin = info["kind"] == "fp8_moe", info["kind"] in MARLIN_KINDS
+    fp8, marlin = info.kind == "fp8_moe", info.kind in MARLIN_KINDS
     scale = 1.0 if a1 is None or marlin else float(a1) * (448 if fp8 else 2688) / 4  # MXFP8, W4A16: no input scale
     x = (torch.randn(TOKENS, meta["hidden"], generator=g) * scale).bfloat16()
     ids = torch.stack([torch.randperm(total, generator=g)[:2] for _ in range(TOKENS)]).to(torch.int32)
     weights = torch.softmax(torch.randn(TOKENS, 2, generator=g), dim=-1)
     x, ids, weights = x.to(device), ids.to(device), weights.to(device)
-    xq = activations(info["kind"], awq_scaled(x, src, every[off] + gate).float(), a1)
+    xq = activations(info.kind, awq_scaled(x, src, every[off] + gate).float(), a1)
     ref = torch.zeros(TOKENS, meta["hidden"], device=device)
     for e in range(off, off + e_local):
         tok, slot = (ids == e).nonzero(as_tuple=True)
@@ -147,12 +147,12 @@ def moe_case(src, info, g: torch.Generator, device: str = "cpu"):
         pair = [p + gate, p + up]
         h = (F.silu(xq[tok] @ dequant_unified(src, p + gate, pair)[i0:i1].T)
              * (xq[tok] @ dequant_unified(src, p + up, pair)[i0:i1].T))
-        y = activations(info["kind"], h, a2) @ dequant(src, p + down)[:, i0:i1].T
+        y = activations(info.kind, h, a2) @ dequant(src, p + down)[:, i0:i1].T
         ref.index_add_(0, tok, y * weights[tok, slot, None])
     # FP8: the reference holds the requantized w1/w3 (dequant_unified), so only the kernel's own rounding is
     # left; NVFP4's rescaled block scales are not modelled, so those get the wider bound
-    rescaled = not fp8 and info["kind"] != "mxfp8_moe" and any(unified(src, [p + gate, p + up]) for p in every)
-    return x, weights, ids, ref, MOE_UNIFIED[info["kind"]] if rescaled else THRESHOLDS[ModuleKind(info["kind"])].kept
+    rescaled = not fp8 and info.kind != "mxfp8_moe" and any(unified(src, [p + gate, p + up]) for p in every)
+    return x, weights, ids, ref, MOE_UNIFIED[info.kind] if rescaled else THRESHOLDS[ModuleKind(info.kind)].kept
 
 
 class Source(Mapping):
@@ -184,7 +184,7 @@ def check_rank(out, rank, source, device: str, kernels_seen: set[str] | None = N
     ck = open_converted(out, rank)
     checked = []
     g = torch.Generator().manual_seed(rank or 0)
-    for name, info in ck._module_info.items():
+    for name, info in ck._module_entries.items():
         if modules is not None and not modules(name):
             continue
         src = Source(source, device)  # per module: what a module's reference read is freed with it
@@ -342,7 +342,7 @@ def test_expert_map_selects_the_same_experts_as_the_offset(converted):
     """vLLM hands the kernels its global -> local expert map; the rank's offset must pick the same experts."""
     _, out = converted("qwen3moe-fp8", "flashinfer-cutlass", 2, 2)
     ck = open_converted(out, 1)
-    name = next(n for n, i in ck._module_info.items() if i["kind"] == "fp8_moe")
+    name = next(n for n, i in ck._module_entries.items() if i.kind == "fp8_moe")
     k = serve.kernel_of(ck, name)
     emap = torch.tensor([-1, -1, 0, 1], dtype=torch.int32)
     x = torch.randn(8, 128).bfloat16()
@@ -380,10 +380,10 @@ def _faulted_error(source, out, module: str, faults: dict) -> tuple[float, float
     """(relative error against the source, the kind's threshold) of ``module``'s serving kernel built on its
     stored tensors with ``faults`` (role -> edit) applied."""
     ck = open_converted(out)
-    info = ck.module_info(module)
-    tensors = {r: ck.tensor(t).clone() for r, t in info["tensors"].items()}
+    info = ck.module_entry(module)
+    tensors = {r: ck.tensor(t).clone() for r, t in info.tensors.items()}
     tensors |= {role: fault(tensors[role]) for role, fault in faults.items()}
-    k = serve.kernel(info["kind"], tensors, info["meta"], ck.target, module)
+    k = serve.kernel(info.kind, tensors, info.meta, ck.target, module)
     src, g = load_file(str(source / "model.safetensors")), torch.Generator().manual_seed(0)
     if isinstance(k, serve.MoeKernel):
         x, w, ids, ref, limit = moe_case(src, info, g)
@@ -418,11 +418,11 @@ def test_layout_that_breaks_its_own_sizes_is_refused(converted):
     _, out = converted("llama-nvfp4", "flashinfer-cutlass", 1, 1)
     ck = open_converted(out)
     name = "model.layers.0.self_attn.o_proj"
-    info = ck.module_info(name)
-    tensors = {r: ck.tensor(t) for r, t in info["tensors"].items()}
+    info = ck.module_entry(name)
+    tensors = {r: ck.tensor(t) for r, t in info.tensors.items()}
     tensors["weight_scale"] = tensors["weight_scale"][:64]
     with pytest.raises(serve.ServeError, match=r"o_proj.weight_scale is float8_e4m3fn \[64, 8\]"):
-        serve.kernel(info["kind"], tensors, info["meta"], ck.target, name)
+        serve.kernel(info.kind, tensors, info.meta, ck.target, name)
 
 
 # --- a multi-GB synthetic MoE on the GPU ------------------------------------------------------------

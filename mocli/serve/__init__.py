@@ -37,9 +37,9 @@ def kernel(kind: ModuleKind | str, tensors: Mapping[str, torch.Tensor], meta: Ma
 
 def kernel_of(ck, name: str, device: str | torch.device = "cpu") -> Kernel:
     """A module of a ``mocli.loader.ConvertedCheckpoint`` (one rank), its tensors moved to ``device``."""
-    info = ck.module_info(name)
-    tensors = {role: ck.tensor(t, device) for role, t in info["tensors"].items()}
-    return kernel(info["kind"], tensors, info["meta"], ck.target, name)
+    info = ck.module_entry(name)
+    tensors = {role: ck.tensor(t, device) for role, t in info.tensors.items()}
+    return kernel(info.kind, tensors, info.meta, ck.target, name)
 
 
 __all__ = ["KERNELS", "DenseKernel", "Kernel", "MoeKernel", "ServeError", "kernel", "kernel_of"]

@@ -109,9 +109,8 @@ def rule_rows(shard: str, n: int, tp: int, t: int, kv_heads: int | None, head_di
     return t * n // tp, (t + 1) * n // tp
 
 
-def rule_slices(info: dict, shards: list, tp: int, heads: tuple[int, int] | None) -> list[list[int]] | None:
-    """Expected [a, b, c0, c1] per shard for the rank in ``info`` (None: one rank, whole tensors)."""
-    meta = info["meta"]
+def rule_slices(meta: dict, shards: list, tp: int, heads: tuple[int, int] | None) -> list[list[int]] | None:
+    """Expected [a, b, c0, c1] per shard for the rank whose module ``meta`` this is (None: one rank, whole tensors)."""
     if "split" not in meta:
         return None
     t, split = meta["tp_rank"], meta["split"]

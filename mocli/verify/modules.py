@@ -57,7 +57,7 @@ def _module_bytes(cks: dict, name: str) -> int:
     """Bytes of the module's tensors on every rank that holds it: its checks' work goes with them (an
     MoE layer's expert bytes are compared and its sampled experts multiplied)."""
     return sum(ck.entry(t).nbytes for ck in cks.values() if ck.holds(name)
-               for t in ck.module_info(name)["tensors"].values() if t in ck.entries)
+               for t in ck.module_entry(name).tensors.values() if t in ck.entries)
 
 
 def _in_order(futures: dict[str, Future], names: list[str]) -> Iterator:
@@ -85,8 +85,8 @@ def check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout, 
         def check(name: str) -> tuple[list[ModuleResult], CrossResult | None]:
             trace.mark(f"{name}: started")
             try:
-                infos = {r: ck.module_info(name) for r, ck in cks.items() if ck.holds(name)}
-                return CHECKS[ModuleKind(next(iter(infos.values()))["kind"])].check(name, infos, ctx)
+                infos = {r: ck.module_entry(name) for r, ck in cks.items() if ck.holds(name)}
+                return CHECKS[next(iter(infos.values())).kind].check(name, infos, ctx)
             finally:  # RSS: the mapped bytes of the modules in flight, not the model's
                 trace.mark(f"{name}: done")
                 reader.drop_pages()

@@ -18,6 +18,7 @@ import numpy as np
 
 from mocli.devices import Kernels
 from mocli.errors import CorruptFileError
+from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import CARDS, ModuleKind, Thresholds
 from mocli.targets.decode import LayoutError
 from mocli.verify.expect import bit_equal, rule_slices, to_numpy
@@ -84,12 +85,12 @@ def offsets_of(shards: list) -> list[int]:
     return offs
 
 
-def rank_slices(info: dict, shards: list, tp: int, heads, problems: Problems) -> tuple[list[list[int]], str]:
+def rank_slices(info: ModuleEntry, shards: list, tp: int, heads, problems: Problems) -> tuple[list[list[int]], str]:
     """A dense module's rank: its [a, b, c0, c1] per shard as the manifest records them (whole tensors
     where it records none) and its split; a problem where they are not SEMANTICS §10's."""
-    meta = info["meta"]
+    meta = info.meta
     slices = meta.get("slices") or [[0, m.out_in[0], 0, m.out_in[1]] for m in shards]
-    expected = rule_slices(info, shards, tp, heads)
+    expected = rule_slices(info.meta, shards, tp, heads)
     if expected is not None and expected != slices:
         problems.append(f"the manifest's slices {slices} are not SEMANTICS §10's {expected}")
     return slices, meta.get("split", "replicated")
@@ -231,15 +232,15 @@ def finish(res: ModuleResult, problems: list[str], t0: float) -> ModuleResult:
 
 
 @contextmanager
-def rank_check(results: list[ModuleResult], name: str, rank: int, info: dict, kind: ModuleKind,
+def rank_check(results: list[ModuleResult], name: str, rank: int, info: ModuleEntry, kind: ModuleKind,
                threshold: float) -> Iterator[tuple[ModuleResult, Problems]]:
     """One module on one rank, as every converted kind's check runs it: a result from the manifest's
     entry, the problems found, a layout fault (the bytes break the layout) ending the check as a
     "layout check" failure first in the list; the result goes into ``results`` finished."""
     t0 = time.perf_counter()
-    res = ModuleResult(name, rank, str(kind), info["scheme"], "", False,
-                       {k: v for k, v in info["meta"].items() if isinstance(v, int)}, math.nan, threshold, False, 0.0,
-                       tensors=list(info["tensors"].values()))
+    res = ModuleResult(name, rank, str(kind), info.scheme, "", False,
+                       {k: v for k, v in info.meta.items() if isinstance(v, int)}, math.nan, threshold, False, 0.0,
+                       tensors=list(info.tensors.values()))
     problems = Problems()
     try:
         yield res, problems

@@ -22,7 +22,6 @@ from mocli.devices import requested_device
 from mocli.errors import InputError
 from mocli.formats import DirKind, detect
 from mocli.formats.layout import Layout, read_layout
-from mocli.kinds import ModuleKind
 from mocli.loader import open_converted
 from mocli.progress import ModuleProgress as Progress
 from mocli.targets import layout_of
@@ -86,7 +85,7 @@ def verify_layout(layout: Layout, opts: VerifyOptions, progress: Progress) -> di
     try:
         found["layout"] = _layout_problems(layout, cks)
         names = _names(cks, opts, skip=bool(found["layout"]))
-        kinds = {ModuleKind(ck.module_info(n)["kind"]) for ck in cks.values() for n in names if ck.holds(n)}
+        kinds = {ck.module_entry(n).kind for ck in cks.values() for n in names if ck.holds(n)}
         rt = torch_runtime(kinds, layout_of(layout.target), opts)
         progress.start(len(names) * len(cks))
         trace.mark(f"checking {len(names)} modules on {len(cks)} rank(s)" + ("" if rt else ", without torch"))
@@ -176,7 +175,7 @@ def _coverage(cks: dict, layout: Layout, opts: VerifyOptions) -> dict[str, Any]:
     for ck in cks.values():
         covered = set(passthrough)
         for name in ck.module_names:
-            covered |= set(ck.module_info(name)["tensors"].values())
+            covered |= set(ck.module_entry(name).tensors.values())
         for name in ck.entries:
             total += 1
             if name not in covered:

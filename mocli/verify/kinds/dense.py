@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from mocli.census import Module
+from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind
 from mocli.verify.cross import dense_cross
 from mocli.verify.kinds.context import CheckContext
@@ -65,7 +66,7 @@ class DenseCase:
     def source_rows(self, m: Module, suffix: str, a: int, b: int) -> Any:
         raise NotImplementedError
 
-    def stored_bias(self, ck, info: dict, mod) -> Any:
+    def stored_bias(self, ck, info: ModuleEntry, mod) -> Any:
         raise NotImplementedError
 
     def bias_full(self) -> Any:
@@ -89,19 +90,19 @@ class NumpyDenseCase(DenseCase):
         return self.src.arr(m.tensors[suffix].name)[a:b]
 
     def stored_bias(self, ck, info, mod):
-        return floats(mod.bias, ck.entry(info["tensors"]["bias"]).dtype)
+        return floats(mod.bias, ck.entry(info.tensors["bias"]).dtype)
 
     def bias_full(self):
         return np.concatenate([self.src.floats(m.tensors["bias"].name) for m in self.shards])
 
 
-def check_dense(name: str, infos: dict[int, dict], ctx: CheckContext,
+def check_dense(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext,
                 case_of: type[DenseCase]) -> tuple[list[ModuleResult], CrossResult | None]:
     """One dense module on every given rank, then (all ranks given) the column-concat / row-sum
     property. Bytes are compared for every row; GEMMs run on up to NUMERIC_ROWS sampled rows."""
     first = next(iter(infos.values()))
-    kind = ModuleKind(first["kind"])
-    shards = [ctx.src.module(n) for n in first["sources"]]
+    kind = first.kind
+    shards = [ctx.src.module(n) for n in first.sources]
     case = case_of(kind, shards, ctx)
     run = _Run(name, case, shards)
     results, outs = [], {}
@@ -129,8 +130,8 @@ class _Run:
         self.bias = case.bias_full() if "bias" in shards[0].tensors else None
         self.xq_full = None  # the reference input of a column-parallel or replicated rank, the same for each
 
-    def rank(self, rank: int, info: dict, res: ModuleResult, problems) -> tuple:
-        case, ctx, meta = self.case, self.case.ctx, info["meta"]
+    def rank(self, rank: int, info: ModuleEntry, res: ModuleResult, problems) -> tuple:
+        case, ctx, meta = self.case, self.case.ctx, info.meta
         slices, split = rank_slices(info, self.shards, ctx.tp, ctx.heads, problems)
         mod = case.load(ctx.cks[rank], self.name)
         case.check(mod, slices, problems)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind
 from mocli.numerics.in_numpy import E4M3, fp8_per_group_quant
 from mocli.tables import WEIGHT, WEIGHT_SCALE
@@ -67,5 +68,5 @@ class Fp8BlockMoe(DecodedMoe):
         return dequant(np.ascontiguousarray(w), s)
 
 
-def check(name: str, infos: dict[int, dict], ctx: CheckContext):
+def check(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext):
     return check_moe(name, infos, ctx, Fp8BlockMoe)

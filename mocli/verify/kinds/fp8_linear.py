@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind
 from mocli.numerics import FP8_MAX
 from mocli.numerics.in_torch import fp8_per_group_dequant, fp8_per_token, fp8_static
@@ -136,6 +137,6 @@ CASES: dict[ModuleKind, type[_Fp8Dense]] = {
 }
 
 
-def check(name: str, infos: dict[int, dict], ctx: CheckContext):
-    kind = ModuleKind(next(iter(infos.values()))["kind"])
+def check(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext):
+    kind = next(iter(infos.values())).kind
     return check_dense(name, infos, ctx, CASES[kind])

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from mocli.errors import CorruptFileError
+from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind, Role
 from mocli.numerics import FP8_MAX
 from mocli.numerics.in_torch import FP8, fp8_static
@@ -214,11 +215,11 @@ class Fp8Moe(MoeCase):
         return to_numpy(self.ref_in) @ np.concatenate([w3, w1]).T, h @ w2.T
 
 
-def _expert_tensors(layer, infos: dict[int, dict]) -> list[str]:
+def _expert_tensors(layer, infos: dict[int, ModuleEntry]) -> list[str]:
     """Weights and block scales of the source experts the checked ranks hold (none if a manifest's meta
     is malformed: the checks report that)."""
     try:
-        gids = {int(i["meta"].get("expert_offset", 0)) + e for i in infos.values() for e in range(int(i["meta"]["experts"]))}
+        gids = {int(i.meta.get("expert_offset", 0)) + e for i in infos.values() for e in range(int(i.meta["experts"]))}
     except (KeyError, TypeError, ValueError):
         return []
     return [m.tensors[role].name for g in sorted(gids & set(layer.experts)) for m in (layer.experts[g].gate,
@@ -258,5 +259,5 @@ def _fp8_grouped(mod, sample: list[int], x: torch.Tensor, rt):
     return list(o1.split(t)), list(o2.split(t)), list(hq.split(t))
 
 
-def check(name: str, infos: dict[int, dict], ctx: CheckContext):
+def check(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext):
     return check_moe(name, infos, ctx, Fp8Moe)

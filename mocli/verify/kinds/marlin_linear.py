@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind
 from mocli.numerics import FP8_MAX
 from mocli.numerics.in_numpy import E4M3, bf16_round, scaled_matmul
@@ -107,5 +108,5 @@ class MarlinLinearCheck(NumpyDenseCase):
         return scaled_matmul(bf16_round(xr), self.w[rows], self.bs[rows]) * self.s2_read, EMULATED, True
 
 
-def check(name: str, infos: dict[int, dict], ctx: CheckContext):
+def check(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext):
     return check_dense(name, infos, ctx, MarlinLinearCheck)

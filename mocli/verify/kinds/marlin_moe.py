@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from mocli.errors import CorruptFileError
+from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind, Role
 from mocli.numerics.in_numpy import bf16_round, scaled_matmul, silu
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
@@ -129,5 +130,5 @@ class MarlinMoe(Nvfp4Moe):
                 self.limits.unified if rescaled else self.limits.kept)
 
 
-def check(name: str, infos: dict[int, dict], ctx: CheckContext):
+def check(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext):
     return check_moe(name, infos, ctx, MarlinMoe)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind
 from mocli.verify.cross import moe_cross
 from mocli.verify.kinds.context import CheckContext
@@ -33,7 +34,7 @@ class MoeCase:
         self.layer = ctx.src.layers[name]
         self.limits = THRESHOLDS[self.kind]
 
-    def context(self, infos: dict[int, dict]) -> contextlib.AbstractContextManager:
+    def context(self, infos: dict[int, ModuleEntry]) -> contextlib.AbstractContextManager:
         """Held while the ranks are checked (FP8 on CUDA: the layer's source bytes on the device)."""
         return contextlib.nullcontext()
 
@@ -60,7 +61,7 @@ class MoeCase:
         raise NotImplementedError
 
 
-def check_moe(name: str, infos: dict[int, dict], ctx: CheckContext,
+def check_moe(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext,
               case_of: type[MoeCase]) -> tuple[list[ModuleResult], CrossResult | None]:
     """One MoE layer on every given rank: bytes of every expert, consistency, stage-wise numerics on a
     sample of experts; then (tensor parallel, all ranks) the concatenation / sum over ranks."""
@@ -68,7 +69,7 @@ def check_moe(name: str, infos: dict[int, dict], ctx: CheckContext,
     results, per_rank = [], {}
     with case.context(infos):
         for rank, info in infos.items():
-            meta = info["meta"]
+            meta = info.meta
             with rank_check(results, name, rank, info, case.kind, 0.0) as (res, problems):
                 mod = case.load(ctx.cks[rank])
                 off = meta.get("expert_offset", 0)

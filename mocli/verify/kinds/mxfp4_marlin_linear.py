@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind
 from mocli.numerics.in_numpy import bf16_round, unpack_e2m1
 from mocli.tables import WEIGHT, WEIGHT_SCALE
@@ -67,5 +68,5 @@ class Mxfp4MarlinLinearCheck(NumpyDenseCase):
         return bf16_round(xr) @ w.T, EMULATED, True
 
 
-def check(name: str, infos: dict[int, dict], ctx: CheckContext):
+def check(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext):
     return check_dense(name, infos, ctx, Mxfp4MarlinLinearCheck)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind
 from mocli.numerics.in_numpy import bf16_round
 from mocli.tables import WEIGHT, WEIGHT_SCALE
@@ -108,6 +109,6 @@ class Mxfp4MarlinGptOssMoe(Mxfp4Moe):
         return {k: bf16(v) if k.endswith("_bias") else v for k, v in out.items()}
 
 
-def check(name: str, infos: dict[int, dict], ctx: CheckContext):
-    rows = next(iter(infos.values()))["meta"].get("w13_rows")
+def check(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext):
+    rows = next(iter(infos.values())).meta.get("w13_rows")
     return check_moe(name, infos, ctx, Mxfp4MarlinGptOssMoe if rows == "interleaved" else Mxfp4MarlinMoe)

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from mocli.errors import CorruptFileError
+from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind
 from mocli.numerics.in_numpy import unpack_e2m1
 from mocli.schemes.mxfp4 import BIAS
@@ -153,5 +154,5 @@ def _values(a: np.ndarray, dtype: str, role: str) -> np.ndarray:
     return floats(a, dtype).astype(np.float32) if role == BIAS else a.view(np.uint8).reshape(a.shape[0], -1)
 
 
-def check(name: str, infos: dict[int, dict], ctx: CheckContext):
+def check(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext):
     return check_moe(name, infos, ctx, Mxfp4Moe)

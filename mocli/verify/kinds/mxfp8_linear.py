@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind
 from mocli.numerics.in_numpy import E4M3, mxfp8_quant
 from mocli.tables import WEIGHT, WEIGHT_SCALE
@@ -63,5 +64,5 @@ class Mxfp8LinearCheck(NumpyDenseCase):
         return mxfp8_quant(xr) @ dequant(self.w[rows], self.bs[rows]).T, EMULATED, True
 
 
-def check(name: str, infos: dict[int, dict], ctx: CheckContext):
+def check(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext):
     return check_dense(name, infos, ctx, Mxfp8LinearCheck)

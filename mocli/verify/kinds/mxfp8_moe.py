@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind
 from mocli.numerics.in_numpy import mxfp8_quant
 from mocli.tables import WEIGHT, WEIGHT_SCALE
@@ -69,5 +70,5 @@ class Mxfp8Moe(DecodedMoe):
         return dequant(np.ascontiguousarray(w).view(np.uint8), s)
 
 
-def check(name: str, infos: dict[int, dict], ctx: CheckContext):
+def check(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext):
     return check_moe(name, infos, ctx, Mxfp8Moe)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind
 from mocli.numerics import E2M1_MAX, FP8_MAX
 from mocli.numerics.in_numpy import bf16_round, nvfp4_quant, scaled_matmul
@@ -111,5 +112,5 @@ class Nvfp4LinearCheck(NumpyDenseCase):
         return scaled_matmul(xa, self.w[rows], self.bs[rows]) * mod.alpha, EMULATED, True
 
 
-def check(name: str, infos: dict[int, dict], ctx: CheckContext):
+def check(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext):
     return check_dense(name, infos, ctx, Nvfp4LinearCheck)

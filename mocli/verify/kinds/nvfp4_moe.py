@@ -11,6 +11,7 @@ import numpy as np
 
 from mocli import trace
 from mocli.errors import CorruptFileError
+from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind, Role
 from mocli.numerics import E2M1_MAX, FP8_MAX
 from mocli.numerics.in_numpy import bf16_round, nvfp4_quant, scaled_matmul, silu
@@ -218,5 +219,5 @@ class Nvfp4Moe(MoeCase):
         return "flashinfer.cutlass_fused_moe", False, {"fused": err}, (err, FUSED_MOE_THRESHOLD), None
 
 
-def check(name: str, infos: dict[int, dict], ctx: CheckContext):
+def check(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext):
     return check_moe(name, infos, ctx, Nvfp4Moe)
