@@ -248,6 +248,59 @@ def _take_stages(kept: list, want: int) -> list:
     return stages + [torch.empty(STAGE, dtype=torch.uint8, pin_memory=True) for _ in range(want - len(stages))]
 
 
+class _StagedReads:
+    """Reader threads filling pinned staging buffers with ``chunks`` of one file, in any order; ``take(j)``
+    hands chunk j's buffer once read, ``give_back(i)`` returns a buffer for the next chunk."""
+
+    def __init__(self, path: Path, offset: int, chunks: list[tuple[int, int]], stages: list, follow: bool,
+                 workers: int) -> None:
+        self.path, self.offset, self.chunks, self.stages, self.follow = path, offset, chunks, stages, follow
+        self.free: queue.Queue = queue.Queue()
+        for i in range(len(stages)):
+            self.free.put(i)
+        self.ready: dict[int, int] = {}
+        self.cond = threading.Condition()
+        self.todo, self.todo_lock = iter(range(len(chunks))), threading.Lock()
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._read, daemon=True) for _ in range(workers)]
+        for t in self.threads:
+            t.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                with self.todo_lock:
+                    j = next(self.todo, None)
+                if j is None:
+                    return
+                s = self.free.get()
+                a, n = self.chunks[j]
+                _pread_into(self.path, self.offset + a, tensor_bytes_view(self.stages[s])[:n], self.follow)
+                with self.cond:
+                    self.ready[j] = s
+                    self.cond.notify_all()
+        except BaseException as e:  # re-raised by join
+            self.errors.append(e)
+            with self.cond:
+                self.cond.notify_all()
+
+    def take(self, j: int) -> int | None:
+        """The staging buffer holding chunk j, waiting for it; None once a reader failed."""
+        with self.cond:
+            while j not in self.ready and not self.errors:
+                self.cond.wait()
+            return None if self.errors else self.ready.pop(j)
+
+    def give_back(self, i: int) -> None:
+        self.free.put(i)
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
+        if self.errors:
+            raise self.errors[0]
+
+
 def _read_to_device(path: Path, offset: int, nbytes: int, device: torch.device, follow: bool, kept: list) -> torch.Tensor:
     import torch
 
@@ -257,55 +310,18 @@ def _read_to_device(path: Path, offset: int, nbytes: int, device: torch.device, 
     chunks = [(a, min(STAGE, nbytes - a)) for a in range(0, nbytes, STAGE)]
     workers = max(1, min(4, len(chunks), (os.cpu_count() or 1) // 2))
     stages = _take_stages(kept, min(len(chunks), 2 * workers))
-    free: queue.Queue = queue.Queue()
-    for i in range(len(stages)):
-        free.put(i)
-    ready: dict[int, int] = {}
-    cond = threading.Condition()
-    todo = iter(range(len(chunks)))
-    todo_lock = threading.Lock()
-    errors: list[BaseException] = []
-
-    def reader() -> None:
-        try:
-            while True:
-                with todo_lock:
-                    j = next(todo, None)
-                if j is None:
-                    return
-                s = free.get()
-                a, n = chunks[j]
-                _pread_into(path, offset + a, tensor_bytes_view(stages[s])[:n], follow)
-                with cond:
-                    ready[j] = s
-                    cond.notify_all()
-        except BaseException as e:  # re-raised below
-            errors.append(e)
-            with cond:
-                cond.notify_all()
-
-    threads = [threading.Thread(target=reader, daemon=True) for _ in range(workers)]
-    for t in threads:
-        t.start()
+    reads = _StagedReads(path, offset, chunks, stages, follow, workers)
     stream = torch.cuda.current_stream(device)
-    events: dict[int, torch.cuda.Event] = {}
     for j, (a, n) in enumerate(chunks):
-        with cond:
-            while j not in ready and not errors:
-                cond.wait()
-            if errors:
-                break
-            s = ready.pop(j)
+        s = reads.take(j)
+        if s is None:
+            break
         dst[a:a + n].copy_(stages[s][:n], non_blocking=True)
         ev = torch.cuda.Event()
         ev.record(stream)
-        events[s] = ev
         # recycle the staging buffer once its copy is done, without blocking this loop on it
-        threading.Thread(target=lambda e=ev, i=s: (e.synchronize(), free.put(i)), daemon=True).start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+        threading.Thread(target=lambda e=ev, i=s: (e.synchronize(), reads.give_back(i)), daemon=True).start()
+    reads.join()
     stream.synchronize()
     kept.extend(stages)
     return dst

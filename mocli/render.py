@@ -22,6 +22,16 @@ def _algo_row(info: dict[str, Any]) -> str:
 
 def render_inspect(info: dict[str, Any], out: Output) -> None:
     c = out.stdout
+    c.print(_inspect_head(info))
+    c.print(_inspect_kinds(info))
+    if info["moe_layers"]:
+        c.print(_inspect_moe(info))
+    c.print(_inspect_exclusions(info))
+    for f in info["config_findings"]:
+        out.warn(f"{f['code']} {f['location']}: {f['message']}")
+
+
+def _inspect_head(info: dict[str, Any]) -> Table:
     producer = info.get("producer") or {}
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
@@ -42,25 +52,30 @@ def render_inspect(info: dict[str, Any], out: Output) -> None:
         rows.append(("fused groups", ", ".join(f"{k} x{v}" for k, v in info["fused_groups"].items())))
     for k, v in rows:
         head.add_row(k, escape(str(v)))
-    c.print(head)
+    return head
 
+
+def _inspect_kinds(info: dict[str, Any]) -> Table:
     kinds = Table(title="modules", title_justify="left")
     cols = ["kind", "modules"] + sorted({k for r in info["modules"] for k in r} - {"kind", "modules"})
     for col in cols:
         kinds.add_column(col, justify="left" if col == "kind" else "right")
     for r in info["modules"]:
         kinds.add_row(*(str(r.get(col, 0)) for col in cols))
-    c.print(kinds)
+    return kinds
 
-    if info["moe_layers"]:
-        moe = Table(title="MoE layers", title_justify="left")
-        for col in ("layer", "naming", "experts", "I", "H", "schemes"):
-            moe.add_column(col)
-        for m in info["moe_layers"]:
-            moe.add_row(escape(m["name"]), m["naming"], str(m["experts"]), str(m["intermediate"]),
-                        str(m["hidden"]), ", ".join(m["schemes"]))
-        c.print(moe)
 
+def _inspect_moe(info: dict[str, Any]) -> Table:
+    moe = Table(title="MoE layers", title_justify="left")
+    for col in ("layer", "naming", "experts", "I", "H", "schemes"):
+        moe.add_column(col)
+    for m in info["moe_layers"]:
+        moe.add_row(escape(m["name"]), m["naming"], str(m["experts"]), str(m["intermediate"]),
+                    str(m["hidden"]), ", ".join(m["schemes"]))
+    return moe
+
+
+def _inspect_exclusions(info: dict[str, Any]) -> Table:
     excl = Table(title="exclusions (engine semantics)", title_justify="left")
     excl.add_column("pattern")
     excl.add_column("matches")
@@ -80,9 +95,7 @@ def render_inspect(info: dict[str, Any], out: Output) -> None:
         excl.add_row(escape(r["pattern"]), escape(shown or "[nothing]"), escape("; ".join(notes)))
     if not info["exclusions"]:
         excl.add_row("(none)", "", "")
-    c.print(excl)
-    for f in info["config_findings"]:
-        out.warn(f"{f['code']} {f['location']}: {f['message']}")
+    return excl
 
 
 _SEV_STYLE = {"error": "bold red", "warning": "yellow"}

@@ -93,6 +93,20 @@ class SafetensorsHeader:
 def read_header(path: Path, follow: bool = True) -> SafetensorsHeader:
     """Parse and check one safetensors header; raise CorruptFileError naming the fault. ``follow``:
     whether ``path`` may be a symbolic link (a source in the Hugging Face cache), see io.paths."""
+    size, raw = _raw_header(path, follow)
+    header = parse_json_bytes(raw, path, "header", walk=False, keys=two_level_keys)  # a tensor named twice: refused
+    if not isinstance(header, dict):
+        raise CorruptFileError(f"{path}: header is not a JSON object", hint="the file is not a safetensors file")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CorruptFileError(f"{path}: __metadata__ is not an object", hint="the header is corrupt")
+    data_start = 8 + len(raw)
+    tensors = _entries(path, header, data_start, size - data_start)
+    return SafetensorsHeader(path, size, data_start, tensors, dict(metadata), hashlib.sha256(raw).hexdigest())
+
+
+def _raw_header(path: Path, follow: bool) -> tuple[int, bytes]:
+    """The file's size and its header's JSON bytes."""
     fd = open_regular(path, follow)
     try:
         size = os.fstat(fd).st_size
@@ -111,14 +125,11 @@ def read_header(path: Path, follow: bool = True) -> SafetensorsHeader:
         raise read_error(path, e) from None
     finally:
         os.close(fd)
-    header = parse_json_bytes(raw, path, "header", walk=False, keys=two_level_keys)  # a tensor named twice: refused
-    if not isinstance(header, dict):
-        raise CorruptFileError(f"{path}: header is not a JSON object", hint="the file is not a safetensors file")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise CorruptFileError(f"{path}: __metadata__ is not an object", hint="the header is corrupt")
-    data_start = 8 + n
-    data_size = size - data_start
+    return size, raw
+
+
+def _entries(path: Path, header: dict, data_start: int, data_size: int) -> dict[str, TensorEntry]:
+    """Each tensor's entry, checked: dtype, shape, offsets inside the data and no two overlapping."""
     tensors: dict[str, TensorEntry] = {}
     spans: list[tuple[int, int, str]] = []
     sizes = DTYPE_SIZES
@@ -161,7 +172,7 @@ def read_header(path: Path, follow: bool = True) -> SafetensorsHeader:
         if b1 < e0:
             raise CorruptFileError(f"{path}: tensors '{n0}' and '{n1}' overlap (bytes {b1}..{e0})",
                                    hint="the header is corrupt")
-    return SafetensorsHeader(path, size, data_start, tensors, dict(metadata), hashlib.sha256(raw).hexdigest())
+    return tensors
 
 
 def tensor_bytes_view(t: torch.Tensor | np.ndarray) -> memoryview:
