@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -214,16 +214,60 @@ def load_tensors(entries: list[TensorEntry], device: str | torch.device = "cpu",
     return out
 
 
-def shard_by_shard(entries: Iterable[TensorEntry], device: str | torch.device = "cpu") -> Iterator[dict[str, torch.Tensor]]:
-    """``load_tensors`` one file at a time, in file order: the bytes in flight are one shard's, not the
-    rank's (what a serving process copying into its own parameters wants)."""
+def shard_into(entries: Iterable[TensorEntry], targets: Mapping[str, torch.Tensor],
+               device: str | torch.device = "cpu") -> Iterator[dict[str, torch.Tensor]]:
+    """Each file's tensors read once, in file order, straight into ``targets`` (name -> a contiguous tensor
+    of the entry's dtype and shape on ``device``: a serving model's parameter) with no buffer between: on the
+    CPU the file is read into the target's memory, on CUDA each pinned staging chunk is copied into the
+    targets it overlaps. Yields, per file, its other tensors (on ``device``, each its own allocation)."""
+    import torch
+
+    device = torch.device(device)
     by_file: dict[Path, list[TensorEntry]] = {}
     for e in entries:
         by_file.setdefault(e.file, []).append(e)
-    stages: list = []  # the pinned staging buffers, allocated for the first shard and kept for the others
+    dtypes, stages = torch_dtypes(), []
     for file in sorted(by_file):
-        yield load_tensors(by_file[file], device, stages=stages)
+        es = sorted(by_file[file], key=lambda e: e.start)
+        rest = {e.name: torch.empty(e.shape, dtype=dtypes[e.dtype], device=device) for e in es if e.name not in targets}
+        dsts = [(e.start, e.nbytes, _flat_bytes(targets[e.name] if e.name in targets else rest[e.name]))
+                for e in es if e.nbytes]
+        if device.type == "cuda" and dsts:
+            start = dsts[0][0]
+            end = max(b + n for b, n, _ in dsts)
+            _stream_to_device(file, start, end - start, device, False, stages, _scatter(dsts, start))
+        else:
+            for b, _, dst in dsts:
+                _pread_into(file, b, tensor_bytes_view(dst))
+        yield rest
     stages.clear()
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    if not t.is_contiguous():
+        raise ValueError("shard_into needs contiguous targets")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _scatter(dsts: list[tuple[int, int, torch.Tensor]], start: int):
+    """A ``_stream_to_device`` sink copying each staged chunk's bytes into the destinations it overlaps
+    (``dsts``: file offset, size, flat byte view; sorted by offset, not overlapping)."""
+    first = 0
+
+    def sink(a: int, n: int, stage: torch.Tensor) -> None:
+        nonlocal first
+        lo, hi = start + a, start + a + n
+        while first < len(dsts) and dsts[first][0] + dsts[first][1] <= lo:
+            first += 1
+        for b, size, dst in dsts[first:]:
+            if b >= hi:
+                break
+            x, y = max(b, lo), min(b + size, hi)
+            dst[x - b:y - b].copy_(stage[x - lo:y - lo], non_blocking=True)
+
+    return sink
 
 
 def _pread_into(path: Path, offset: int, view: memoryview, follow: bool = False) -> None:
@@ -305,8 +349,19 @@ def _read_to_device(path: Path, offset: int, nbytes: int, device: torch.device, 
     import torch
 
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    _stream_to_device(path, offset, nbytes, device, follow, kept,
+                      lambda a, n, stage: dst[a:a + n].copy_(stage[:n], non_blocking=True))
+    return dst
+
+
+def _stream_to_device(path: Path, offset: int, nbytes: int, device: torch.device, follow: bool, kept: list,
+                      sink) -> None:
+    """The file's bytes [offset, offset + nbytes) through pinned staging buffers, in order: ``sink(a, n, stage)``
+    enqueues asynchronous copies of the span's bytes [a, a + n) out of ``stage`` on the current stream."""
+    import torch
+
     if nbytes == 0:
-        return dst
+        return
     chunks = [(a, min(STAGE, nbytes - a)) for a in range(0, nbytes, STAGE)]
     workers = max(1, min(4, len(chunks), (os.cpu_count() or 1) // 2))
     stages = _take_stages(kept, min(len(chunks), 2 * workers))
@@ -316,7 +371,7 @@ def _read_to_device(path: Path, offset: int, nbytes: int, device: torch.device, 
         s = reads.take(j)
         if s is None:
             break
-        dst[a:a + n].copy_(stages[s][:n], non_blocking=True)
+        sink(a, n, stages[s])
         ev = torch.cuda.Event()
         ev.record(stream)
         # recycle the staging buffer once its copy is done, without blocking this loop on it
@@ -324,4 +379,3 @@ def _read_to_device(path: Path, offset: int, nbytes: int, device: torch.device, 
     reads.join()
     stream.synchronize()
     kept.extend(stages)
-    return dst

@@ -198,3 +198,23 @@ def test_marlin_repack_on_cuda_is_the_cpu_bytes(cli, tmp_path, monkeypatch):
                 assert r.exit_code == 0, r.stdout
             assert r.json["device"].startswith("cuda"), r.json  # the weights went through the GPU
             assert digest_tree(outs["cpu"]) == digest_tree(outs["cuda"])
+
+
+def test_shard_into_cuda_scatters_chunks_across_tensor_boundaries(tmp_path, monkeypatch):
+    """Staging chunks of 4 KiB: tensors start and end inside chunks, and one spans several."""
+    from safetensors.torch import load_file
+
+    import mocli.loader
+    from mocli.io.safetensors_file import read_header
+
+    monkeypatch.setattr(mocli.loader, "STAGE", 4096)
+    src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4")
+    files = sorted(src.glob("*.safetensors"))
+    want = {n: t for f in files for n, t in load_file(str(f)).items()}
+    entries = [e for f in files for e in read_header(f).tensors.values()]
+    names = sorted(want)[::2]
+    targets = {n: torch.zeros_like(want[n], device="cuda") for n in names}
+    rest = {n: t for r in mocli.loader.shard_into(entries, targets, "cuda") for n, t in r.items()}
+    assert sorted(rest) == sorted(set(want) - set(names))
+    for n, t in [*targets.items(), *rest.items()]:
+        assert t.device.type == "cuda" and torch.equal(t.cpu().view(torch.uint8), want[n].view(torch.uint8)), n

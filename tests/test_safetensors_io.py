@@ -248,3 +248,36 @@ def _fallocate_works(path) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def _shard_into_case(tmp_path):
+    """Two files of mixed dtypes (a 0-dim, an empty, odd sizes), half of the tensors as targets."""
+    files = {"a.safetensors": {"w": torch.arange(3000, dtype=torch.int32).view(30, 100), "s": torch.tensor(2.5),
+                               "e": torch.empty(0, 4, dtype=torch.bfloat16), "b": torch.randn(77).to(torch.bfloat16)},
+             "b.safetensors": {"u": torch.arange(1001, dtype=torch.int64).to(torch.uint8), "f": torch.randn(5, 3)}}
+    for f, ts in files.items():
+        save_file(ts, str(tmp_path / f))
+    entries = [e for f in files for e in read_header(tmp_path / f).tensors.values()]
+    return files, entries
+
+
+def test_shard_into_reads_targets_in_place_and_yields_the_rest(tmp_path):
+    from mocli.loader import shard_into
+
+    files, entries = _shard_into_case(tmp_path)
+    want = {n: t for f in files for n, t in load_file(str(tmp_path / f)).items()}  # safetensors' own reader
+    targets = {n: torch.full_like(want[n], 7) for n in ("w", "s", "e", "u")}
+    ptrs = {n: t.data_ptr() for n, t in targets.items()}
+    rest = [r for r in shard_into(entries, targets)]
+    assert [sorted(r) for r in rest] == [["b"], ["f"]]  # per file, in file order, the non-targets only
+    for n, t in [*targets.items(), *(kv for r in rest for kv in r.items())]:
+        assert t.dtype == want[n].dtype and torch.equal(t, want[n]), n
+    assert {n: t.data_ptr() for n, t in targets.items()} == ptrs  # written in place, not replaced
+
+
+def test_shard_into_refuses_a_strided_target(tmp_path):
+    from mocli.loader import shard_into
+
+    _, entries = _shard_into_case(tmp_path)
+    with pytest.raises(ValueError, match="contiguous"):
+        next(shard_into(entries, {"w": torch.zeros(100, 30, dtype=torch.int32).T}))

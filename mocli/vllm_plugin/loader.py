@@ -21,7 +21,7 @@ from mocli.errors import MocliError
 from mocli.formats.layout import rank_entries
 from mocli.formats.manifest import ModuleEntry
 from mocli.io.safetensors_file import torch_dtypes
-from mocli.loader import shard_by_shard
+from mocli.loader import shard_into
 from mocli.vllm_plugin.checks import LayoutMismatch
 from mocli.vllm_plugin.config import MocliConfig, model_dir
 from mocli.vllm_plugin.methods import MocliLinearMethod, MocliMoEMethod
@@ -52,12 +52,18 @@ class MocliModelLoader(BaseModelLoader):
         except MocliError as e:
             raise LayoutMismatch(e.message + (f" ({e.hint})" if e.hint else "")) from None
         _check_index(config, entries, rank)
+        dtypes = torch_dtypes()
+        for name, param in targets.items():
+            if name in entries:
+                _check_same(name, dtypes[entries[name].dtype], tuple(entries[name].shape), param)
         device = next(iter(layers.values())).weight_device if layers else next(model.parameters()).device
+        # the converted tensors are read straight into their parameters, the rest handed to vLLM's loaders
+        direct = {n: p.data for n, p in targets.items() if p.data.is_contiguous() and p.device == device}
         feed = _Passthrough(model)
-        for tensors in shard_by_shard(entries.values(), device):
+        for tensors in shard_into(entries.values(), direct, device):
             for name, t in tensors.items():
                 if name in targets:
-                    _copy(name, t, targets[name])
+                    targets[name].data.copy_(t)
                 else:
                     feed(name, t)
         feed.check()
@@ -138,13 +144,13 @@ def _copy_targets(modules: tuple[ModuleEntry, ...], layers: dict[str, _Layer]) -
     return targets
 
 
-def _copy(name: str, t: torch.Tensor, param: torch.nn.Parameter) -> None:
-    """Byte for byte into the parameter of the same name, or one error naming both sides."""
-    if param.dtype != t.dtype or param.shape != t.shape:
+def _check_same(name: str, dtype: torch.dtype, shape: tuple[int, ...], param: torch.nn.Parameter) -> None:
+    """A stored tensor goes byte for byte into the parameter of the same name: same dtype and shape, or one
+    error naming both sides (checked before any byte is read)."""
+    if param.dtype != dtype or tuple(param.shape) != shape:
         names = {v: k for k, v in torch_dtypes().items()}
-        raise LayoutMismatch(f"{name}: the layout stores {names.get(t.dtype, t.dtype)} {list(t.shape)}, vLLM's layer "
+        raise LayoutMismatch(f"{name}: the layout stores {names.get(dtype, dtype)} {list(shape)}, vLLM's layer "
                              f"expects {names.get(param.dtype, param.dtype)} {list(param.shape)}")
-    param.data.copy_(t)
 
 
 class _Passthrough:

@@ -30,20 +30,19 @@ def main() -> None:
     elif a.mode == "plugin":
         # what mocli.vllm_plugin.loader.MocliModelLoader does with the bytes (vLLM is not needed for that,
         # and the GPU machine has none): the parameters exist first (vLLM builds the model, then loads),
-        # the rank's entries come from rank_entries, each shard is read onto the device by shard_by_shard
-        # (the loader's own call) and copied into its parameter. What this leaves out is vLLM's own model
+        # the rank's entries come from rank_entries, each shard is read by shard_into (the loader's own
+        # call) straight into the parameters. What this leaves out is vLLM's own model
         # building and its load_weights for the BF16 pass-through tensors, which any checkpoint pays.
         from mocli.formats.layout import rank_entries, read_layout
         from mocli.io.safetensors_file import torch_dtypes
-        from mocli.loader import shard_by_shard
+        from mocli.loader import shard_into
 
         entries = rank_entries(a.path, read_layout(a.path), None)
         dtypes = torch_dtypes()
         params = {n: torch.empty(e.shape, dtype=dtypes[e.dtype], device=a.device) for n, e in entries.items()}
-        for tensors in shard_by_shard(entries.values(), a.device):
-            for name, t in tensors.items():
-                params[name].copy_(t)
-                nbytes += t.nbytes
+        for rest in shard_into(entries.values(), params, a.device):
+            assert not rest
+        nbytes = sum(p.nbytes for p in params.values())
     else:
         from safetensors.torch import load_file
 
