@@ -70,6 +70,7 @@ CODES: dict[str, tuple[Severity, str]] = {
     "TGT001": (Severity.ERROR, "shape violates the target's alignment"),
     "TGT002": (Severity.ERROR, "scheme not supported by the target"),
     "TGT003": (Severity.WARNING, "layer below the target kernel's minimum shape: the engine runs it on another kernel"),
+    "TGT004": (Severity.ERROR, "an MXFP4 expert block fits no single block-FP8 scale (--mxfp4-experts fp8-block)"),
     # tensor / expert parallel ranks (SEMANTICS §10; validate --tp/--ep, convert --tp/--ep)
     "PAR001": (Severity.ERROR, "attention heads cannot be divided among the tensor-parallel ranks"),
     "PAR002": (Severity.ERROR, "experts cannot be divided among the expert-parallel ranks"),
