@@ -22,8 +22,9 @@ from mocli.targets import Target
 
 def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", overwrite: bool = False,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress=None, tp: int = 1, ep: int = 1,
-            digests: SourceDigests | None = None, dist=None) -> dict[str, Any]:
+            digests: SourceDigests | None = None, dist=None, mxfp4_experts: str = "native") -> dict[str, Any]:
     """Convert ``ckpt`` for ``target`` (at ``tp``/``ep`` ranks) into ``out``; returns the summary.
+    ``mxfp4_experts`` "fp8-block": MXFP4 experts re-encoded as 128x128 block FP8 (``mocli.targets.experts``).
 
     Nothing imports torch: every unit of a conversion is ``torch_free`` (bytes copied or moved, FP8
     shards requantized and NVFP4 block scales rescaled through 256-entry tables, in numpy on the CPU),
@@ -43,36 +44,43 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
     if tp < 1 or ep < 1:
         raise InputError(f"--tp {tp} --ep {ep}: sizes must be at least 1", hint="e.g. --tp 8, or --tp 2 --ep 2")
     parallel = ParallelLayout(tp, ep)
+    # outputs of the default are byte for byte what they were before the option existed
+    reencoded = {} if mxfp4_experts == "native" else {"mxfp4_experts": str(mxfp4_experts)}
+    if reencoded:
+        from mocli.targets.experts import check_choice
+
+        check_choice(target, mxfp4_experts)
     ckpt.require_convertible()
     stream.check_output(out, overwrite, ckpt.path)
     progress.phase("planning")
     census = ckpt.census()
     scales = read_scales(census)
-    report = validate(ckpt, target, census, scales, parallel=parallel)
+    report = validate(ckpt, target, census, scales, parallel=parallel, mxfp4_experts=mxfp4_experts)
     if report.findings.errors:
         raise Refused(report.findings)
 
     # validate planned it to judge what it computes (SCL006): the same census, scales, target and ranks
-    plan = report.plan or build_plan(census, scales, target, parallel, Heads.from_config(ckpt.config))
+    plan = report.plan or build_plan(census, scales, target, parallel, Heads.from_config(ckpt.config), mxfp4_experts)
     layouts = group_layouts(list(plan.tensors.values()), max_shard_bytes)
     fp = stream.fingerprint("convert", ckpt.files, layouts, {
         "layout_version": layout.LAYOUT_VERSION, "target": str(target), "parallel": parallel.to_dict(),
-        "tensors": {f"{g}/{n}": t.to_dict() for (g, n), t in plan.tensors.items()}})
+        "tensors": {f"{g}/{n}": t.to_dict() for (g, n), t in plan.tensors.items()}, **reencoded})
     body = layout.manifest_body(plan, target, parallel, ckpt.quant.kv_cache_algo if ckpt.quant else None)
 
     def finish(partial: Path, files: dict[str, str]) -> None:
         provenance = provenance_block(ckpt.source, digests.result(), target=str(target),
                                       layout_version=layout.LAYOUT_VERSION, layout=layout.MANIFEST_NAME,
-                                      parallel=parallel.to_dict())
+                                      parallel=parallel.to_dict(), **reencoded)
         layout.write_layout(partial, ckpt.path, body, layouts, files, provenance)
 
     check_device(device)  # refused before anything is written (the driver answered while we planned)
     job = stream.Job("convert", out, ckpt.path, plan, layouts, fp, finish, overwrite=overwrite, device=device,
                      progress=progress, dist=dist, source_digests=digests,
-                     args={"--target": target, "--tp": tp, "--ep": ep, "--max-shard-size": max_shard_bytes})
+                     args={"--target": target, "--tp": tp, "--ep": ep, "--max-shard-size": max_shard_bytes,
+                           **({"--mxfp4-experts": str(mxfp4_experts)} if reencoded else {})})
     result = stream.run(job)
     return {
-        "output": str(out), "target": str(target), **result.device_fields(), "tensors": len(plan.tensors),
+        "output": str(out), "target": str(target), **reencoded, **result.device_fields(), "tensors": len(plan.tensors),
         "parallel": parallel.to_dict(), "bytes": result.bytes, "shards": len(result.files),
         "units": result.units, "resumed_units": result.resumed_units, "modules": len(plan.modules),
         "seconds": round(time.perf_counter() - t0, 3), "unified_scales": plan.unified_scales,

@@ -189,6 +189,7 @@ class Fp8BlockMoE:
     hidden: int
     naming: str
     block: list[int]
+    reencoded_from: str | None = None  # "mxfp4": re-encoded from MXFP4 experts (SEMANTICS §19.7)
     expert_offset: int = 0
 
 

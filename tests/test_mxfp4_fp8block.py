@@ -120,3 +120,19 @@ def test_rule_matches_brute_force_over_scales():
         assert ok == bool(exact)
         seen.add(ok)
     assert seen == {True, False}
+
+
+def test_tiny_blocks_keep_above_the_engine_clamp_or_are_refused():
+    # 6 * 2^(90-127) = 1.5 * 2^-35: max e - 8 = -43, below 2^-33 (the smallest power of two >= 1e-10, which
+    # vLLM's clamp_(min=1e-10) keeps), yet s = -33 still holds it: 6 * 2^-37 / 2^-33 = 0.375
+    packed, codes = _block(128, 128, 127, {(0, 0): (7, 90)})
+    q, s = reencode(packed, codes)
+    assert s.tolist() == [[2.0 ** -33]] and 2.0 ** -33 > 1e-10 > 2.0 ** -34
+    assert q[0, 0].float().item() == 0.375
+    assert dequant(q, s)[0, 0].item() == 6 * 2.0 ** -37
+    # 0.5 * 2^(85-127) = 2^-43 needs s <= -34: only a scale the engine would clamp
+    packed, codes = _block(128, 256, 127, {(0, 200): (1, 85)})
+    with pytest.raises(SpreadError) as err:
+        reencode(packed, codes)
+    assert (err.value.row, err.value.col, err.value.floor) == (0, 1, True)
+    assert "below 1e-10" in str(err.value)

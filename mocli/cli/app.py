@@ -31,6 +31,8 @@ from mocli.errors import (
 )
 from mocli.output import Output
 from mocli.targets import Target
+from mocli.targets.experts import HELP as MXFP4_EXPERTS_HELP
+from mocli.targets.experts import Mxfp4Experts
 
 EXIT_CODES = ("Exit codes: 0 ok; 1 findings (validation or verification failed, nothing written); 2 usage "
               "error or unusable input (validate: no engine's reading could be judged, NOT JUDGED); 3 internal error (a mocli bug: MOCLI_DEBUG=1 prints the traceback); 130 "
@@ -261,6 +263,8 @@ ShardSizeOpt = Annotated[str, typer.Option("--max-shard-size", metavar="SIZE", h
 TpOpt = Annotated[int, typer.Option("--tp", metavar="N", min=1, help="Tensor-parallel size (SEMANTICS §10).")]
 EpOpt = Annotated[int, typer.Option("--ep", metavar="M", min=1, help="Expert-parallel size for MoE layers (ep = tp "
                                     "x dp; 1: MoE tensor-parallel over --tp).")]
+Mxfp4ExpertsOpt = Annotated[Mxfp4Experts, typer.Option("--mxfp4-experts", metavar="HOW", case_sensitive=False,
+                                                      help=MXFP4_EXPERTS_HELP)]
 
 
 

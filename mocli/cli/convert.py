@@ -12,6 +12,7 @@ from mocli.cli.app import (
     ConvertDeviceOpt,
     EpOpt,
     ModelArg,
+    Mxfp4ExpertsOpt,
     OutputOpt,
     OverwriteOpt,
     ShardSizeOpt,
@@ -25,6 +26,7 @@ from mocli.cli.app import (
 from mocli.devices import Device, warm_cuda
 from mocli.output import Output
 from mocli.targets import Target
+from mocli.targets.experts import Mxfp4Experts
 
 
 @command("convert")
@@ -37,6 +39,7 @@ def convert_cmd(
                                            show_default=False)],
     tp: TpOpt = 1,
     ep: EpOpt = 1,
+    mxfp4_experts: Mxfp4ExpertsOpt = Mxfp4Experts.NATIVE,
     device: ConvertDeviceOpt = Device.AUTO,
     overwrite: OverwriteOpt = False,
     max_shard_size: ShardSizeOpt = "2GB",
@@ -67,7 +70,7 @@ def convert_cmd(
 
             summary = on_every_process(lambda dist: convert(
                 ckpt, output, target, device=device.value, overwrite=overwrite, max_shard_bytes=shard_bytes,
-                progress=progress, tp=tp, ep=ep, digests=digests, dist=dist))
+                progress=progress, tp=tp, ep=ep, digests=digests, dist=dist, mxfp4_experts=mxfp4_experts))
         if summary is not None:
             out.emit(summary, render_convert)
 

@@ -9,6 +9,7 @@ import typer
 from mocli.cli.app import (
     EpOpt,
     ModelArg,
+    Mxfp4ExpertsOpt,
     OutputFormat,
     TargetOpt,
     TpOpt,
@@ -18,6 +19,7 @@ from mocli.cli.app import (
 from mocli.engines import Engine
 from mocli.errors import EXIT_FINDINGS, InputError
 from mocli.output import Output
+from mocli.targets.experts import Mxfp4Experts
 
 
 @command("validate")
@@ -27,6 +29,7 @@ def validate_cmd(
     target: TargetOpt = None,
     tp: TpOpt = 1,
     ep: EpOpt = 1,
+    mxfp4_experts: Mxfp4ExpertsOpt = Mxfp4Experts.NATIVE,
     deep: Annotated[bool, typer.Option("--deep", metavar="", help="Also scan every weight and scale byte for NaN/Inf codes "
                                        "(reads the whole checkpoint at disk speed).")] = False,
     select: Annotated[list[str] | None, typer.Option("--select", metavar="CODE", help="Report only these codes "
@@ -57,7 +60,7 @@ def validate_cmd(
         ckpt = open_checkpoint(model)
         with out.progress_bar("scanning") as progress:
             report = validate(ckpt, target, parallel=ParallelLayout(tp, ep), deep=deep, progress=progress,
-                              engine=engine)
+                              engine=engine, mxfp4_experts=mxfp4_experts)
         report.filter(select or [], ignore or [])
         report.warnings_as_errors = warnings_as_errors
         out.emit(report.to_dict(), render_validation_concise if output_format is OutputFormat.CONCISE

@@ -18,32 +18,39 @@ from mocli.kinds import ModuleKind, table
 from mocli.parallel import Heads, ParallelLayout
 from mocli.plan.context import PlanContext
 from mocli.plan.core import ConvertedModule, ConvertPlan
+from mocli.plan.mxfp4_fp8block_moe import _Mxfp4Fp8BlockMoe
+from mocli.schemes import MXFP4, Scheme
 from mocli.targets import Target, layout_of
 
 # Module kind -> its planner (its card's, ``mocli.kinds``), called as
 # PLANNERS[kind](context, kind, name, modules or MoE layer).plan().
 PLANNERS: dict[ModuleKind, Callable] = table("planner")
+# (kind, stored scheme) -> the planner that writes that scheme as the kind by re-encoding it (a layout variant
+# maps the scheme to the kind: ``mocli.targets.experts``)
+REENCODED: dict[tuple[ModuleKind, Scheme], Callable] = {(ModuleKind.FP8_BLOCK_MOE, MXFP4): _Mxfp4Fp8BlockMoe}
 
 __all__ = ["PLANNERS", "ConvertPlan", "ConvertedModule", "build_plan"]
 
 
 def build_plan(census: Census, scales: dict[str, np.ndarray], target: Target,
-               parallel: ParallelLayout | None = None, heads: Heads | None = None) -> ConvertPlan:
+               parallel: ParallelLayout | None = None, heads: Heads | None = None,
+               mxfp4_experts: str = "native") -> ConvertPlan:
     """The whole conversion: quantized dense modules and MoE layers through their kind's planner,
-    everything else passed through unchanged at the top level (SEMANTICS §10: not sliced)."""
-    pc = PlanContext(census, scales, layout_of(target), parallel or ParallelLayout(), heads)
+    everything else passed through unchanged at the top level (SEMANTICS §10: not sliced).
+    ``mxfp4_experts``: how MXFP4 experts are written (``mocli.targets.experts``)."""
+    pc = PlanContext(census, scales, layout_of(target, mxfp4_experts), parallel or ParallelLayout(), heads)
     # a value that overflows is not a warning here: every computed one is judged (``ConvertPlan.computed``)
     with pc.reader, np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         for name, shards, scheme in census.dense_units():
-            _plan(pc, pc.layout.kind_for(scheme, moe=False), name, shards)
+            _plan(pc, pc.layout.kind_for(scheme, moe=False), name, shards, scheme)
         for layer, scheme in census.moe_units():
-            _plan(pc, pc.layout.kind_for(scheme, moe=True), layer.name, layer)
+            _plan(pc, pc.layout.kind_for(scheme, moe=True), layer.name, layer, scheme)
     rest = [e for m in census.modules.values() for e in m.tensors.values() if e.name not in pc.consumed]
     pc.plan.copy_units(sorted(rest + census.kv_scales, key=lambda e: (str(e.file), e.start)))
     return pc.plan
 
 
-def _plan(pc: PlanContext, kind: ModuleKind | None, name: str, what) -> None:
+def _plan(pc: PlanContext, kind: ModuleKind | None, name: str, what, scheme) -> None:
     if kind is None:  # validate refuses these first (TGT002); reaching here is a mocli bug
         raise ValueError(f"{name}: no kernel path for its scheme")
-    PLANNERS[kind](pc, kind, name, what).plan()
+    REENCODED.get((kind, scheme), PLANNERS[kind])(pc, kind, name, what).plan()

@@ -19,8 +19,15 @@ REGISTRY: dict[Target, TargetLayout] = {
 }
 
 
-def layout_of(target: Target | str) -> TargetLayout:
-    return REGISTRY[Target(target)]
+def layout_of(target: Target | str, mxfp4_experts: str = "native") -> TargetLayout:
+    """The target's layout; ``mxfp4_experts`` "fp8-block": its variant that re-encodes MXFP4 experts
+    (``mocli.targets.experts``; refused, exit 2, for a target without FP8 block-scale experts)."""
+    if mxfp4_experts == "native":
+        return REGISTRY[Target(target)]
+    from mocli.targets.experts import check_choice, with_fp8_block_experts
+
+    check_choice(target, mxfp4_experts)
+    return with_fp8_block_experts(REGISTRY[Target(target)])
 
 
 def takes(target: Target | str, scope: str) -> str:

@@ -29,6 +29,7 @@ from mocli.validate.exclusion import check_exclusions, check_mixed_layers, decla
 from mocli.validate.grouping import group_findings
 from mocli.validate.mxfp4 import check_mxfp4
 from mocli.validate.parallel import check_parallel
+from mocli.validate.reencode import check_reencoded
 from mocli.validate.scale import check_scales
 from mocli.validate.target import check_target
 from mocli.validate.tensor import check_kv_cache, check_tensors
@@ -94,11 +95,18 @@ class ValidationReport:
 
 def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | None = None,
              scales: dict[str, np.ndarray] | None = None, parallel: ParallelLayout | None = None,
-             deep: bool = False, progress: Any = None, engine: Engine = Engine.VLLM) -> ValidationReport:
+             deep: bool = False, progress: Any = None, engine: Engine = Engine.VLLM,
+             mxfp4_experts: str = "native") -> ValidationReport:
     """All checks; ``census``/``scales`` may be passed in when the caller already has them. ``engine``:
-    whose reading of exclusions and algorithms is checked (``mocli.engines``; vLLM's by default)."""
+    whose reading of exclusions and algorithms is checked (``mocli.engines``; vLLM's by default).
+    ``mxfp4_experts``: how the target would write MXFP4 experts (``mocli.targets.experts``; fp8-block reads
+    every MXFP4 expert's bytes to judge its blocks, TGT004)."""
+    if mxfp4_experts != "native":
+        from mocli.targets.experts import check_choice
+
+        check_choice(target, mxfp4_experts)
     with paused_gc():  # ~100k findings, scale arrays and plan objects, none cyclic (see paused_gc)
-        report = _header_checks(ckpt, target, census, scales, parallel, deep, engine)
+        report = _header_checks(ckpt, target, census, scales, parallel, deep, engine, str(mxfp4_experts))
     if deep and "scale_names" in report.stats:  # not where the checks stopped early (no quantization config)
         from mocli.deep_scan import scan
 
@@ -108,7 +116,7 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
 
 
 def _header_checks(ckpt: Checkpoint, target: Target | None, census: Census | None, scales: dict[str, np.ndarray] | None,
-                   parallel: ParallelLayout | None, deep: bool, engine: Engine) -> ValidationReport:
+                   parallel: ParallelLayout | None, deep: bool, engine: Engine, experts: str) -> ValidationReport:
     """Every check but the deep scan: headers, configs, the scales and (``target``) the conversion's plan."""
     findings = Findings(ckpt.config_findings)
     census = census or ckpt.census()
@@ -118,6 +126,8 @@ def _header_checks(ckpt: Checkpoint, target: Target | None, census: Census | Non
     engines = ENGINES[engine]
     report.judged = {"engine": str(engine), "engines": [], "labels": {}, "target": None if target is None else str(target),
                      "tp": parallel.tp, "ep": parallel.ep, "deep": deep}
+    if experts != "native":
+        report.judged["mxfp4_experts"] = experts
     if quant is None or quant.algo is None:  # CFG00x already says why; nothing else can be judged
         report.not_judged.append({"what": "checkpoint", "name": None, "label": "engines, target and layout",
                                   "why": "no quantization config mocli reads (the CFG findings say why)"})
@@ -145,8 +155,9 @@ def _header_checks(ckpt: Checkpoint, target: Target | None, census: Census | Non
     heads = Heads.from_config(ckpt.config)
     sliceable = check_parallel(parallel, heads, census, findings)
     if target is not None:
-        check_target(target, parallel, heads, census, sliceable, findings)
-        report.plan = check_computed(target, parallel, heads, census, scales, findings)
+        check_target(target, parallel, heads, census, sliceable, findings, experts)
+        check_reencoded(target, census, findings, experts)
+        report.plan = check_computed(target, parallel, heads, census, scales, findings, experts)
     return report
 
 

@@ -22,14 +22,14 @@ _NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def check_computed(target: Target, parallel: ParallelLayout, heads: Heads | None, census: Census,
-                   scales: dict[str, np.ndarray], findings: Findings):
+                   scales: dict[str, np.ndarray], findings: Findings, mxfp4_experts: str = "native"):
     """The conversion's plan (None where errors found so far leave nothing to plan), with an SCL006 per
     output tensor whose computed value is not finite, naming the tensor, its ranks, its sources and values."""
     from mocli.plan import build_plan
 
     if findings.errors:
         return None
-    plan = build_plan(census, scales, target, parallel, heads)
+    plan = build_plan(census, scales, target, parallel, heads, mxfp4_experts)
     bad: dict[str, list] = {}  # output tensor name -> [(OutTensor, value, element or None, {source: value})]
     for key, v in plan.computed.items():
         flat = v.reshape(-1)

@@ -12,8 +12,8 @@ from mocli.validate.parallel import sliceable_units
 
 
 def check_target(target: Target, par: ParallelLayout, heads: Heads | None, census: Census,
-                 sliceable: set[str], findings: Findings) -> None:
-    layout = layout_of(target)
+                 sliceable: set[str], findings: Findings, mxfp4_experts: str = "native") -> None:
+    layout = layout_of(target, mxfp4_experts)
     at = "" if par.single else f" per rank at tp {par.tp}" + (f", ep {par.ep}" if par.ep > 1 else "")
     for name, shards, scheme in sliceable_units(census):
         if scheme not in layout.supported["linear"]:
@@ -33,11 +33,11 @@ def check_target(target: Target, par: ParallelLayout, heads: Heads | None, censu
             if m.scheme is scheme and size < m.at_least:
                 findings.add("TGT003", name, f"{m.dim} = {size}{at} is below {target}'s kernel minimum of "
                              f"{m.at_least}", hint=m.why)
-    _check_moe(target, par, census, findings, at)
+    _check_moe(layout, par, census, findings, at)
 
 
-def _check_moe(target: Target, par: ParallelLayout, census: Census, findings: Findings, at: str) -> None:
-    layout = layout_of(target)
+def _check_moe(layout, par: ParallelLayout, census: Census, findings: Findings, at: str) -> None:
+    target = layout.target
     for layer in census.moe:
         schemes = layer.schemes - {None}
         if not schemes:

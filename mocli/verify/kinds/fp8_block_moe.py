@@ -11,6 +11,7 @@ import numpy as np
 from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind
 from mocli.numerics.in_numpy import E4M3, fp8_per_group_quant
+from mocli.schemes import MXFP4
 from mocli.tables import WEIGHT, WEIGHT_SCALE
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.decoded_moe import DecodedMoe
@@ -69,4 +70,9 @@ class Fp8BlockMoe(DecodedMoe):
 
 
 def check(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext):
+    """MXFP4 source experts were re-encoded (convert --mxfp4-experts fp8-block): proven against their values."""
+    if MXFP4 in ctx.src.layers[name].schemes:
+        from mocli.verify.kinds.fp8_block_mxfp4 import ReencodedFp8BlockMoe
+
+        return check_moe(name, infos, ctx, ReencodedFp8BlockMoe)
     return check_moe(name, infos, ctx, Fp8BlockMoe)
