@@ -5,7 +5,8 @@ global or input scale (SEMANTICS §19.1). gpt-oss, compressed-tensors ``mxfp4-pa
 and ModelOpt 0.47 ``mxfp4`` all store these bytes (§19.2), under their own names (``Spelling``).
 
 Told apart from NVFP4 by the scale: both pack the weight as U8 [N, K/2], NVFP4's scale is F8_E4M3
-[N, K/16], MXFP4's U8 [N, K/32]. No target converts MXFP4 yet: inspect and validate read it."""
+[N, K/16], MXFP4's U8 [N, K/32]. Converted by `marlin` (dense and MoE) and `flashinfer-trtllm` (MoE), and re-encoded as block FP8 for both
+FlashInfer targets with `--mxfp4-experts fp8-block` (§19.5-§19.7)."""
 
 from mocli.quant_config import MXFP4_GROUP_SIZE, Algo
 from mocli.schemes.base import ScaleSpec, Scheme, weight_is
