@@ -165,8 +165,10 @@ def test_verify_passes_and_catches_planted_faults(inputs, cli, tmp_path, name, t
         bad = tmp_path / what.replace(" ", "_")
         shutil.copytree(out, bad)
         edit_tensor(bad / ("rank-0" if ranks > 1 else ""), tensor, fn)
-        r = cli("verify", bad)
+        r = cli("verify", bad, "--json")
         assert r.exit_code != 0, (what, r.stdout)
+        # the layer's own check, not only the file digest (which any changed byte breaks)
+        assert any(m["module"] == layer and not m["passed"] for m in json.loads(r.stdout)["modules"]), (what, r.stdout)
     if name.startswith("gpt_oss") and int(tp) > 1 and int(ep) == 1:  # down bias on rank 1: must be zeros
         bad = tmp_path / "b2"
         shutil.copytree(out, bad)

@@ -83,30 +83,31 @@ class Mxfp4MarlinGptOssMoe(Mxfp4Moe):
             problems.append(f"activation {mod.activation!r}, act_dtype {mod.act_dtype!r}: gpt-oss's experts are "
                             "swigluoai, built for bfloat16")
 
-    def decoded(self, mod, local: int) -> dict[str, np.ndarray]:
+    def decoded_parts(self, mod, local: int) -> dict[str, list[np.ndarray]]:
+        """Expert ``local`` as ``mxfp4_moe``'s parts: ``w13_*`` [up, gate] (odd and even rows), ``w2_*`` [rows]."""
         i, h, pad, what = mod.intermediate, mod.hidden, mod.scale_pad, mod.name
         w = lay.decode_weight(mod.w13_weight[local], 2 * i, h, f"{what}.w13_weight[{local}]")
         s = lay.decode_scales(mod.w13_weight_scale[local], 2 * i, h // GROUP, f"{what}.w13_weight_scale[{local}]", fill=pad)
-        out = {"w13_weight": np.concatenate([w[1::2], w[0::2]]), "w13_weight_scale": np.concatenate([s[1::2], s[0::2]]),
-               "w2_weight": lay.decode_weight(mod.w2_weight[local], h, i, f"{what}.w2_weight[{local}]"),
-               "w2_weight_scale": lay.decode_scales(mod.w2_weight_scale[local], h, i // GROUP,
-                                                    f"{what}.w2_weight_scale[{local}]", fill=pad)}
+        out = {"w13_weight": [w[1::2], w[0::2]], "w13_weight_scale": [s[1::2], s[0::2]],
+               "w2_weight": [lay.decode_weight(mod.w2_weight[local], h, i, f"{what}.w2_weight[{local}]")],
+               "w2_weight_scale": [lay.decode_scales(mod.w2_weight_scale[local], h, i // GROUP,
+                                                     f"{what}.w2_weight_scale[{local}]", fill=pad)]}
         for which, n in (("w13", 2 * i), ("w2", h)):
             b = getattr(mod, f"{which}_bias")
             if b is not None:
                 raw = np.ascontiguousarray(b[local]).view(np.uint8).reshape(-1, 2)
                 v = lay.decode_bias(raw, n, f"{what}.{which}_bias[{local}]").view(np.uint16).reshape(-1)
                 v = (v.astype(np.uint32) << 16).view(np.float32)
-                out[f"{which}_bias"] = np.concatenate([v[1::2], v[0::2]]) if which == "w13" else v
+                out[f"{which}_bias"] = [v[1::2], v[0::2]] if which == "w13" else [v]
         return out
 
     def numbers(self, ck, mod, off, i_slice):
         return (EMULATED_MOE, *super().numbers(ck, mod, off, i_slice)[1:])
 
-    def expected(self, ex, i_slice, mod):
+    def expected_parts(self, ex, i_slice, mod):
         """``mxfp4_moe``'s, the biases rounded to BF16 (vLLM's ``.to(params_dtype)``; exact for a BF16 source)."""
-        out = super().expected(ex, i_slice, mod)
-        return {k: bf16(v) if k.endswith("_bias") else v for k, v in out.items()}
+        out = super().expected_parts(ex, i_slice, mod)
+        return {k: [bf16(p) for p in v] if k.endswith("_bias") else v for k, v in out.items()}
 
 
 def check(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext):

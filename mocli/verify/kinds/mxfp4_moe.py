@@ -19,6 +19,7 @@ from mocli.schemes.mxfp4 import BIAS
 from mocli.tables import WEIGHT, WEIGHT_SCALE
 from mocli.targets import mxfp4_decode as dec
 from mocli.targets.decode import LayoutError
+from mocli.verify.expect import bit_equal
 from mocli.verify.kinds import WORKERS
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.moe import MoeCase, check_moe
@@ -67,9 +68,9 @@ class Mxfp4Moe(MoeCase):
         found = Problems()
         try:
             for local, ex in enumerate(experts):
-                got, want = self.decoded(mod, local), self.expected(ex, i_slice, mod)
-                for role, w in want.items():
-                    if not np.array_equal(np.ascontiguousarray(got[role]).view(np.uint8), np.ascontiguousarray(w).view(np.uint8)):
+                got, want = self.decoded_parts(mod, local), self.expected_parts(ex, i_slice, mod)
+                for role, parts in want.items():
+                    if len(got[role]) != len(parts) or not all(bit_equal(g, w) for g, w in zip(got[role], parts, strict=True)):
                         found.append(f"{role} (expert {ex.index}) differs from the source")
         except (LayoutError, CorruptFileError, ValueError) as e:
             return found, e
@@ -77,34 +78,35 @@ class Mxfp4Moe(MoeCase):
 
     def decoded(self, mod, local: int) -> dict[str, np.ndarray]:
         """Expert ``local``'s stored tensors in logical order, padding checked and cut: ``w13_*`` as [up; gate]."""
+        return {k: np.concatenate(v) if len(v) > 1 else np.ascontiguousarray(v[0])
+                for k, v in self.decoded_parts(mod, local).items()}
+
+    def decoded_parts(self, mod, local: int) -> dict[str, list[np.ndarray]]:
+        """``decoded``'s tensors as the views they are cut from, padding checked: ``w13_*`` as [up, gate] (the
+        pairs' rows), ``w2_*`` as [rows]. Each stored tensor is copied once (its rows un-shuffled); the pairs,
+        the kept rows and columns and the padding are views of that copy, compared without another."""
         i, h, pad = mod.intermediate, mod.hidden, mod.scale_pad
         out = {}
-        for which in ("w13", "w2"):
+        for which, keep, half in (("w13", i, h), ("w2", h, i)):
             w = dec.rows(np.ascontiguousarray(getattr(mod, f"{which}_weight")[local]))
             s = dec.scale_rows(np.ascontiguousarray(getattr(mod, f"{which}_weight_scale")[local]),
                                f"{mod.name}.{which}_weight_scale[{local}]")
             b = getattr(mod, f"{which}_bias")
             b = None if b is None else dec.rows(np.ascontiguousarray(b[local]))
-            parts = (w, s, b)
-            if which == "w13":
-                parts = tuple(None if p is None else np.concatenate(dec.pairs(p)) for p in parts)
-                keep, half = np.r_[0:i, mod.padded_intermediate:mod.padded_intermediate + i], h
-            else:
-                keep, half = np.r_[0:h], i
-            for name, p, cols, fill in ((f"{which}_weight", parts[0], half // 2, 0), (f"{which}_weight_scale", parts[1], half // 32, pad),
-                                        (f"{which}_bias", parts[2], None, 0)):
+            for name, p, cols, fill in ((f"{which}_weight", w, half // 2, 0), (f"{which}_weight_scale", s, half // 32, pad),
+                                        (f"{which}_bias", b, None, 0)):
                 if p is None:
                     continue
-                mask = np.ones(p.shape, bool)
-                at = keep if p.ndim == 1 else np.ix_(keep, np.arange(cols))
-                mask[at] = False
-                if bool((p[mask] != fill).any()):
-                    raise LayoutError(f"{mod.name}.{name} (expert {local}): padding is not {fill}")
-                out[name] = p[at]
+                out[name] = [_cut(q, keep, cols, fill, f"{mod.name}.{name} (expert {local})")
+                             for q in (dec.pairs(p) if which == "w13" else (p,))]
         return out
 
     def expected(self, ex, i_slice: tuple[int, int], mod) -> dict[str, np.ndarray]:
         """The source's bytes for one expert of the rank, in the decoded order ([up; gate] rows of the slice)."""
+        return {k: np.concatenate(v) for k, v in self.expected_parts(ex, i_slice, mod).items()}
+
+    def expected_parts(self, ex, i_slice: tuple[int, int], mod) -> dict[str, list[np.ndarray]]:
+        """``expected`` as views of the source: ``w13_*`` as [up rows, gate rows] of the slice, ``w2_*`` as [rows]."""
         (i0, i1), arr = i_slice, self.src.reader.array
         out = {}
         for role, name in ((WEIGHT, "weight"), (WEIGHT_SCALE, "weight_scale"), (BIAS, "bias")):
@@ -118,13 +120,13 @@ class Mxfp4Moe(MoeCase):
                 if role not in ex.up.tensors:
                     continue
                 up, gate = (_values(arr(m.tensors[role]), m.tensors[role].dtype, role)[i0:i1] for m in (ex.up, ex.gate))
-            out[f"w13_{name}"] = np.concatenate([up, gate])
+            out[f"w13_{name}"] = [up, gate]
             d = ex.down.tensors.get(role)
             if d is not None:
                 a = _values(arr(d), d.dtype, role)
                 per = {WEIGHT: 2, WEIGHT_SCALE: 32}.get(role)
                 # the down bias: TP rank 0's (the rank whose rows start I), zeros elsewhere (SEMANTICS §19.3)
-                out[f"w2_{name}"] = a[:, i0 // per:i1 // per] if per else (a if i0 == 0 else np.zeros_like(a))
+                out[f"w2_{name}"] = [a[:, i0 // per:i1 // per] if per else (a if i0 == 0 else np.zeros_like(a))]
         return out
 
     # --- numbers -------------------------------------------------------------------------------------
@@ -147,6 +149,15 @@ class Mxfp4Moe(MoeCase):
             stages.add("gemm1", rel_error(o1, ref1), self.limits.kept)
             stages.add("gemm2", rel_error(o2, ref2), self.limits.gemm2)
         return LABEL, True, stages.errors, stages.result(), None
+
+
+def _cut(p: np.ndarray, rows: int, cols: int | None, fill: int, what: str) -> np.ndarray:
+    """The first ``rows`` rows (and ``cols`` columns) of ``p`` as a view; raises LayoutError unless every other
+    element is ``fill``. Slices, not a mask: a mask as large as the tensor cost verify most of its time."""
+    pads = [p[rows:]] if cols is None else [p[rows:], p[:rows, cols:]]
+    if any(bool((x != fill).any()) for x in pads if x.size):
+        raise LayoutError(f"{what}: padding is not {fill}")
+    return p[:rows] if cols is None else p[:rows, :cols]
 
 
 def _values(a: np.ndarray, dtype: str, role: str) -> np.ndarray:
