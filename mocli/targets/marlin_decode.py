@@ -30,9 +30,9 @@ def decode_weight(stored: np.ndarray, n: int, k: int, what: str) -> np.ndarray:
 
     The layout read as SEMANTICS §13.5 has it: code (k, n) with k = 16 kt + 8h + 2b + l and
     n = 64c + 16j + 8 blk + a is nibble 4l + 2 blk + h of word (c, a, b, j) of row kt. So per block of
-    64-row groups: the words back to rows (c, a, b, j) with kt inside (pairs of words j = 2 jp + j2 at a
-    time, in 64 x 64 tiles), each word's bytes (l, blk) back to their rows' (c, j, blk, a) places, then
-    each byte pair's nibbles from (l; h) to (h; l)."""
+    64-row groups: each word's byte pairs' nibbles from (l; h) to (h; l) (one 64-bit delta swap), the
+    words back to rows (c, a, b, j) with kt inside (pairs of words j = 2 jp + j2 at a time, in 64 x 64
+    tiles), then each word's bytes (h, blk) to their rows' (c, j, blk, a) places."""
     raw = np.ascontiguousarray(stored).view(np.uint8)
     kt, nbytes = raw.shape
     np_, kp = nbytes // 8, 16 * kt
@@ -53,19 +53,22 @@ def decode_weight(stored: np.ndarray, n: int, k: int, what: str) -> np.ndarray:
 def _decode_blocks(pairs: np.ndarray, out: np.ndarray, blocks: list[tuple[int, int]], per: int) -> None:
     """``decode_weight``'s passes over the 64-row groups [c0, c1) of each block, with scratch of its own."""
     kt = pairs.shape[0]
+    block, t = np.empty((kt, 64 * per), dtype=np.uint64), np.empty((kt, 64 * per), dtype=np.uint64)
     byrow = np.empty((64 * per, kt), dtype=np.uint64)
-    rows = np.empty((per, 2, 2, 2, 8, kt, 2, 4), dtype=np.uint8)  # c jp j2 blk a kt l b
+    rows = np.empty((per, 2, 2, 2, 8, kt, 2, 4), dtype=np.uint8)  # c jp j2 blk a kt h b
     for c0, c1 in blocks:
-        cc, block = c1 - c0, np.ascontiguousarray(pairs[:, 64 * c0:64 * c1])
+        cc = c1 - c0
+        b_, t_ = block[:, :64 * cc], t[:, :64 * cc]
+        _swap_nibbles(pairs[:, 64 * c0:64 * c1], b_, t_)  # byte (l, blk) of each word: its codes h -> l
         for i in range(0, kt, 64):
-            byrow[:64 * cc, i:i + 64] = block[i:i + 64].T
-        src = byrow[:64 * cc].view(np.uint8).reshape(cc, 8, 4, 2, kt, 2, 2, 2)  # c a b jp kt j2 l blk
+            byrow[:64 * cc, i:i + 64] = b_[i:i + 64].T
+        src = byrow[:64 * cc].view(np.uint8).reshape(cc, 8, 4, 2, kt, 2, 2, 2)  # c a b jp kt j2 h blk
         dst = rows[:cc]
-        for nib_l in range(2):
+        for h in range(2):
             for blk in range(2):
                 for b in range(4):  # [c, a, jp, kt, j2] -> [c, jp, j2, a, kt]
-                    dst[:, :, :, blk, :, :, nib_l, b] = src[:, :, b, :, :, :, nib_l, blk].transpose(0, 2, 4, 1, 3)
-        out[64 * c0:64 * c1] = _nibbles_to_k(dst.reshape(64 * cc, kt, 2, 4)).reshape(64 * cc, -1)
+                    dst[:, :, :, blk, :, :, h, b] = src[:, :, b, :, :, :, h, blk].transpose(0, 2, 4, 1, 3)
+        out[64 * c0:64 * c1] = dst.reshape(64 * cc, -1)
 
 
 @lru_cache(maxsize=1)
@@ -74,23 +77,21 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(4 * max(1, DECODE_THREADS - 1), thread_name_prefix="mocli-marlin-decode")
 
 
-def _nibbles_to_k(x: np.ndarray) -> np.ndarray:
-    """x: uint8 [r, kt, l, b], byte (l, b) the codes (h = 0 low, h = 1 high) -> [r, kt, h, b], byte (h, b)
-    the codes (l = 0 low, l = 1 high): NVFP4's packing, low nibble first along k. On 64-bit words, each
-    the word l = 0 (low half) and the word l = 1 (high half) of the four bytes b."""
-    v = x.reshape(-1).view(np.uint64)
-    low = v & _NIBBLES  # h = 0 codes of both words
-    high = (v >> _FOUR) & _NIBBLES  # h = 1 codes, moved to the low nibbles
-    out = np.empty_like(v)
-    for part in (low, high):  # the word l = 1's codes into the high nibbles of the word l = 0
-        np.bitwise_or(part & _LOW_WORD, (part >> _SHIFT_28) & _HIGH_NIBBLES_LOW_WORD, out=out)
-        part[...] = out
-    np.bitwise_or(low, high << _SHIFT_32, out=out)
-    return out.view(np.uint8)
+def _swap_nibbles(words: np.ndarray, out: np.ndarray, t: np.ndarray) -> None:
+    """``out`` = ``words`` (uint64, two Marlin words each) with the codes of each word's byte pairs
+    regrouped: byte (l, blk) (l = 0: bytes 0-1, l = 1: bytes 2-3) holds codes h = 0 (low) and h = 1 (high);
+    after, byte (h, blk) holds codes l = 0 (low) and l = 1 (high), NVFP4's packing, low nibble first along
+    k. That exchanges the high nibble of byte blk with the low nibble of byte 2 + blk, 12 bits up: one
+    masked delta swap of 64-bit words (``t``: scratch of ``out``'s shape)."""
+    np.right_shift(words, _TWELVE, out=t)
+    np.bitwise_xor(t, words, out=t)
+    np.bitwise_and(t, _PAIR_NIBBLES, out=t)  # bits that differ between the two nibbles of each exchange
+    np.bitwise_xor(words, t, out=out)
+    np.left_shift(t, _TWELVE, out=t)
+    np.bitwise_xor(out, t, out=out)
 
 
-_NIBBLES, _HIGH_NIBBLES_LOW_WORD, _LOW_WORD = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0xF0F0F0F0), np.uint64(0xFFFFFFFF)
-_FOUR, _SHIFT_28, _SHIFT_32 = np.uint64(4), np.uint64(28), np.uint64(32)
+_PAIR_NIBBLES, _TWELVE = np.uint64(0x0000F0F00000F0F0), np.uint64(12)
 
 
 @lru_cache(maxsize=1)
@@ -174,9 +175,12 @@ def global_of(stored: float | np.ndarray, sf: float, act_dtype: str) -> np.ndarr
     return (np.asarray(stored, dtype=np.float32) * np.float32(sf) / np.float32(2.0 ** GLOBAL_SHIFT[act_dtype])).astype(np.float32)
 
 
-def halves(rows: np.ndarray, i: int, ip: int, what: str) -> np.ndarray:
+def halves(rows: np.ndarray, i: int, ip: int, what: str, w3_first: bool = False) -> np.ndarray:
     """An expert's w13 rows [2 Ip, ...] as stored for Marlin ([w1; w3], each zero-padded to Ip) -> the
-    source's [w1; w3] rows [2 I, ...]; the padding must be zero."""
+    source's [w1; w3] rows [2 I, ...] (``w3_first``: [w3; w1]); the padding must be zero. Unpadded
+    [w1; w3] rows come back as they are (a view), not copied."""
     if bool(rows[i:ip].any()) or bool(rows[ip + i:].any()):
         raise LayoutError(f"{what}: Marlin w13 padding rows are not zero")
-    return np.concatenate([rows[:i], rows[ip:ip + i]])
+    if w3_first:
+        return np.concatenate([rows[ip:ip + i], rows[:i]])
+    return rows[:2 * i] if i == ip else np.concatenate([rows[:i], rows[ip:ip + i]])

@@ -44,10 +44,10 @@ class Mxfp4MarlinMoe(DecodedMoe):
         """Expert ``local`` in logical order: w13 [up; gate] rows (the order the driver compares), w2."""
         i, h, ip, what = mod.intermediate, mod.hidden, mod.padded_intermediate, f"{mod.name}"
         w13 = lay.halves(lay.decode_weight(mod.w13_weight[local], 2 * ip, h, f"{what}.w13_weight[{local}]"),
-                         i, ip, f"{what}.w13_weight[{local}]")
-        s13 = lay.halves(lay.decode_scales(mod.w13_weight_scale[local], 2 * ip, h // GROUP,
-                                           f"{what}.w13_weight_scale[{local}]"), i, ip, f"{what}.w13_weight_scale[{local}]")
-        return {"w13_weight": np.concatenate([w13[i:], w13[:i]]), "w13_weight_scale": np.concatenate([s13[i:], s13[:i]]),
+                         i, ip, f"{what}.w13_weight[{local}]", w3_first=True)
+        s13 = lay.halves(lay.decode_scales(mod.w13_weight_scale[local], 2 * ip, h // GROUP, f"{what}.w13_weight_scale[{local}]"),
+                         i, ip, f"{what}.w13_weight_scale[{local}]", w3_first=True)
+        return {"w13_weight": w13, "w13_weight_scale": s13,
                 "w2_weight": lay.decode_weight(mod.w2_weight[local], h, i, f"{what}.w2_weight[{local}]"),
                 "w2_weight_scale": lay.decode_scales(mod.w2_weight_scale[local], h, i // GROUP,
                                                      f"{what}.w2_weight_scale[{local}]")}
