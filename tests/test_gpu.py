@@ -217,4 +217,4 @@ def test_shard_into_cuda_scatters_chunks_across_tensor_boundaries(tmp_path, monk
     rest = {n: t for r in mocli.loader.shard_into(entries, targets, "cuda") for n, t in r.items()}
     assert sorted(rest) == sorted(set(want) - set(names))
     for n, t in [*targets.items(), *rest.items()]:
-        assert t.device.type == "cuda" and torch.equal(t.cpu().view(torch.uint8), want[n].view(torch.uint8)), n
+        assert t.device.type == "cuda" and torch.equal(t.cpu().reshape(-1).view(torch.uint8), want[n].reshape(-1).view(torch.uint8)), n

@@ -50,7 +50,8 @@ def moe_padded_i(i: int, h: int) -> int:
 BLOCK_BYTES = 1 << 19
 # Threads one repack uses, on a CPU run: one per eight cores, up to four. The 2-core build machine keeps one
 # (its other core writes and hashes); a 16-core machine's four unit threads (``UNIT_WORKERS``) each take two
-REPACK_THREADS = max(1, min(4, (os.cpu_count() or 1) // 8))
+# (MOCLI_REPACK_THREADS overrides: a tuning knob, docs/DEVELOPMENT.md)
+REPACK_THREADS = int(os.environ.get("MOCLI_REPACK_THREADS") or 0) or max(1, min(4, (os.cpu_count() or 1) // 8))
 _LOW64, _HIGH32, _LOW_WORD = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0xF0F0F0F0), np.uint64(0xFFFFFFFF)
 _FOUR64, _SHIFT_28, _SHIFT_32 = np.uint64(4), np.uint64(28), np.uint64(32)
 

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 # Torch-free units (every conversion's: FP8 NaN checks and table lookups, row gathers) run this many at
 # a time where there are cores for them (numpy drops the GIL in its loops and copies): one per four
 # cores, up to four. On the 2-core build machine one, as before: its second core writes and hashes.
-# Units still reach the writer in plan order.
-UNIT_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 4))
+# Units still reach the writer in plan order. MOCLI_UNIT_WORKERS overrides (a tuning knob, docs/DEVELOPMENT.md).
+UNIT_WORKERS = int(os.environ.get("MOCLI_UNIT_WORKERS") or 0) or max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def ran_in_order(units: list[Unit], ctx: UnitContext, workers: int):
