@@ -47,7 +47,7 @@ def moe_padded_i(i: int, h: int) -> int:
 
 # Rows (n) repacked at a time: a block of 64-row groups of about this many source bytes, so that its three
 # passes (nibbles, tiles, the transpose) run in the core's cache rather than at memory speed
-BLOCK_BYTES = 1 << 19
+BLOCK_BYTES = int(os.environ.get("MOCLI_REPACK_BLOCK_BYTES") or 0) or 1 << 19  # (a tuning knob, docs/DEVELOPMENT.md)
 # Threads one repack uses, on a CPU run: one per eight cores, up to four. The 2-core build machine keeps one
 # (its other core writes and hashes); a 16-core machine's four unit threads (``UNIT_WORKERS``) each take two
 # (MOCLI_REPACK_THREADS overrides: a tuning knob, docs/DEVELOPMENT.md)
