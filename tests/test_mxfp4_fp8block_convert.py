@@ -2,7 +2,9 @@
 tensors and Quark Qwen3-MoE MXFP4 exports (their attention dequantized and excluded, as in test_mxfp4_trtllm)
 written as fp8_block_moe per rank, the stored block FP8 dequantized here (torch's float8 cast, not mocli's table)
 equal to the source's MXFP4 values decoded here by hand (numpy), bit for bit; TGT001 / TGT002 / TGT004 and the
-usage error where the re-encoding does not apply; verify proving the equality and catching planted faults."""
+usage error where the re-encoding does not apply; verify proving the equality and catching planted faults. The real
+exports' I = 128 allows tp 1 and ep 2 only (a rank's 2I must be a multiple of 256); tp 2 runs on a copy of the CT one
+with its experts widened to I = 256 (random bytes and E8M0 codes, decoded here the same way)."""
 
 from __future__ import annotations
 
@@ -206,3 +208,71 @@ def test_serving_kernel_matches_an_moe_of_the_source(inputs, cli, tmp_path, targ
             want[t] += wts[t, j].double() * ((torch.nn.functional.silu(xt @ f["gate"].T) * (xt @ f["up"].T)) @ f["down"].T)
     err = float((got.double() - want).norm() / want.norm())
     assert err < 0.05, err
+
+
+@pytest.fixture(scope="module")
+def wide(inputs, tmp_path_factory) -> Path:
+    """The real CT Qwen3-MoE export (attention dequantized, as above) with every expert widened to I = 256 (H = 256):
+    random packed e2m1 bytes and random E8M0 codes in 120..133 (spread 13 <= 14 per 128x128 block), so a tp 2
+    rank's 2I = 256 is one whole 128-block pair (§18.3); config's moe_intermediate_size follows."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path_factory.mktemp("wide") / "qwen3_moe-ct-mxfp4-i256"
+    shutil.copytree(inputs[NAMES[0]], dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    h, i = cfg["hidden_size"], 256
+    cfg["moe_intermediate_size"] = i
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    g = torch.Generator().manual_seed(46)
+    shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    for f in dst.glob("*.safetensors"):
+        t = load_file(str(f))
+        for name in [n for n in t if ".experts." in n]:
+            n, k = shapes[name.rsplit(".", 2)[1]]
+            t[name] = (torch.randint(0, 256, (n, k // 2), generator=g) if name.endswith("weight_packed")
+                       else torch.randint(120, 134, (n, k // 32), generator=g)).to(torch.uint8)
+        save_file(t, str(f), metadata={"format": "pt"})
+    return dst
+
+
+def test_cutlass_tp2_fp8_block_equals_the_source_by_hand(wide, cli, tmp_path):
+    """tp 2: each rank holds every expert with its half of I (up/gate rows, down columns), re-encoded losslessly."""
+    out, tp = tmp_path / "out", ("--tp", "2")
+    r = cli("validate", wide, "--target", CUTLASS, *tp, *FP8)
+    assert r.exit_code == 0, r.stdout
+    r = cli("convert", wide, "-o", out, "--target", CUTLASS, *tp, *FP8)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    manifest = json.loads((out / "mocli-layout.json").read_text())
+    mods = manifest["modules"] + [m for r in manifest.get("ranks", []) for m in r["modules"]]
+    experts = [m for m in mods if m["name"] in LAYERS]
+    assert len(experts) == 4 and all(m["kind"] == "fp8_block_moe" and m["meta"]["reencoded_from"] == "mxfp4" for m in experts)
+    source, e_total = load_tensors(wide), json.loads((wide / "config.json").read_text())["num_local_experts"]
+    half = 128
+    for rank in range(2):
+        got, rows = load_tensors(out / f"rank-{rank}"), slice(rank * half, (rank + 1) * half)
+        for layer in LAYERS:
+            w13, s13, w2, s2 = (got[f"{layer}.{t}"] for t in ("w13_weight", "w13_weight_scale", "w2_weight",
+                                                                "w2_weight_scale"))
+            assert w13.shape == (e_total, 2 * half, 256) and w2.shape == (e_total, 256, half), (w13.shape, w2.shape)
+            assert s13.shape == (e_total, 2, 2) and s2.shape == (e_total, 2, 1)
+            for e in range(e_total):
+                want13 = np.concatenate([_expert(source, layer, e, "up")[rows], _expert(source, layer, e, "gate")[rows]])
+                assert np.array_equal(fp8_values(w13[e], s13[e]), want13), (rank, layer, e)
+                assert np.array_equal(fp8_values(w2[e], s2[e]), _expert(source, layer, e, "down")[:, rows]), (rank, e)
+    r = cli("verify", out)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert "re-encoded from MXFP4" in r.stdout
+
+
+def test_trtllm_tp2_fp8_block_verifies(wide, cli, tmp_path):
+    out = tmp_path / "out"
+    assert cli("validate", wide, "--target", "flashinfer-trtllm", "--tp", "2", *FP8).exit_code == 0
+    r = cli("convert", wide, "-o", out, "--target", "flashinfer-trtllm", "--tp", "2", *FP8)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    manifest = json.loads((out / "mocli-layout.json").read_text())
+    mods = manifest["modules"] + [m for r in manifest.get("ranks", []) for m in r["modules"]]
+    assert {m["kind"] for m in mods if m["name"] in LAYERS} == {"fp8_block_moe"}
+    r = cli("verify", out, "--source", wide)
+    assert r.exit_code == 0, r.stdout + r.stderr
