@@ -28,8 +28,9 @@ GROUP = 32
 def source_dequant(packed: np.ndarray, codes: np.ndarray) -> np.ndarray:
     """A source MXFP4 weight: e2m1 values times 2^(code - 127), float32 [n, k] (SEMANTICS §19.1)."""
     vals = unpack_e2m1(packed)
-    scale = np.exp2(codes.astype(np.float32) - np.float32(127))
-    return vals * np.repeat(scale, GROUP, axis=1)
+    blocks = vals.reshape(vals.shape[0], -1, GROUP)  # each block of 32 scaled in place: no [n, k] scale
+    blocks *= np.exp2(codes.astype(np.float32) - np.float32(127))[..., None]
+    return vals
 
 
 class Mxfp4MarlinLinearCheck(NumpyDenseCase):

@@ -31,8 +31,12 @@ _BYTES = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mocli-verif
 
 
 def dequant(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """e2m1 [N, K/2] times E8M0 [N, K/32] -> float32 [N, K]."""
-    return unpack_e2m1(np.ascontiguousarray(codes)) * np.repeat(np.exp2(scales.astype(np.float32) - 127.0), 32, axis=1)
+    """e2m1 [N, K/2] times E8M0 [N, K/32] -> float32 [N, K] (each block of 32 scaled in place: no [N, K] scale)."""
+    v = unpack_e2m1(np.ascontiguousarray(codes))
+    n, k = v.shape
+    blocks = v.reshape(n, k // 32, 32)
+    blocks *= np.exp2(scales.astype(np.float32) - 127.0)[..., None]
+    return v
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
