@@ -176,6 +176,23 @@ def test_verify_passes_and_catches_planted_faults(inputs, cli, tmp_path, name, t
         assert cli("verify", bad).exit_code != 0
 
 
+def test_verify_without_the_weight_views(inputs, cli, tmp_path, monkeypatch):
+    """verify reads an expert's weight as views of the stored bytes where its kept rows fill whole row groups
+    (every fixture here); other sizes take the copying path, forced here: it passes and catches a weight byte."""
+    from mocli.verify.kinds import mxfp4_moe
+
+    out, layer = tmp_path / "out", "model.layers.0.mlp.experts"
+    assert cli("convert", inputs["qwen3_moe-ct-mxfp4"], "-o", out, "--target", TARGET, "--tp", "2").exit_code == 0
+    monkeypatch.setattr(mxfp4_moe, "weight_views", lambda *a: None)
+    assert cli("verify", out).exit_code == 0
+    for tensor, at in (("w13_weight", (0, 0, 0)), ("w13_weight", (0, -1, -1)), ("w2_weight", (-1, -1, -1))):
+        bad = tmp_path / f"{tensor}{at[-1]}"
+        shutil.copytree(out, bad)
+        edit_tensor(bad / "rank-0", f"{layer}.{tensor}", lambda t, at=at: _poke(t, at, 0x11))
+        r = cli("verify", bad, "--json")
+        assert any(m["module"] == layer and not m["passed"] for m in json.loads(r.stdout)["modules"]), (tensor, at)
+
+
 def _poke(t: torch.Tensor, at: tuple, value) -> torch.Tensor:
     if t.dtype == torch.uint8:
         t[at] = int(t[at]) ^ value

@@ -74,7 +74,8 @@ class Mxfp4Moe(MoeCase):
             for local, ex in enumerate(experts):
                 got, want = self.decoded_parts(mod, local), self.expected_parts(ex, i_slice, mod)
                 for role, parts in want.items():
-                    if len(got[role]) != len(parts) or not all(bit_equal(g, w) for g, w in zip(got[role], parts, strict=True)):
+                    if len(got[role]) != len(parts) or not all(g.size == w.size and bit_equal(g, w.reshape(g.shape))
+                                                               for g, w in zip(got[role], parts, strict=True)):
                         found.append(f"{role} (expert {ex.index}) differs from the source")
         except (LayoutError, CorruptFileError, ValueError) as e:
             return found, e
@@ -82,17 +83,24 @@ class Mxfp4Moe(MoeCase):
 
     def decoded(self, mod, local: int) -> dict[str, np.ndarray]:
         """Expert ``local``'s stored tensors in logical order, padding checked and cut: ``w13_*`` as [up; gate]."""
-        return {k: np.concatenate(v) if len(v) > 1 else np.ascontiguousarray(v[0])
+        return {k: np.concatenate([p.reshape(-1, *p.shape[-1:]) if p.ndim > 2 else p for p in v]) if len(v) > 1
+                else np.ascontiguousarray(v[0].reshape(-1, v[0].shape[-1]) if v[0].ndim > 2 else v[0])
                 for k, v in self.decoded_parts(mod, local).items()}
 
     def decoded_parts(self, mod, local: int) -> dict[str, list[np.ndarray]]:
         """``decoded``'s tensors as the views they are cut from, padding checked: ``w13_*`` as [up, gate] (the
-        pairs' rows), ``w2_*`` as [rows]. Each stored tensor is copied once (its rows un-shuffled); the pairs,
-        the kept rows and columns and the padding are views of that copy, compared without another."""
+        pairs' rows), ``w2_*`` as [rows]. A weight whose kept rows fill whole groups is a view of the stored
+        bytes ([rows / r, 8, r, cols], ``dec.row_parts``: a part's leading dims read in order are its rows);
+        any other tensor is copied once (its rows un-shuffled) and cut by views of that copy."""
         i, h, pad = mod.intermediate, mod.hidden, mod.scale_pad
         out = {}
         for which, keep, half in (("w13", i, h), ("w2", h, i)):
-            w = dec.rows(np.ascontiguousarray(getattr(mod, f"{which}_weight")[local]))
+            stored = getattr(mod, f"{which}_weight")[local]
+            views = weight_views(stored, keep, half // 2, which == "w13", f"{mod.name}.{which}_weight (expert {local})")
+            if views is not None:
+                out[f"{which}_weight"], w = views, None
+            else:
+                w = dec.rows(np.ascontiguousarray(stored))
             s = dec.scale_rows(np.ascontiguousarray(getattr(mod, f"{which}_weight_scale")[local]),
                                f"{mod.name}.{which}_weight_scale[{local}]")
             b = getattr(mod, f"{which}_bias")
@@ -155,13 +163,23 @@ class Mxfp4Moe(MoeCase):
         return LABEL, True, stages.errors, stages.result(), None
 
 
+def weight_views(stored: np.ndarray, keep: int, cols: int, paired: bool, what: str) -> list[np.ndarray] | None:
+    """One expert's kept weight rows (``keep`` of each part, ``cols`` bytes) as views of the stored bytes, the
+    padding checked (``dec.row_parts``: [keep / r, 8, r, cols] a part); None where ``keep`` does not fill whole
+    groups of 8r rows (the caller copies the rows un-shuffled instead)."""
+    per = 16 if paired else 32  # rows per index of a part's first dim
+    if keep % per or stored.ndim != 2 or stored.shape[0] % 32:
+        return None
+    return [_cut(q, keep // per, cols, 0, what) for q in dec.row_parts(stored, paired)]
+
+
 def _cut(p: np.ndarray, rows: int, cols: int | None, fill: int, what: str) -> np.ndarray:
-    """The first ``rows`` rows (and ``cols`` columns) of ``p`` as a view; raises LayoutError unless every other
-    element is ``fill``. Slices, not a mask: a mask as large as the tensor cost verify most of its time."""
-    pads = [p[rows:]] if cols is None else [p[rows:], p[:rows, cols:]]
+    """The first ``rows`` rows (and ``cols`` columns) of ``p`` as a view (``rows`` counts ``p``'s first dim,
+    ``cols`` its last); raises LayoutError unless every other element is ``fill``. Slices, not a mask: a mask as large as the tensor cost verify most of its time."""
+    pads = [p[rows:]] if cols is None else [p[rows:], p[:rows, ..., cols:]]
     if any(bool((x != fill).any()) for x in pads if x.size):
         raise LayoutError(f"{what}: padding is not {fill}")
-    return p[:rows] if cols is None else p[:rows, :cols]
+    return p[:rows] if cols is None else p[:rows, ..., :cols]
 
 
 def _values(a: np.ndarray, dtype: str, role: str) -> np.ndarray:
