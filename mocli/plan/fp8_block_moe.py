@@ -27,20 +27,31 @@ MIN_BLOCK_SCALE = np.float32(1e-10)  # flashinfer_utils.prepare_fp8_moe_layer_fo
 
 
 class _Fp8BlockMoe(_Moe):
+    STEPS: list[str] = []  # transforms after the slice ones, on every tensor
+    SCALE_STEPS = ["clamp_min_1e-10"]
+
+    def w13_sources(self, r: int, name: str) -> list[str]:
+        """The source tensors the rank's w13 tensor of ``name`` (weight, weight_scale) is made from."""
+        return self.src("up", name, r) + self.src("gate", name, r)
+
+    def w2_sources(self, r: int, name: str) -> list[str]:
+        return self.src("down", name, r)
+
+    def meta(self) -> dict:
+        return {"block": [BLOCK, BLOCK]}
 
     def plan(self) -> None:
         h, lay = self.h, self.pc.layout
         for r in self.ranks:
-            e, i, st = self.local(r), self.i_r(r), ["stack_experts"] + self.slice_transforms()
-            self.add(r, Role.W13_WEIGHT, "F8_E4M3", (e, *lay.block_moe_shape(2 * i, h)),
-                     self.src("up", WEIGHT, r) + self.src("gate", WEIGHT, r), st + ["rows_w3_w1"] + lay.block_moe_transforms())
-            self.add(r, Role.W2_WEIGHT, "F8_E4M3", (e, *lay.block_moe_shape(h, i)), self.src("down", WEIGHT, r),
+            e, i, st = self.local(r), self.i_r(r), ["stack_experts"] + self.slice_transforms() + self.STEPS
+            self.add(r, Role.W13_WEIGHT, "F8_E4M3", (e, *lay.block_moe_shape(2 * i, h)), self.w13_sources(r, WEIGHT),
+                     st + ["rows_w3_w1"] + lay.block_moe_transforms())
+            self.add(r, Role.W2_WEIGHT, "F8_E4M3", (e, *lay.block_moe_shape(h, i)), self.w2_sources(r, WEIGHT),
                      st + lay.block_moe_transforms())
-            self.add(r, Role.W13_WEIGHT_SCALE, "F32", (e, 2 * i // BLOCK, h // BLOCK),
-                     self.src("up", WEIGHT_SCALE, r) + self.src("gate", WEIGHT_SCALE, r),
-                     st + ["rows_w3_w1", "clamp_min_1e-10"])
-            self.add(r, Role.W2_WEIGHT_SCALE, "F32", (e, h // BLOCK, i // BLOCK), self.src("down", WEIGHT_SCALE, r),
-                     st + ["clamp_min_1e-10"])
+            self.add(r, Role.W13_WEIGHT_SCALE, "F32", (e, 2 * i // BLOCK, h // BLOCK), self.w13_sources(r, WEIGHT_SCALE),
+                     st + ["rows_w3_w1"] + self.SCALE_STEPS)
+            self.add(r, Role.W2_WEIGHT_SCALE, "F32", (e, h // BLOCK, i // BLOCK), self.w2_sources(r, WEIGHT_SCALE),
+                     st + self.SCALE_STEPS)
         for e, (g, u, _) in enumerate(self.mods):
             self._w13_unit(e, g, u)
         for e, (_, _, d) in enumerate(self.mods):
@@ -48,7 +59,7 @@ class _Fp8BlockMoe(_Moe):
         for e in range(self.e_count):
             self._scale_unit(e)
         for r in self.ranks:
-            self.module(r, {"block": [BLOCK, BLOCK]})
+            self.module(r, self.meta())
 
     def _w13_unit(self, e: int, g: Module, u: Module) -> None:
         lay = self.pc.layout

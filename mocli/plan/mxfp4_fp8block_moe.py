@@ -61,28 +61,19 @@ def scales(ctx: UnitContext, m: Module) -> np.ndarray:
 
 
 class _Mxfp4Fp8BlockMoe(_Fp8BlockMoe):
+    """Each stored tensor, weights and scales alike, is made from the experts' packed values and their E8M0 codes."""
+    STEPS = [REENCODE]
+    SCALE_STEPS: list[str] = []
 
-    def plan(self) -> None:
-        h, lay = self.h, self.pc.layout
-        for r in self.ranks:
-            e, i, st = self.local(r), self.i_r(r), ["stack_experts"] + self.slice_transforms() + [REENCODE]
-            both = lambda s, r=r: self.src("up", s, r) + self.src("gate", s, r)  # noqa: E731
-            self.add(r, Role.W13_WEIGHT, "F8_E4M3", (e, *lay.block_moe_shape(2 * i, h)), both(WEIGHT) + both(WEIGHT_SCALE),
-                     st + ["rows_w3_w1"] + lay.block_moe_transforms())
-            self.add(r, Role.W2_WEIGHT, "F8_E4M3", (e, *lay.block_moe_shape(h, i)),
-                     self.src("down", WEIGHT, r) + self.src("down", WEIGHT_SCALE, r), st + lay.block_moe_transforms())
-            self.add(r, Role.W13_WEIGHT_SCALE, "F32", (e, 2 * i // BLOCK, h // BLOCK), both(WEIGHT) + both(WEIGHT_SCALE),
-                     st + ["rows_w3_w1"])
-            self.add(r, Role.W2_WEIGHT_SCALE, "F32", (e, h // BLOCK, i // BLOCK),
-                     self.src("down", WEIGHT, r) + self.src("down", WEIGHT_SCALE, r), st)
-        for e, (g, u, _) in enumerate(self.mods):
-            self._w13_unit(e, g, u)
-        for e, (_, _, d) in enumerate(self.mods):
-            self._w2_unit(e, d)
-        for e in range(self.e_count):
-            self._scale_unit(e)
-        for r in self.ranks:
-            self.module(r, {"block": [BLOCK, BLOCK], "reencoded_from": REENCODED_FROM, "activation": "silu"})
+    def w13_sources(self, r: int, name: str) -> list[str]:
+        return self.src("up", WEIGHT, r) + self.src("gate", WEIGHT, r) + self.src("up", WEIGHT_SCALE, r) \
+            + self.src("gate", WEIGHT_SCALE, r)
+
+    def w2_sources(self, r: int, name: str) -> list[str]:
+        return self.src("down", WEIGHT, r) + self.src("down", WEIGHT_SCALE, r)
+
+    def meta(self) -> dict:
+        return {**super().meta(), "reencoded_from": REENCODED_FROM, "activation": "silu"}
 
     def _w13_unit(self, e: int, g: Module, u: Module) -> None:
         lay = self.pc.layout
