@@ -287,6 +287,16 @@ def test_planted_marlin_fault_fails_agreement(models, fault, record_property):
     record_property("relative_rms_vs_source", round(relative_rms(run, ref), 4))
 
 
+def test_marlin_output_served_in_float16_is_refused(models):
+    """Marlin's scales are written for bfloat16 activations (``act_dtype``; float16 would need other bytes):
+    an engine run in float16 is refused in one line naming --dtype bfloat16, never served."""
+    from mocli.vllm_plugin.checks import LayoutMismatch
+
+    err = engine_error(models.converted("real-llama-w4a16", MARLIN), dtype="float16", kv_cache_dtype="auto")
+    assert isinstance(err, LayoutMismatch) and "converted for bfloat16 activations" in str(err), repr(err)
+    assert "--dtype bfloat16" in str(err) and "\n" not in str(err)
+
+
 # --- what ModelOpt 0.47 exports ------------------------------------------------------------------------
 
 EXPORTS_047 = [("real-qwen3moe-mixed", CUTLASS, 1, 1), ("real-mixtral-mixed", TRTLLM, 1, 1),

@@ -77,8 +77,13 @@ class _LayoutParams:
         """role -> tensor name; the bias goes into the layer's own ``bias`` parameter."""
         return {r: t for r, t in self.entry.tensors.items() if r != "bias"}
 
-    def register(self, layer: torch.nn.Module) -> None:
-        """One parameter per role, dtype and shape from the manifest, checked against the module's sizes."""
+    def register(self, layer: torch.nn.Module, params_dtype: torch.dtype) -> None:
+        """One parameter per role, dtype and shape from the manifest, checked against the module's sizes and
+        the activation dtype its scales were written for (Marlin's: ``act_dtype``; fp16 and bf16 give other bytes)."""
+        act = self.entry.meta.get("act_dtype")
+        if act is not None and str(params_dtype).removeprefix("torch.") != act:
+            raise LayoutMismatch(f"{self.name}: converted for {act} activations (Marlin's scales depend on it), vLLM "
+                                 f"builds this layer in {str(params_dtype).removeprefix('torch.')}; serve with --dtype {act}")
         dtypes = torch_dtypes()
         shapes = {}
         for role, tname in self.roles().items():
@@ -137,7 +142,7 @@ class MocliLinearMethod(LinearMethodBase):
         if (n, k) != (meta["n"], meta["k"]):
             raise LayoutMismatch(f"{self.params.name}: vLLM builds this rank's layer as [{n}, {k}], the layout holds "
                                  f"[{meta['n']}, {meta['k']}] (converted for another parallel layout or model)")
-        self.params.register(layer)
+        self.params.register(layer, params_dtype)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self.params.build(layer)
@@ -169,7 +174,7 @@ class MocliMoEMethod(FusedMoEMethodBase):
         if str(activation).lower() != stored_act or getattr(layer, "apply_router_weight_on_input", False):
             raise LayoutMismatch(f"{name}: mocli's MoE kernel computes {stored_act}(gate, up) with router weights on "
                                  f"the output; this layer uses {activation} / weights on the input")
-        self.params.register(layer)
+        self.params.register(layer, params_dtype)
 
     def maybe_roundup_sizes(self, hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config):
         return hidden_size, intermediate_size_per_partition  # the layout is stored unpadded
