@@ -41,15 +41,7 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
     progress = progress or stream.Progress()
     dist = dist or stream.Dist()
     out = Path(out)
-    if tp < 1 or ep < 1:
-        raise InputError(f"--tp {tp} --ep {ep}: sizes must be at least 1", hint="e.g. --tp 8, or --tp 2 --ep 2")
-    parallel = ParallelLayout(tp, ep)
-    # outputs of the default are byte for byte what they were before the option existed
-    reencoded = {} if mxfp4_experts == "native" else {"mxfp4_experts": str(mxfp4_experts)}
-    if reencoded:
-        from mocli.targets.experts import check_choice
-
-        check_choice(target, mxfp4_experts)
+    parallel, reencoded = _options(target, tp, ep, mxfp4_experts)
     ckpt.require_convertible()
     stream.check_output(out, overwrite, ckpt.path)
     progress.phase("planning")
@@ -78,12 +70,29 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
                      progress=progress, dist=dist, source_digests=digests,
                      args={"--target": target, "--tp": tp, "--ep": ep, "--max-shard-size": max_shard_bytes,
                            **({"--mxfp4-experts": str(mxfp4_experts)} if reencoded else {})})
-    result = stream.run(job)
+    return _summary(out, target, reencoded, stream.run(job), plan, parallel, report, time.perf_counter() - t0)
+
+
+def _options(target: Target, tp: int, ep: int, mxfp4_experts: str) -> tuple[ParallelLayout, dict[str, str]]:
+    """The ranks, and what the manifest records of ``--mxfp4-experts`` (nothing for the default: its outputs are
+    byte for byte what they were before the option existed); a usage error for what cannot be."""
+    if tp < 1 or ep < 1:
+        raise InputError(f"--tp {tp} --ep {ep}: sizes must be at least 1", hint="e.g. --tp 8, or --tp 2 --ep 2")
+    reencoded = {} if mxfp4_experts == "native" else {"mxfp4_experts": str(mxfp4_experts)}
+    if reencoded:
+        from mocli.targets.experts import check_choice
+
+        check_choice(target, mxfp4_experts)
+    return ParallelLayout(tp, ep), reencoded
+
+
+def _summary(out: Path, target: Target, reencoded: dict, result, plan, parallel: ParallelLayout, report,
+             seconds: float) -> dict[str, Any]:
     return {
         "output": str(out), "target": str(target), **reencoded, **result.device_fields(), "tensors": len(plan.tensors),
         "parallel": parallel.to_dict(), "bytes": result.bytes, "shards": len(result.files),
         "units": result.units, "resumed_units": result.resumed_units, "modules": len(plan.modules),
-        "seconds": round(time.perf_counter() - t0, 3), "unified_scales": plan.unified_scales,
+        "seconds": round(seconds, 3), "unified_scales": plan.unified_scales,
         # the key's name before this release (repair's own "repairs" is a list of another shape): kept one release
         "repairs": plan.unified_scales,
         # VLL001 says stock vLLM refuses the source: the output serves through mocli's plugin
