@@ -119,15 +119,15 @@ def _parse_algo(value: Any, where: str, key: str, findings: Findings) -> Algo | 
 
 
 def _parse_group_size(value: Any, where: str, findings: Findings, algo: Algo | None = None) -> int | None:
-    """A group_size, which must be the block size of ``algo`` (NVFP4 where it is not block-scaled: what a
-    config without a known algorithm most likely means)."""
+    """A group_size, which must be the block size of ``algo`` (NVFP4's where ``algo`` is not block-scaled).
+    Not judged under an algorithm mocli does not know (CFG003 says so): its block size is not known either."""
     if value is None:
         return None
     if not _is_int(value):
         findings.add("CFG002", where, f"group_size must be an integer, got {value!r}")
         return None
     want = GROUP_SIZES.get(algo, NVFP4_GROUP_SIZE)
-    if value != want:
+    if algo is not None and value != want:
         findings.add("CFG002", where, f"group_size {value} is not supported",
                      hint=f"{algo if algo in GROUP_SIZES else 'NVFP4'} uses blocks of {want}")
     return value
