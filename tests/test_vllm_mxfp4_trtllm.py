@@ -125,3 +125,22 @@ def test_gpt_oss_planted_bias_fault_fails_agreement(tmp_path, record_property):
     rel = relative_rms(run_engine(out), run_engine(ref_dir))
     record_property("relative_rms_vs_source", round(rel, 4))
     assert rel > FORMAT_TOLERANCE["mxfp4"]
+
+
+def test_quark_gpt_oss_trtllm_serves_and_agrees_with_dequantized_source(tmp_path, record_property):
+    """Quark's gpt-oss export (interleaved experts with biases, Quark's scale padding) on flashinfer-trtllm: its
+    MXFP4 attention dequantized to BF16 first (flashinfer-trtllm takes no MXFP4 linear), the experts the export's
+    bytes, served through the plugin against the BF16 model the tests dequantize (tests/test_vllm_mxfp4.py)."""
+    from tests.test_vllm_mxfp4 import quark_gpt_oss_dequantized_copy
+
+    src = experts_only(REAL / "gpt_oss-quark-mxfp4", tmp_path / "src")
+    ref_dir = quark_gpt_oss_dequantized_copy(src, tmp_path / "bf16")
+    out = tmp_path / "trtllm"
+    r = run_cli("convert", src, "-o", out, "--target", TARGET)
+    assert r.exit_code == 0, r.stderr
+    ref, run = run_engine(ref_dir), run_engine(out)
+    problems = disagreements(run, reference=ref, fmt="mxfp4")
+    assert not problems, problems
+    rel = relative_rms(run, ref)
+    record_property("relative_rms_vs_source", round(rel, 4))
+    assert rel <= FORMAT_TOLERANCE["mxfp4"]
