@@ -237,8 +237,7 @@ def shard_into(entries: Iterable[TensorEntry], targets: Mapping[str, torch.Tenso
             end = max(b + n for b, n, _ in dsts)
             _stream_to_device(file, start, end - start, device, False, stages, _scatter(dsts, start))
         else:
-            for b, _, dst in dsts:
-                _pread_into(file, b, tensor_bytes_view(dst))
+            _pread_spans(file, [(b, tensor_bytes_view(dst)) for b, _, dst in dsts])  # one descriptor per file
         yield rest
     stages.clear()
 
@@ -271,14 +270,20 @@ def _scatter(dsts: list[tuple[int, int, torch.Tensor]], start: int):
 
 
 def _pread_into(path: Path, offset: int, view: memoryview, follow: bool = False) -> None:
+    _pread_spans(path, [(offset, view)], follow)
+
+
+def _pread_spans(path: Path, spans: list[tuple[int, memoryview]], follow: bool = False) -> None:
+    """Each (offset, view) filled from the file, through one descriptor."""
     fd = open_regular(path, follow)
     try:
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise CorruptFileError(f"{path}: unexpected end of file", hint="the output is damaged; convert again")
-            done += n
+        for offset, view in spans:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n <= 0:
+                    raise CorruptFileError(f"{path}: unexpected end of file", hint="the output is damaged; convert again")
+                done += n
     finally:
         os.close(fd)
 
