@@ -93,7 +93,15 @@ def _enospc_after(monkeypatch, n: int) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data, offset)
 
+    def spliced(*a, **k):  # large tensors go through vmsplice and splice (mocli.io.splice)
+        count["n"] += 1
+        if count["n"] > n:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_splice(*a, **k)
+
+    real_splice = os.splice
     monkeypatch.setattr(sw.os, "pwrite", pwrite)
+    monkeypatch.setattr(sw.os, "splice", spliced)
 
 
 def test_full_disk_is_exit_2_with_a_hint_and_a_resumable_partial(cli, tmp_path, src, monkeypatch):

@@ -1,8 +1,8 @@
 """Pre-planned safetensors shards: headers written first, tensor bytes written in place later.
 
 Every tensor's shard and byte offset is fixed before any data moves, so work units can write
-their results straight to their place (``pwrite``, or ``copy_file_range`` for verbatim source
-bytes), in any order, and a resumed run rewrites exactly the same bytes.
+their results straight to their place (``pwrite``, or vmsplice and splice for large buffers:
+``mocli.io.splice``; ``copy_file_range`` for verbatim source bytes), in any order, and a resumed run rewrites exactly the same bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mocli.io.safetensors_file import tensor_bytes_view
+from mocli.io.splice import SplicePipes
 
 if TYPE_CHECKING:  # tensors come from units; copies and layouts need no torch
     import numpy as np
@@ -190,6 +191,7 @@ class ShardWriter:
             start, nbytes = files[idx][1].offsets[key[1]]
             self.where[key] = (self.fds[idx], start, nbytes)
         self._copy_ok = True
+        self._pipes = SplicePipes()
 
     def write(self, key: tuple[str, str], offset: int, data: torch.Tensor | np.ndarray) -> tuple[int, torch.Tensor | np.ndarray]:
         """Write ``data`` (a CPU tensor or numpy array) at ``offset`` bytes into tensor ``key``; returns the
@@ -199,7 +201,9 @@ class ShardWriter:
         view = tensor_bytes_view(t)
         if offset + len(view) > nbytes:
             raise RuntimeError(f"write of {len(view)} bytes at {offset} overflows {key[1]} ({nbytes} bytes)")
-        pos, done = start + offset, 0
+        pos = start + offset
+        address = t.data_ptr() if hasattr(t, "data_ptr") else t.ctypes.data
+        done = self._pipes.write_at(fd, address, len(view), pos) if len(view) else 0
         while done < len(view):
             done += os.pwrite(fd, view[done:], pos + done)
         return len(view), t
@@ -233,6 +237,7 @@ class ShardWriter:
         return n
 
     def close(self) -> None:
+        self._pipes.close()
         for fd in self.fds:
             os.close(fd)
         self.fds.clear()

@@ -6,7 +6,7 @@ Each concern has its own room:
 - ``pool``: pooled CPU buffers and the context a unit runs in;
 - ``outdir``: the partial directory beside OUT, the lock, the publishing rename;
 - ``journal``: finished units and the run's fingerprint, for resume;
-- ``writer``: the writer lanes (``pwrite`` / ``copy_file_range`` on background threads);
+- ``writer``: the writer lanes (``pwrite`` or vmsplice + splice / ``copy_file_range`` on background threads);
 - ``hashing``: every output file's digest, taken as its bytes complete;
 - ``dist``: one process, or several under torchrun;
 - ``job``: a job from prepare (or resume) to publish.

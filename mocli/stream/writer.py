@@ -26,7 +26,7 @@ def writer_lanes(files: int) -> int:
 
 
 class Writer:
-    """Writes finished units on background threads (pwrite and copy_file_range drop the GIL).
+    """Writes finished units on background threads (pwrite, vmsplice and splice, copy_file_range: all drop the GIL).
 
     Output files are spread over ``lanes`` threads (``writer_lanes``), so
     each file is still written front to back by one thread. At most ``depth`` units wait per lane,

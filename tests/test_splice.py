@@ -1,0 +1,158 @@
+"""Writes through vmsplice and splice (``mocli.io.splice``): the bytes land where pwrite would put them,
+the buffer is free once the call returns, and every way the path can fail either falls back to pwrite
+with the same bytes or raises the file's own error."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from mocli.io import splice
+from mocli.io.shard_writer import ShardFile, ShardWriter, TensorSpec
+from mocli.io.splice import PIPE_BYTES, SplicePipes
+
+pytestmark = pytest.mark.skipif(not SplicePipes().ok, reason="no vmsplice here (not Linux or not allowed)")
+
+
+def _data(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_bytes_land_at_the_offset_across_many_pipe_fills(tmp_path):
+    path, pipes = tmp_path / "f", SplicePipes()
+    data = _data(3 * PIPE_BYTES + 12345)
+    path.write_bytes(b"\xaa" * 100)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert pipes.write_at(fd, data.ctypes.data, data.nbytes, 77) == data.nbytes
+    finally:
+        os.close(fd)
+        pipes.close()
+    raw = path.read_bytes()
+    assert raw[:77] == b"\xaa" * 77 and raw[77:] == data.tobytes() and pipes.ok
+
+
+def test_the_buffer_may_change_as_soon_as_the_call_returns(tmp_path):
+    """vmsplice lends the pages to the pipe: they must be in the file's page cache before it returns."""
+    path, pipes = tmp_path / "f", SplicePipes()
+    data = _data(2 * PIPE_BYTES, seed=1)
+    want = data.tobytes()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        pipes.write_at(fd, data.ctypes.data, data.nbytes, 0)
+        data[:] = 0
+    finally:
+        os.close(fd)
+        pipes.close()
+    assert path.read_bytes() == want
+
+
+def test_small_writes_and_refused_files_are_left_to_pwrite(tmp_path):
+    pipes, data = SplicePipes(), _data(PIPE_BYTES)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        assert pipes.write_at(fd, data.ctypes.data, splice.MIN_BYTES - 1, 0) == 0 and pipes.ok
+    finally:
+        os.close(fd)
+    fd = os.open(tmp_path / "g", os.O_RDWR | os.O_CREAT | os.O_APPEND)  # splice refuses an offset here (EINVAL)
+    try:
+        assert pipes.write_at(fd, data.ctypes.data, data.nbytes, 0) == 0
+    finally:
+        os.close(fd)
+    assert not pipes.ok  # and from now on every write goes to pwrite
+    fd = os.open(tmp_path / "h", os.O_RDWR | os.O_CREAT)
+    try:
+        assert pipes.write_at(fd, data.ctypes.data, data.nbytes, 0) == 0
+    finally:
+        os.close(fd)
+        pipes.close()
+
+
+def test_shard_writer_writes_the_same_bytes_with_and_without_splicing(tmp_path, monkeypatch):
+    data = _data(PIPE_BYTES + 4097, seed=2)
+    outs = []
+    for env in ("0", "1"):
+        monkeypatch.setenv("MOCLI_NO_SPLICE", env)
+        f = ShardFile("x.bin", [TensorSpec("t", "U8", (data.nbytes,), data.nbytes)], offsets={"t": (8, data.nbytes)})
+        path = tmp_path / f"x{env}.bin"
+        path.write_bytes(b"\0" * 8)
+        w = ShardWriter([(path, f)], {("g", "t"): 0})
+        assert w._pipes.ok == (env == "0")
+        w.write(("g", "t"), 0, data[:100_000])
+        w.write(("g", "t"), 100_000, data[100_000:])
+        w.close()
+        outs.append(path.read_bytes())
+    assert outs[0] == outs[1] == b"\0" * 8 + data.tobytes()
+
+
+def test_a_full_disk_is_raised_as_pwrite_would_raise_it(tmp_path, monkeypatch):
+    pipes, data = SplicePipes(), _data(2 * PIPE_BYTES, seed=3)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(splice.os, "splice", full)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        with pytest.raises(OSError) as e:
+            pipes.write_at(fd, data.ctypes.data, data.nbytes, 0)
+    finally:
+        os.close(fd)
+    assert e.value.errno == errno.ENOSPC and pipes.ok  # the path works; the disk is full
+    monkeypatch.undo()
+    fd = os.open(tmp_path / "f", os.O_RDWR)
+    try:  # the pipe that still held bytes was dropped: the next write starts clean
+        assert pipes.write_at(fd, data.ctypes.data, data.nbytes, 0) == data.nbytes
+    finally:
+        os.close(fd)
+        pipes.close()
+    assert (tmp_path / "f").read_bytes() == data.tobytes()
+
+
+def test_threads_write_through_pipes_of_their_own_and_close_closes_them(tmp_path):
+    before = len(os.listdir("/proc/self/fd"))
+    pipes = SplicePipes()
+    datas = [_data(PIPE_BYTES * 2 + i, seed=10 + i) for i in range(4)]
+
+    def one(i: int) -> None:
+        fd = os.open(tmp_path / f"f{i}", os.O_RDWR | os.O_CREAT)
+        try:
+            for _ in range(3):
+                pipes.write_at(fd, datas[i].ctypes.data, datas[i].nbytes, 0)
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(pipes._open) == 4
+    pipes.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert all((tmp_path / f"f{i}").read_bytes() == datas[i].tobytes() for i in range(4))
+
+
+def test_a_real_full_tmpfs_raises_enospc(tmp_path):
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    pipes, data = SplicePipes(), _data(PIPE_BYTES, seed=4)
+    try:
+        fd = os.open(mnt / "f", os.O_RDWR | os.O_CREAT)
+        try:
+            with pytest.raises(OSError) as e:
+                pipes.write_at(fd, data.ctypes.data, data.nbytes, 0)
+        finally:
+            os.close(fd)
+        assert e.value.errno == errno.ENOSPC
+    finally:
+        pipes.close()
+        subprocess.run(["umount", str(mnt)], check=True)
