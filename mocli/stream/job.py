@@ -208,7 +208,10 @@ def _share(units: list[Unit], world: int, proc: int) -> list[Unit]:
 # marlin in 4.8-5.0 s, the GPU path (one unit thread, torch and CUDA start-up included) in 7.5-9.4 s; the CPU
 # path's repack costs ~9 s of CPU there (13.5 s user against flashinfer-cutlass's 4.6 s), which one unit
 # thread would take alone.
-GPU_UNITS = UNIT_WORKERS == 1
+# A second try (2026-11-28, H200): the GPU path with 4, 8 or 16 unit threads, each on a CUDA stream of its own,
+# took 6.9-8.1 s against the CPU path's 5.4-6.3 s (cp 2.2 s; the same bytes): not kept. MOCLI_GPU_UNITS=1 or 0
+# overrides (a tuning knob, docs/DEVELOPMENT.md).
+GPU_UNITS = os.environ["MOCLI_GPU_UNITS"] == "1" if os.environ.get("MOCLI_GPU_UNITS") else UNIT_WORKERS == 1
 
 
 def run(job: Job) -> JobResult:
