@@ -88,8 +88,12 @@ def _repack_blocks(w: np.ndarray, kp: int, res: np.ndarray, blocks: list[tuple[i
     words = res.view(np.uint32)  # [kt, 2 Np]
     tiles = np.empty((per, 8, 4, 4, kt, 2, 2), dtype=np.uint8)  # c a b j kt h blk
     scratch = np.empty(tiles.size // 8, dtype=np.uint64)
+    local = np.empty((64 * per, kp // 2), dtype=np.uint8)
     for c0, c1 in blocks:
-        src = _rows(w, 64 * c0, 64 * c1, kp // 2).reshape(c1 - c0, 4, 2, 8, kt, 2, 4)  # c j blk a kt h b
+        # the block's rows copied first: the gather's strided reads then hit the cache, not the source's
+        # mapped pages (0.52 s/GB against 0.61-0.68 from a mapped checkpoint, build VM)
+        rows = _rows_into(w, 64 * c0, local[:64 * (c1 - c0)])
+        src = rows.reshape(c1 - c0, 4, 2, 8, kt, 2, 4)  # c j blk a kt h b
         t = tiles[:c1 - c0]
         for h in range(2):
             for blk in range(2):
@@ -119,14 +123,15 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(4 * (REPACK_THREADS - 1), thread_name_prefix="mocli-repack")
 
 
-def _rows(w: np.ndarray, r0: int, r1: int, width: int) -> np.ndarray:
-    """Rows r0..r1 of ``w`` at ``width`` bytes: a view, or a zero-padded copy where they run past it."""
-    if r1 <= w.shape[0] and w.shape[1] == width:
-        return np.ascontiguousarray(w[r0:r1])
-    block = np.zeros((r1 - r0, width), dtype=np.uint8)
-    part = w[r0:min(r1, w.shape[0])]
-    block[:part.shape[0], :w.shape[1]] = part
-    return block
+def _rows_into(w: np.ndarray, r0: int, out: np.ndarray) -> np.ndarray:
+    """``out`` = rows r0.. of ``w`` (any strides), zero-padded where they run past its rows or columns."""
+    part = w[r0:min(r0 + out.shape[0], w.shape[0])]
+    if part.shape == out.shape:
+        np.copyto(out, part)
+        return out
+    out[...] = 0
+    out[:part.shape[0], :w.shape[1]] = part
+    return out
 
 
 @lru_cache(maxsize=1)
