@@ -22,16 +22,21 @@ def _data(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
+def _write(pipes: SplicePipes, path, data: np.ndarray, pos: int = 0, n: int | None = None, flags: int = 0) -> int:
+    """``write_at`` of ``data`` (its first ``n`` bytes) into ``path`` at ``pos``: what it returned."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | flags)
+    try:
+        return pipes.write_at(fd, data.ctypes.data, data.nbytes if n is None else n, pos)
+    finally:
+        os.close(fd)
+
+
 def test_bytes_land_at_the_offset_across_many_pipe_fills(tmp_path):
     path, pipes = tmp_path / "f", SplicePipes()
     data = _data(3 * PIPE_BYTES + 12345)
     path.write_bytes(b"\xaa" * 100)
-    fd = os.open(path, os.O_RDWR)
-    try:
-        assert pipes.write_at(fd, data.ctypes.data, data.nbytes, 77) == data.nbytes
-    finally:
-        os.close(fd)
-        pipes.close()
+    assert _write(pipes, path, data, pos=77) == data.nbytes
+    pipes.close()
     raw = path.read_bytes()
     assert raw[:77] == b"\xaa" * 77 and raw[77:] == data.tobytes() and pipes.ok
 
@@ -41,35 +46,19 @@ def test_the_buffer_may_change_as_soon_as_the_call_returns(tmp_path):
     path, pipes = tmp_path / "f", SplicePipes()
     data = _data(2 * PIPE_BYTES, seed=1)
     want = data.tobytes()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT)
-    try:
-        pipes.write_at(fd, data.ctypes.data, data.nbytes, 0)
-        data[:] = 0
-    finally:
-        os.close(fd)
-        pipes.close()
+    _write(pipes, path, data)
+    data[:] = 0
+    pipes.close()
     assert path.read_bytes() == want
 
 
 def test_small_writes_and_refused_files_are_left_to_pwrite(tmp_path):
     pipes, data = SplicePipes(), _data(PIPE_BYTES)
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
-    try:
-        assert pipes.write_at(fd, data.ctypes.data, splice.MIN_BYTES - 1, 0) == 0 and pipes.ok
-    finally:
-        os.close(fd)
-    fd = os.open(tmp_path / "g", os.O_RDWR | os.O_CREAT | os.O_APPEND)  # splice refuses an offset here (EINVAL)
-    try:
-        assert pipes.write_at(fd, data.ctypes.data, data.nbytes, 0) == 0
-    finally:
-        os.close(fd)
+    assert _write(pipes, tmp_path / "f", data, n=splice.MIN_BYTES - 1) == 0 and pipes.ok
+    assert _write(pipes, tmp_path / "g", data, flags=os.O_APPEND) == 0  # splice refuses an offset here (EINVAL)
     assert not pipes.ok  # and from now on every write goes to pwrite
-    fd = os.open(tmp_path / "h", os.O_RDWR | os.O_CREAT)
-    try:
-        assert pipes.write_at(fd, data.ctypes.data, data.nbytes, 0) == 0
-    finally:
-        os.close(fd)
-        pipes.close()
+    assert _write(pipes, tmp_path / "h", data) == 0
+    pipes.close()
 
 
 def test_shard_writer_writes_the_same_bytes_with_and_without_splicing(tmp_path, monkeypatch):
@@ -96,20 +85,12 @@ def test_a_full_disk_is_raised_as_pwrite_would_raise_it(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(splice.os, "splice", full)
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
-    try:
-        with pytest.raises(OSError) as e:
-            pipes.write_at(fd, data.ctypes.data, data.nbytes, 0)
-    finally:
-        os.close(fd)
+    with pytest.raises(OSError) as e:
+        _write(pipes, tmp_path / "f", data)
     assert e.value.errno == errno.ENOSPC and pipes.ok  # the path works; the disk is full
     monkeypatch.undo()
-    fd = os.open(tmp_path / "f", os.O_RDWR)
-    try:  # the pipe that still held bytes was dropped: the next write starts clean
-        assert pipes.write_at(fd, data.ctypes.data, data.nbytes, 0) == data.nbytes
-    finally:
-        os.close(fd)
-        pipes.close()
+    assert _write(pipes, tmp_path / "f", data) == data.nbytes  # the pipe that held bytes was dropped: a clean start
+    pipes.close()
     assert (tmp_path / "f").read_bytes() == data.tobytes()
 
 
@@ -119,12 +100,8 @@ def test_threads_write_through_pipes_of_their_own_and_close_closes_them(tmp_path
     datas = [_data(PIPE_BYTES * 2 + i, seed=10 + i) for i in range(4)]
 
     def one(i: int) -> None:
-        fd = os.open(tmp_path / f"f{i}", os.O_RDWR | os.O_CREAT)
-        try:
-            for _ in range(3):
-                pipes.write_at(fd, datas[i].ctypes.data, datas[i].nbytes, 0)
-        finally:
-            os.close(fd)
+        for _ in range(3):
+            _write(pipes, tmp_path / f"f{i}", datas[i])
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
     for t in threads:
@@ -146,12 +123,8 @@ def test_a_real_full_tmpfs_raises_enospc(tmp_path):
         pytest.skip("cannot mount a tmpfs here")
     pipes, data = SplicePipes(), _data(PIPE_BYTES, seed=4)
     try:
-        fd = os.open(mnt / "f", os.O_RDWR | os.O_CREAT)
-        try:
-            with pytest.raises(OSError) as e:
-                pipes.write_at(fd, data.ctypes.data, data.nbytes, 0)
-        finally:
-            os.close(fd)
+        with pytest.raises(OSError) as e:
+            _write(pipes, mnt / "f", data)
         assert e.value.errno == errno.ENOSPC
     finally:
         pipes.close()
