@@ -121,6 +121,14 @@ def map_every_input(monkeypatch):
     monkeypatch.setattr("mocli.stream.pool.MAP_MIN", 1)
 
 
+@pytest.fixture(autouse=True)
+def splice_every_write(monkeypatch):
+    """Writes of ``mocli.io.splice.MIN_BYTES`` and more go through vmsplice and splice, the rest through
+    pwrite. The fixtures' tensors are all small: here every write in process takes the splice path, the
+    one a real checkpoint's tensors take (test_splice checks it against pwrite)."""
+    monkeypatch.setattr("mocli.io.splice.MIN_BYTES", 1)
+
+
 @dataclass
 class Result:
     exit_code: int

@@ -15,7 +15,7 @@ from mocli.io import splice
 from mocli.io.shard_writer import ShardFile, ShardWriter, TensorSpec
 from mocli.io.splice import PIPE_BYTES, SplicePipes
 
-pytestmark = pytest.mark.skipif(not SplicePipes().ok, reason="no vmsplice here (not Linux or not allowed)")
+pytestmark = pytest.mark.skipif(splice._vmsplice() is None, reason="no vmsplice here (not Linux, or not glibc)")
 
 
 def _data(n: int, seed: int = 0) -> np.ndarray:
@@ -71,11 +71,33 @@ def test_shard_writer_writes_the_same_bytes_with_and_without_splicing(tmp_path, 
         path.write_bytes(b"\0" * 8)
         w = ShardWriter([(path, f)], {("g", "t"): 0})
         assert w._pipes.ok == (env == "0")
+        spliced, real = [], w._pipes.write_at
+        w._pipes.write_at = lambda *a, spliced=spliced, real=real: spliced.append(real(*a)) or spliced[-1]
         w.write(("g", "t"), 0, data[:100_000])
         w.write(("g", "t"), 100_000, data[100_000:])
         w.close()
+        assert sum(spliced) == (data.nbytes if env == "0" else 0)  # all spliced, or none
         outs.append(path.read_bytes())
     assert outs[0] == outs[1] == b"\0" * 8 + data.tobytes()
+
+
+def test_unaligned_read_only_and_mapped_buffers(tmp_path):
+    """vmsplice reads the pages it is lent: a buffer that starts mid-page, a read-only array and an array
+    over a file's read-only map (as a mapped source tensor is) all land whole."""
+    import mmap
+
+    pipes, data = SplicePipes(), _data(PIPE_BYTES + 999, seed=5)
+    src = tmp_path / "src"
+    src.write_bytes(data.tobytes())
+    with open(src, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        mapped = np.frombuffer(m, dtype=np.uint8)
+        cases = {"unaligned": data[1:], "read-only": np.frombuffer(data.tobytes(), dtype=np.uint8), "mapped": mapped[3:]}
+        for name, buf in cases.items():
+            assert _write(pipes, tmp_path / name, buf) == buf.nbytes, name
+            assert (tmp_path / name).read_bytes() == buf.tobytes(), name
+        del mapped, buf, cases
+    pipes.close()
+    assert pipes.ok
 
 
 def test_a_full_disk_is_raised_as_pwrite_would_raise_it(tmp_path, monkeypatch):

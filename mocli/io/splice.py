@@ -27,6 +27,8 @@ _F_SETPIPE_SZ = 1031
 _SPLICE_F_MOVE = 1
 # errors that say this path cannot work here (the caller writes with pwrite from then on)
 _UNSUPPORTED = {errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
+# errors of the splice itself that pwrite may not meet: the rest of this buffer by pwrite, the path kept
+_THIS_BUFFER = {errno.ENOMEM, errno.EFAULT}
 
 
 class _Iovec(ctypes.Structure):
@@ -73,10 +75,12 @@ class SplicePipes:
         return p
 
     def _drop(self) -> None:
-        """The thread's pipe may hold bytes that never reached the file: closed, a new one next time."""
-        p = self._local.pipe
-        self._local.pipe = None
+        """The thread's pipe may hold bytes that never reached the file: closed, a new one next time
+        (unless ``close`` took it already)."""
+        p, self._local.pipe = self._local.pipe, None
         with self._lock:
+            if p not in self._open:
+                return
             self._open.remove(p)
         for fd in p:
             os.close(fd)
@@ -87,15 +91,19 @@ class SplicePipes:
         file itself (ENOSPC, EIO, ...) are raised as ``pwrite`` would raise them."""
         if not self.ok or n < MIN_BYTES:
             return 0
-        vmsplice, (r, w), done = _vmsplice(), self._pipe(), 0
+        try:
+            r, w = self._pipe()
+        except OSError:  # no descriptor left for a pipe (EMFILE, ENFILE): pwrite needs none
+            return 0
+        vmsplice, done = _vmsplice(), 0
         try:
             while done < n:
                 iov = _Iovec(address + done, min(PIPE_BYTES, n - done))
                 k = vmsplice(w, ctypes.byref(iov), 1, 0)
-                if k < 0:
-                    err = ctypes.get_errno()
+                if k <= 0:  # the pipe is empty here: nothing to drop
+                    err = ctypes.get_errno() if k < 0 else 0
                     self.ok = self.ok and err not in _UNSUPPORTED
-                    return done  # EFAULT etc.: this buffer only, by pwrite
+                    return done  # EFAULT, ENOMEM, EINTR: this buffer's rest by pwrite
                 left = k
                 while left:
                     got = os.splice(r, fd, left, offset_dst=pos + done + (k - left), flags=_SPLICE_F_MOVE)
@@ -103,12 +111,12 @@ class SplicePipes:
                         raise OSError(errno.EIO, "splice wrote nothing")
                     left -= got
                 done += k
-        except OSError as e:
+        except BaseException as e:  # never reuse a pipe that may hold bytes meant for another place
             self._drop()
-            if e.errno in _UNSUPPORTED:
-                self.ok = False
-                return done
-            raise
+            if not isinstance(e, OSError) or e.errno not in _UNSUPPORTED | _THIS_BUFFER:
+                raise
+            self.ok = self.ok and e.errno not in _UNSUPPORTED
+            return done
         return done
 
     def close(self) -> None:
