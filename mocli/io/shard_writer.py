@@ -2,7 +2,8 @@
 
 Every tensor's shard and byte offset is fixed before any data moves, so work units can write
 their results straight to their place (``pwrite``, or vmsplice and splice for large buffers:
-``mocli.io.splice``; ``copy_file_range`` for verbatim source bytes), in any order, and a resumed run rewrites exactly the same bytes.
+``mocli.io.splice``; ``copy_file_range`` for verbatim source bytes), in any order, and a resumed run
+rewrites exactly the same bytes.
 """
 
 from __future__ import annotations
