@@ -22,6 +22,7 @@ from math import lcm
 
 import numpy as np
 
+from mocli import workers as wk
 from mocli.ops import roundup
 from mocli.ops.fp8 import FP8_MAX, decode_fp8
 
@@ -63,14 +64,18 @@ def repack(w: np.ndarray, np_: int, kp: int, out: np.ndarray | None = None) -> n
 
     Per block of 64-row groups: the source bytes moved into 4-byte words (c, a, b, j, kt | h, blk), each
     word's nibbles exchanged from (h; l) to (l; h) (``_exchange_nibbles``), then the words transposed to
-    (kt | c, a, b, j). Blocks
-    write disjoint columns: with ``REPACK_THREADS`` > 1 they are shared out to threads (numpy drops the
-    GIL in each pass), the calling thread taking the first share."""
+    (kt | c, a, b, j). Blocks write disjoint columns: on a machine with worker processes
+    (``mocli.workers``) they go there a slot at a time; else, with ``REPACK_THREADS`` > 1, they are
+    shared out to threads (numpy drops the GIL in each pass), the calling thread taking the first share."""
     groups = np_ // 64
     res = np.empty((kp // 16, 8 * np_), dtype=np.uint8) if out is None else out
     per = max(1, min(groups, BLOCK_BYTES // (32 * kp)))
+    procs = wk.workers() if 32 * kp * groups >= wk.PROC_MIN and 32 * kp <= wk.SLOT else None
+    if procs is not None:
+        procs.run_all(_tasks(w, kp, res, groups))
+        return res
     blocks = [(c0, min(groups, c0 + per)) for c0 in range(0, groups, per)]
-    threads = min(REPACK_THREADS, len(blocks))
+    threads = 1 if wk.in_worker() else min(REPACK_THREADS, len(blocks))
     if threads <= 1:
         _repack_blocks(w, kp, res, blocks, per)
         return res
@@ -82,26 +87,65 @@ def repack(w: np.ndarray, np_: int, kp: int, out: np.ndarray | None = None) -> n
     return res
 
 
+def _tasks(w: np.ndarray, kp: int, res: np.ndarray, groups: int) -> list[wk.Task]:
+    """The repack as worker tasks of up to a slot's bytes each: a task's rows copied into its slot, its
+    words out of the slot into their columns of ``res``."""
+    kt, words, per_task = kp // 16, res.view(np.uint32), max(1, wk.TASK // (32 * kp))
+
+    def task(c0: int, c1: int) -> wk.Task:
+        def fill(slot: np.ndarray) -> None:
+            _rows_into(w, 64 * c0, slot.reshape(64 * (c1 - c0), kp // 2))
+
+        def take(slot: np.ndarray, _: bytes) -> None:
+            words[:, 128 * c0:128 * c1] = slot.view(np.uint32).reshape(kt, 128 * (c1 - c0))
+
+        n = 32 * kp * (c1 - c0)
+        return wk.Task(repack_kernel, (c1 - c0, kp), n, n, fill, take)
+
+    return [task(c0, min(groups, c0 + per_task)) for c0 in range(0, groups, per_task)]
+
+
+def repack_kernel(src: np.ndarray, dst: np.ndarray, args: tuple[int, ...]) -> None:
+    """A worker's part (``mocli.workers``): ``src`` the rows of ``g`` 64-row groups, zero-padded, as bytes
+    [64 g, Kp/2]; ``dst`` their words [Kp/16, 128 g]."""
+    g, kp = args
+    per = max(1, min(g, BLOCK_BYTES // (32 * kp)))
+    tiles, scratch = _scratch(per, kp)
+    rows, words = src.reshape(64 * g, kp // 2), dst.view(np.uint32).reshape(kp // 16, 128 * g)
+    for c0 in range(0, g, per):
+        c1 = min(g, c0 + per)
+        _repack_rows(rows[64 * c0:64 * c1], kp, words[:, 128 * c0:128 * c1], tiles, scratch)
+
+
+def _scratch(per: int, kp: int) -> tuple[np.ndarray, np.ndarray]:
+    tiles = np.empty((per, 8, 4, 4, kp // 16, 2, 2), dtype=np.uint8)  # c a b j kt h blk
+    return tiles, np.empty(tiles.size // 8, dtype=np.uint64)
+
+
 def _repack_blocks(w: np.ndarray, kp: int, res: np.ndarray, blocks: list[tuple[int, int]], per: int) -> None:
     """``repack``'s passes over the 64-row groups [c0, c1) of each block, with scratch of this call's own."""
-    kt = kp // 16
     words = res.view(np.uint32)  # [kt, 2 Np]
-    tiles = np.empty((per, 8, 4, 4, kt, 2, 2), dtype=np.uint8)  # c a b j kt h blk
-    scratch = np.empty(tiles.size // 8, dtype=np.uint64)
+    tiles, scratch = _scratch(per, kp)
     local = np.empty((64 * per, kp // 2), dtype=np.uint8)
     for c0, c1 in blocks:
         # the block's rows copied first: the gather's strided reads then hit the cache, not the source's
         # mapped pages (0.52 s/GB against 0.61-0.68 from a mapped checkpoint, build VM)
         rows = _rows_into(w, 64 * c0, local[:64 * (c1 - c0)])
-        src = rows.reshape(c1 - c0, 4, 2, 8, kt, 2, 4)  # c j blk a kt h b
-        t = tiles[:c1 - c0]
-        for h in range(2):
-            for blk in range(2):
-                t[..., h, blk] = src[:, :, blk, :, :, h, :].transpose(0, 2, 4, 1, 3)
-        _exchange_nibbles(t.reshape(-1).view(np.uint64), scratch[:t.size // 8])
-        flat = t.reshape(-1, 4).view(np.uint32).reshape(-1, kt)  # [128 (c1 - c0), kt]: to be transposed
-        for i in range(0, flat.shape[0], _T_ROWS):  # in slabs: 0.09 s/GB against 0.36 s/GB at once
-            words[:, 128 * c0 + i:128 * c0 + i + _T_ROWS] = flat[i:i + _T_ROWS].T
+        _repack_rows(rows, kp, words[:, 128 * c0:128 * c1], tiles, scratch)
+
+
+def _repack_rows(rows: np.ndarray, kp: int, words: np.ndarray, tiles: np.ndarray, scratch: np.ndarray) -> None:
+    """One block: ``rows`` (bytes [64 cc, Kp/2], contiguous) into ``words`` (uint32 [Kp/16, 128 cc])."""
+    kt, cc = kp // 16, rows.shape[0] // 64
+    src = rows.reshape(cc, 4, 2, 8, kt, 2, 4)  # c j blk a kt h b
+    t = tiles[:cc]
+    for h in range(2):
+        for blk in range(2):
+            t[..., h, blk] = src[:, :, blk, :, :, h, :].transpose(0, 2, 4, 1, 3)
+    _exchange_nibbles(t.reshape(-1).view(np.uint64), scratch[:t.size // 8])
+    flat = t.reshape(-1, 4).view(np.uint32).reshape(-1, kt)  # [128 cc, kt]: to be transposed
+    for i in range(0, flat.shape[0], _T_ROWS):  # in slabs: 0.09 s/GB against 0.36 s/GB at once
+        words[:, i:i + _T_ROWS] = flat[i:i + _T_ROWS].T
 
 
 def _exchange_nibbles(x: np.ndarray, t: np.ndarray) -> None:
@@ -117,10 +161,9 @@ def _exchange_nibbles(x: np.ndarray, t: np.ndarray) -> None:
     np.bitwise_xor(x, t, out=x)
 
 
-@lru_cache(maxsize=1)
 def _pool() -> ThreadPoolExecutor:
     """The repack's helper threads, shared by every unit thread (up to four run units at once)."""
-    return ThreadPoolExecutor(4 * (REPACK_THREADS - 1), thread_name_prefix="mocli-repack")
+    return wk.executor("mocli-repack", 4 * (REPACK_THREADS - 1))
 
 
 def _rows_into(w: np.ndarray, r0: int, out: np.ndarray) -> np.ndarray:

@@ -14,6 +14,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from mocli import workers as wk
 from mocli.numerics import FP8_MAX
 from mocli.targets.decode import LayoutError
 
@@ -38,16 +39,56 @@ def decode_weight(stored: np.ndarray, n: int, k: int, what: str) -> np.ndarray:
     np_, kp = nbytes // 8, 16 * kt
     pairs, out = raw.view(np.uint64), np.empty((np_, kp // 2), dtype=np.uint8)  # pairs: [kt, Np]
     groups = np_ // 64
+    procs = wk.workers() if 32 * kp * groups >= wk.PROC_MIN and 32 * kp <= wk.SLOT else None
+    if procs is not None:  # worker processes, a slot of groups at a time (``mocli.workers``)
+        procs.run_all(_tasks(pairs, out, groups))
+    else:
+        _decode_groups(pairs, out, groups)
+    if bool(out[n:].any()) or bool(out[:n, k // 2:].any()):
+        raise LayoutError(f"{what}: Marlin padding is not zero")
+    return out if (n, k // 2) == out.shape else np.ascontiguousarray(out[:n, :k // 2])
+
+
+def _decode_groups(pairs: np.ndarray, out: np.ndarray, groups: int) -> None:
+    """``decode_weight``'s blocks in this process: with ``DECODE_THREADS`` > 1 shared out to threads (blocks
+    write disjoint rows), the caller taking the first share."""
+    kp = 16 * pairs.shape[0]
     per = max(1, min(groups, BLOCK_BYTES // (32 * kp)))
     blocks = [(c0, min(groups, c0 + per)) for c0 in range(0, groups, per)]
-    threads = min(DECODE_THREADS, len(blocks))  # blocks write disjoint rows: shared out, the caller taking one
+    threads = 1 if wk.in_worker() else min(DECODE_THREADS, len(blocks))
     rest = [_pool().submit(_decode_blocks, pairs, out, blocks[i::threads], per) for i in range(1, threads)]
     _decode_blocks(pairs, out, blocks[0::max(threads, 1)], per)
     for f in rest:
         f.result()
-    if bool(out[n:].any()) or bool(out[:n, k // 2:].any()):
-        raise LayoutError(f"{what}: Marlin padding is not zero")
-    return out if (n, k // 2) == out.shape else np.ascontiguousarray(out[:n, :k // 2])
+
+
+def _tasks(pairs: np.ndarray, out: np.ndarray, groups: int) -> list[wk.Task]:
+    """The decode as worker tasks of up to a slot's bytes: a task's word columns copied into its slot, its
+    rows out of the slot into ``out``."""
+    kt = pairs.shape[0]
+    per_task = max(1, wk.TASK // (512 * kt))
+
+    def task(c0: int, c1: int) -> wk.Task:
+        def fill(slot: np.ndarray) -> None:
+            slot.view(np.uint64).reshape(kt, 64 * (c1 - c0))[...] = pairs[:, 64 * c0:64 * c1]
+
+        def take(slot: np.ndarray, _: bytes) -> None:
+            out[64 * c0:64 * c1] = slot.reshape(64 * (c1 - c0), 8 * kt)
+
+        n = 512 * kt * (c1 - c0)
+        return wk.Task(decode_kernel, (c1 - c0,), n, n, fill, take)
+
+    return [task(c0, min(groups, c0 + per_task)) for c0 in range(0, groups, per_task)]
+
+
+def decode_kernel(src: np.ndarray, dst: np.ndarray, args: tuple[int, ...]) -> None:
+    """A worker's part (``mocli.workers``): ``src`` the words of ``g`` 64-column groups as uint64
+    [Kp/16, 64 g]; ``dst`` their rows [64 g, Kp/2]."""
+    (g,) = args
+    kt = src.size // (512 * g)
+    per = max(1, min(g, BLOCK_BYTES // (512 * kt)))
+    blocks = [(c0, min(g, c0 + per)) for c0 in range(0, g, per)]
+    _decode_blocks(src.view(np.uint64).reshape(kt, 64 * g), dst.reshape(64 * g, 8 * kt), blocks, per)
 
 
 def _decode_blocks(pairs: np.ndarray, out: np.ndarray, blocks: list[tuple[int, int]], per: int) -> None:
@@ -71,10 +112,9 @@ def _decode_blocks(pairs: np.ndarray, out: np.ndarray, blocks: list[tuple[int, i
         out[64 * c0:64 * c1] = dst.reshape(64 * cc, -1)
 
 
-@lru_cache(maxsize=1)
 def _pool() -> ThreadPoolExecutor:
     """decode_weight's helper threads, shared by verify's threads."""
-    return ThreadPoolExecutor(4 * max(1, DECODE_THREADS - 1), thread_name_prefix="mocli-marlin-decode")
+    return wk.executor("mocli-marlin-decode", 4 * max(1, DECODE_THREADS - 1))
 
 
 def _swap_nibbles(words: np.ndarray, out: np.ndarray, t: np.ndarray) -> None:

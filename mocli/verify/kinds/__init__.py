@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from mocli import workers as wk
 from mocli.kinds import CARDS, ModuleKind
 
 
@@ -36,4 +38,10 @@ CHECKS: dict[ModuleKind, KindCheck] = {
 # their own beside its GEMMs, up to as many.
 WORKERS = max(1, min(4, (os.cpu_count() or 1) // 4))
 
-__all__ = ["CHECKS", "WORKERS", "KindCheck"]
+
+def byte_checks(name: str, threads: int = WORKERS) -> ThreadPoolExecutor:
+    """The threads an MoE check's expert bytes go to (this process's own: ``mocli.workers.executor``)."""
+    return wk.executor(name, threads)
+
+
+__all__ = ["CHECKS", "WORKERS", "KindCheck", "byte_checks"]

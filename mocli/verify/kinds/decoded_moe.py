@@ -6,7 +6,6 @@ activations are quantized (``quant``) and how a weight dequantizes (``dequant``)
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -14,12 +13,10 @@ import numpy as np
 from mocli.errors import CorruptFileError
 from mocli.numerics.in_numpy import silu
 from mocli.targets.decode import LayoutError
-from mocli.verify.kinds import WORKERS
+from mocli.verify.kinds import byte_checks
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.moe import MoeCase
 from mocli.verify.results import CPU_SAMPLE_EXPERTS, Problems, Stages, pick_experts, rel_error, rng
-
-_BYTES = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mocli-verify-moe-bytes")
 
 
 class DecodedMoe(MoeCase):
@@ -52,7 +49,7 @@ class DecodedMoe(MoeCase):
         return ck.module_arrays(self.name)
 
     def all_bytes(self, mod, experts, i_slice):
-        return _BYTES.submit(self._all_bytes, mod, experts, i_slice)
+        return byte_checks("mocli-verify-moe-bytes").submit(self._all_bytes, mod, experts, i_slice)
 
     def _all_bytes(self, mod, experts, i_slice) -> tuple[Problems, Exception | None]:
         found = Problems()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -23,6 +22,7 @@ from mocli.targets.decode import LayoutError
 from mocli.verify import flashinfer_args
 from mocli.verify.common import Kernels, gen, sample_experts, scaled_mm
 from mocli.verify.expect import apply_table, bit_equal, src_requant, to_numpy
+from mocli.verify.kinds import byte_checks
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.moe import MoeCase, check_moe, done
 from mocli.verify.results import FUSED_MOE_THRESHOLD, Halves, Problems, Stages, rel_error
@@ -33,7 +33,7 @@ from mocli.verify.results import FUSED_MOE_THRESHOLD, Halves, Problems, Stages, 
 STACKED_BYTES_ON = ("cuda",)
 STACKED_BYTES = 512 << 20
 # One thread for the expert byte checks of the CPU path (torch drops the GIL in its operations).
-_BYTES = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mocli-verify-bytes")
+
 
 
 class Fp8Moe(MoeCase):
@@ -118,7 +118,7 @@ class Fp8Moe(MoeCase):
     def all_bytes(self, mod, experts, i_slice):
         # on the CPU beside the GEMMs: each leaves cores idle that the other can use
         if self.rt.device.type == "cpu" and (os.cpu_count() or 1) > 1:
-            return _BYTES.submit(self._all_bytes, mod, experts, i_slice)
+            return byte_checks("mocli-verify-fp8-bytes", 1).submit(self._all_bytes, mod, experts, i_slice)
         return done(self._all_bytes(mod, experts, i_slice))
 
     def _all_bytes(self, mod, experts, i_slice) -> tuple[Problems, Exception | None]:

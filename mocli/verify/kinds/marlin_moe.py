@@ -6,7 +6,6 @@ sampled experts against the source, as ``nvfp4_moe``'s stages."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -19,7 +18,7 @@ from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.targets import marlin_decode as lay
 from mocli.targets.decode import LayoutError
 from mocli.verify.expect import apply_table
-from mocli.verify.kinds import WORKERS
+from mocli.verify.kinds import byte_checks
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.marlin_linear import expected_factor, expected_global
 from mocli.verify.kinds.moe import check_moe
@@ -27,7 +26,7 @@ from mocli.verify.kinds.nvfp4_moe import Nvfp4Moe
 from mocli.verify.results import Problems, rng
 
 EMULATED_MOE = "emulated Marlin W4A16 MoE (decoded layout, exact products)"
-_BYTES = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mocli-verify-marlin")
+
 
 
 class MarlinMoe(Nvfp4Moe):
@@ -113,7 +112,7 @@ class MarlinMoe(Nvfp4Moe):
         return found, None
 
     def all_bytes(self, mod, experts, i_slice):
-        return _BYTES.submit(self._all_bytes, mod, experts, i_slice)
+        return byte_checks("mocli-verify-marlin").submit(self._all_bytes, mod, experts, i_slice)
 
     def expert_gemms(self, mod, local: int, i: int):
         """One expert as Marlin computes it from the decoded layout: [w1; w3] rows, silu(first) * second,

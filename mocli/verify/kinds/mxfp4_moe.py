@@ -7,8 +7,6 @@ on sampled experts (BF16 input, the stored weights decoded against the source's 
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
 from mocli.errors import CorruptFileError
@@ -20,14 +18,14 @@ from mocli.tables import WEIGHT, WEIGHT_SCALE
 from mocli.targets import mxfp4_decode as dec
 from mocli.targets.decode import LayoutError
 from mocli.verify.expect import bit_equal
-from mocli.verify.kinds import WORKERS
+from mocli.verify.kinds import byte_checks
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.moe import MoeCase, check_moe
 from mocli.verify.results import CPU_SAMPLE_EXPERTS, Problems, Stages, pick_experts, rel_error, rng
 from mocli.verify.source import floats
 
 LABEL = "emulated MXFP4 MoE (decoded layout, BF16 activations, exact products)"
-_BYTES = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mocli-verify-mxfp4-bytes")
+
 
 
 def dequant(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -66,7 +64,7 @@ class Mxfp4Moe(MoeCase):
     # --- bytes ---------------------------------------------------------------------------------------
 
     def all_bytes(self, mod, experts, i_slice):
-        return _BYTES.submit(self._all_bytes, mod, experts, i_slice)
+        return byte_checks("mocli-verify-mxfp4-bytes").submit(self._all_bytes, mod, experts, i_slice)
 
     def _all_bytes(self, mod, experts, i_slice) -> tuple[Problems, Exception | None]:
         found = Problems()

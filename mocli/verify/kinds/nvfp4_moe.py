@@ -4,7 +4,6 @@ GEMMs on sampled experts against the source; FlashInfer's fused kernel where it 
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,7 @@ from mocli.numerics.in_numpy import bf16_round, nvfp4_quant, scaled_matmul, silu
 from mocli.tables import INPUT_SCALE, PRE_QUANT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.targets.decode import LayoutError, unswizzle
 from mocli.verify.expect import apply_table
-from mocli.verify.kinds import WORKERS
+from mocli.verify.kinds import byte_checks
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.moe import MoeCase, check_moe
 from mocli.verify.results import (
@@ -36,7 +35,7 @@ from mocli.verify.source import floats
 EMULATED_MOE = "emulated NVFP4 MoE (decoded layout, exact products)"
 ONE = np.float32(1)
 
-_BYTES = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="mocli-verify-bytes")
+
 
 
 class Nvfp4Moe(MoeCase):
@@ -67,7 +66,7 @@ class Nvfp4Moe(MoeCase):
         return ck.module_arrays(self.name)
 
     def all_bytes(self, mod, experts, i_slice):
-        return _BYTES.submit(self._all_bytes, mod, experts, i_slice)
+        return byte_checks("mocli-verify-bytes").submit(self._all_bytes, mod, experts, i_slice)
 
     def numbers(self, ck, mod, off, i_slice):
         fp4 = self.ctx.fp4

@@ -1,0 +1,351 @@
+"""Work in worker processes: where a machine has cores that one Python process cannot keep busy.
+
+Run in the threads of one process, numpy drops the GIL inside each pass but takes it back between them,
+and the passes of mocli's byte moves are short (sized to stay in a core's cache): measured on a 16-core
+H200 host, a Marlin conversion with 1, 4, 8 and 12 unit threads took 5.2, 4.7, 3.9 and 3.8 s, where the
+same work on one core of the 2-core VM takes 7 CPU-seconds in all. Processes have a GIL each.
+
+A kernel is a module-level function ``fn(src, dst, args) -> bytes | None`` over two uint8 arrays (a
+worker's slot) and a tuple of ints: a block of the Marlin repack or of its inverse, or a whole conversion
+unit (``mocli.stream.remote``), whose reply says what it wrote where. ``Workers`` forks its processes, each
+with a slot of its own in one shared anonymous map: a calling thread takes an idle worker, copies the input
+into its slot, names the kernel over a pipe, waits for the reply (``os.read`` drops the GIL) and copies the
+result out. A task that fails in a worker (an error, the worker gone) is the caller's to run again in
+process (``run`` does), where its error shows as it would have: the bytes are the same either way.
+
+The children ignore SIGINT (the parent decides), run numpy's BLAS on one thread, and exit when their task
+pipe reaches end of file, which the parent's exit, however abrupt, brings about (each closes the other
+workers' ends, so that nothing but the parent holds them). They keep the parent's other descriptors (the
+readers' open files): a stream closes its workers before it releases its output's lock. They see the
+parent's memory as it was when they were forked (a stream's workers are forked once its plan exists).
+``MOCLI_KERNEL_PROCS`` sets how many a pool has (a tuning knob, docs/DEVELOPMENT.md; 0: none, everything in
+process): by default one per core but two, at least two. Where they are used: ``MANY_CORES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import mmap
+import os
+import queue
+import signal
+import struct
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+_CORES = os.cpu_count() or 1
+_ASKED = os.environ.get("MOCLI_KERNEL_PROCS")
+PROCS = int(_ASKED) if _ASKED else max(2, _CORES - 2)  # a pool's workers
+# Where they are used. verify's numpy checks: on every machine (their threads' GIL cost even the 2-core VM
+# time: its check of a Marlin output 5.3 s in threads, 3.9 s in two workers). Conversion units and the
+# repack's blocks: from 8 cores, or where MOCLI_KERNEL_PROCS asks (on the 2-core VM the copies out of the
+# slots cost more than the workers save: a Marlin conversion 4.8 s in process, 6.7 s with two)
+MANY_CORES = bool(_ASKED) or _CORES >= 8
+SLOT = 8 << 20  # bytes of input (and as many of output) a kernel task may carry: a unit's output may take both
+PROC_MIN = 1 << 20  # a call moving fewer bytes stays in process (forking and two copies cost more)
+# bytes per task where a call can be cut: an expert's 3 MiB half in three, each to a worker of its own
+TASK = int(os.environ.get("MOCLI_KERNEL_TASK_BYTES") or 0) or 1 << 20
+STALL = 30.0  # seconds a worker may use no CPU on a task before it is given up (``_alive_until_ready``)
+_HEAD = struct.Struct("<4q")  # name length, input bytes, output bytes, number of ints
+_REPLY = struct.Struct("<Bq")  # 1 done (0 failed), reply bytes
+
+
+@dataclass
+class Task:
+    """One kernel call: ``fill(src)`` copies the input into the slot's first ``nin`` bytes, the kernel
+    writes up to ``nout`` bytes and replies, ``take(dst, reply)`` copies them out. A kernel with no
+    input may use the whole slot for its output (``nin`` 0, ``nout`` up to ``2 * SLOT``)."""
+
+    kernel: Callable
+    args: tuple[int, ...]
+    nin: int
+    nout: int
+    fill: Callable[[np.ndarray], None] | None
+    take: Callable[[np.ndarray, bytes], None]
+
+
+class Workers:
+    def __init__(self, procs: int) -> None:
+        import numpy as np
+
+        self.arena = mmap.mmap(-1, procs * 2 * SLOT)  # MAP_SHARED | MAP_ANONYMOUS: the children see it
+        self.slots = [np.frombuffer(self.arena, dtype=np.uint8, count=2 * SLOT, offset=2 * i * SLOT)
+                      for i in range(procs)]
+        self.pipes: list[tuple[int, int]] = []  # (task pipe's write end, reply pipe's read end)
+        self.pids: list[int] = []
+        self.idle: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.broken: set[int] = set()
+        self.procs = procs
+        self.drivers = ThreadPoolExecutor(procs, thread_name_prefix="mocli-kernel")
+        for i in range(procs):
+            self._fork(i)
+            self.idle.put(i)
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _fork(self, i: int) -> None:
+        global _child
+        task_r, task_w = os.pipe()
+        done_r, done_w = os.pipe()
+        with warnings.catch_warnings():  # Python 3.12+ warns of fork() beside threads: the child runs
+            warnings.simplefilter("ignore", DeprecationWarning)  # only ``_serve``, which takes no thread's lock
+            pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 1
+            try:
+                _child = True
+                for fd in (task_w, done_r, *_ends):  # the parent's ends, of every pool: EOF must reach them
+                    os.close(fd)
+                _serve(task_r, done_w, self.slots[i])
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(task_r)
+        os.close(done_w)
+        self.pipes.append((task_w, done_r))
+        _ends.update((task_w, done_r))
+        self.pids.append(pid)
+
+    def call(self, task: Task) -> bool:
+        """The task in an idle worker (waiting for one); False where it failed there (run it here)."""
+        if task.nin > SLOT or task.nout > (2 * SLOT if not task.nin else SLOT):
+            return False
+        i = self.idle.get()
+        try:
+            return i not in self.broken and self._remote(i, task)
+        finally:
+            self.idle.put(i)
+
+    def run(self, task: Task) -> None:
+        """The task in a worker, or here where that fails."""
+        if self.call(task):
+            return
+        import numpy as np
+
+        src = np.empty(task.nin, dtype=np.uint8)
+        if task.fill is not None:
+            task.fill(src)
+        dst = np.empty(task.nout, dtype=np.uint8)
+        task.take(dst, task.kernel(src, dst, task.args) or b"")
+
+    def _remote(self, i: int, task: Task) -> bool:
+        slot = self.slots[i]
+        if task.fill is not None:
+            task.fill(slot[:task.nin])
+        name = f"{task.kernel.__module__}:{task.kernel.__qualname__}".encode()
+        msg = _HEAD.pack(len(name), task.nin, task.nout, len(task.args)) + name + \
+            struct.pack(f"<{len(task.args)}q", *task.args)
+        w, r = self.pipes[i]
+        try:
+            os.write(w, msg)  # under PIPE_BUF: whole
+            if not _alive_until_ready(r, self.pids[i]):
+                os.kill(self.pids[i], signal.SIGKILL)
+                raise OSError("a worker stopped making progress")
+            head = _read(r, _REPLY.size)
+            ok, n = _REPLY.unpack(head) if head else (0, 0)
+            reply = _read(r, n) if ok else None
+        except OSError:
+            reply = None
+        if reply is None:
+            self.broken.add(i)
+            return False
+        out = slot[SLOT:SLOT + task.nout] if task.nin else slot[:task.nout]
+        task.take(out, reply)
+        return True
+
+    def run_all(self, tasks: Sequence[Task]) -> None:
+        """Every task, spread over the workers (the calling thread drives the first)."""
+        rest = [self.drivers.submit(self.run, t) for t in tasks[1:]]
+        try:
+            if tasks:
+                self.run(tasks[0])
+        finally:
+            for f in rest:
+                f.result()
+
+    def close(self) -> None:
+        global _active
+        with _lock:
+            if _active is self:
+                _active = None
+        for w, r in self.pipes:
+            _ends.difference_update((w, r))
+            os.close(w)
+            os.close(r)
+        for pid in self.pids:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        self.pipes, self.pids = [], []
+        self.drivers.shutdown(wait=False)
+
+
+def _serve(task_r: int, done_w: int, slot: np.ndarray) -> None:
+    """A child's loop: a task in, the kernel run on the slot, its reply out (or a failure)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _one_blas_thread()
+    kernels: dict[bytes, Callable] = {}
+    while True:
+        head = _read(task_r, _HEAD.size)
+        if head is None:
+            return
+        n_name, nin, nout, n_args = _HEAD.unpack(head)
+        body = _read(task_r, n_name + 8 * n_args)
+        if body is None:
+            return
+        name, args = body[:n_name], struct.unpack(f"<{n_args}q", body[n_name:])
+        try:
+            if name not in kernels:
+                module, _, qual = name.decode().partition(":")
+                kernels[name] = getattr(importlib.import_module(module), qual)
+            dst = slot[SLOT:SLOT + nout] if nin else slot[:nout]
+            reply = kernels[name](slot[:nin], dst, args) or b""
+            os.write(done_w, _REPLY.pack(1, len(reply)) + reply)
+        except Exception:  # the parent runs it again in process, where the error shows
+            os.write(done_w, _REPLY.pack(0, 0))
+
+
+def _one_blas_thread() -> None:
+    """A worker is one core's worth: numpy's OpenBLAS (its GEMMs, verify's) to one thread, where it is
+    loaded and says how (best effort: more threads are slower, not wrong)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "openblas" in line.split()[-1].lower()}
+    except OSError:
+        return
+    for path in libs:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            if hasattr(lib, name):
+                getattr(lib, name)(1)
+                break
+
+
+def _alive_until_ready(fd: int, pid: int) -> bool:
+    """Wait until ``fd`` can be read; False where the worker has used no CPU for ``STALL`` seconds
+    meanwhile (a worker at work uses CPU all along; one that never will is stuck on a lock the fork
+    left taken). Its task then runs in process: a stuck worker costs time, never the run."""
+    import select
+
+    last, since = _cpu_ticks(pid), time.monotonic()
+    while not select.select([fd], [], [], 1.0)[0]:
+        now = _cpu_ticks(pid)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since > STALL:
+            return False
+    return True
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User and system clock ticks of ``pid``; where /proc cannot say, the time (never judged stuck: a
+    worker that is gone closes its pipe, which ends the wait)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return time.monotonic_ns()
+
+
+def _read(fd: int, n: int) -> bytes | None:
+    """Exactly ``n`` bytes, or None at end of file (the other end is gone or done)."""
+    got = b""
+    while len(got) < n:
+        part = os.read(fd, n - len(got))
+        if not part:
+            return None
+        got += part
+    return got
+
+
+_lock = threading.Lock()
+_active: Workers | None = None  # the pool kernels use: a stream's, or one forked on first use
+_child = False  # set in a worker: it runs everything in process
+_ends: set[int] = set()  # the parent's ends of every pool's pipes, which no child may keep open
+
+
+_executors: dict[tuple[int, str], ThreadPoolExecutor] = {}
+
+
+def executor(name: str, threads: int) -> ThreadPoolExecutor:
+    """A thread pool by name, this process's own: a worker forked from a process whose pools had threads
+    would find them gone and wait on them for ever; it gets new ones (``threads``, at most 1 there)."""
+    key = os.getpid(), name
+    with _lock:
+        ex = _executors.get(key)
+        if ex is None:
+            ex = _executors[key] = ThreadPoolExecutor(1 if _child else threads, thread_name_prefix=name)
+        return ex
+
+
+def in_worker() -> bool:
+    """Whether this process is a worker (one core: the threads a call would spread over are one)."""
+    return _child
+
+
+def enabled() -> bool:
+    """Whether this process forks workers: it is asked to (``PROCS``), can, is not a worker itself, and
+    has not brought up CUDA through torch (CUDA does not support a fork after it is initialized; the
+    workers would not touch it, but that case is untested and gains nothing: such a process's units run
+    on the GPU or in torch)."""
+    return PROCS > 0 and hasattr(os, "fork") and not _child and not _torch_cuda()
+
+
+def _torch_cuda() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and bool(torch.cuda.is_initialized())
+    except Exception:  # a torch without CUDA, half imported: no CUDA to protect
+        return False
+
+
+def workers() -> Workers | None:
+    """This process's workers for kernel tasks (forked on first use where no stream has its own); None
+    where there are to be none (``PROCS``, ``MANY_CORES``), in a worker itself, or where this system cannot
+    fork."""
+    global _active
+    if not enabled() or not MANY_CORES:
+        return None
+    with _lock:
+        if _active is None:
+            _active = Workers(PROCS)
+        return _active
+
+
+def fresh(procs: int) -> Workers:
+    """A pool forked now (a stream's: its children see its plan), the one kernels use until it closes;
+    an earlier pool is closed first."""
+    global _active
+    shutdown()
+    new = Workers(procs)
+    with _lock:
+        _active = new
+    return new
+
+
+def shutdown() -> None:
+    """Let the workers go (tests; a command's process simply exits, and they with it)."""
+    with _lock:
+        old = _active
+    if old is not None:
+        old.close()
