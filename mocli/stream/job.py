@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mocli import devices, trace
+from mocli import workers as wk
 from mocli.errors import FindingsError, InputError, Interrupted, MocliError, os_error
 from mocli.findings import Findings
 from mocli.io.digests import DIGEST, file_digest
@@ -49,6 +50,7 @@ from mocli.stream.outdir import (
     publish,
 )
 from mocli.stream.pool import BufferPool, UnitContext
+from mocli.stream.remote import RemoteUnits
 from mocli.stream.unit_runner import UNIT_WORKERS, compute_threads, ran_in_order, to_host
 from mocli.stream.units import BadData, Key, Plan, Unit, check_finite
 from mocli.stream.writer import Writer, writer_lanes
@@ -383,6 +385,7 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
     can be told before it is raised) and (device asked, device used)."""
     dist = job.dist
     threads: int | None = None
+    remote: RemoteUnits | None = None
     used = ("cpu", "cpu")
     try:
         with TensorReader() as reader, open(partial / journal_name(dist.rank), "a") as journal, \
@@ -402,8 +405,8 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
             else:
                 used = (devices.requested_device(job.device), "cpu")
             recorded = job.source_digests is None or dist.rank != 0
-            workers = UNIT_WORKERS if ctx.device is None else 1
-            for unit, pieces in ran_in_order(units, ctx, workers):
+            workers, remote = _unit_workers(job, units) if ctx.device is None else (1, None)
+            for unit, pieces in ran_in_order(units, ctx, workers, remote):
                 if not recorded and job.source_digests.done():
                     record_source(partial, job.source_digests.result())
                     recorded = True
@@ -418,11 +421,23 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
         return e, used
     finally:
         writer.close()
+        if remote is not None:
+            remote.close()
         if threads is not None:
             import torch
 
             torch.set_num_threads(threads)
     return None, used
+
+
+def _unit_workers(job: Job, units: list[Unit]) -> tuple[int, RemoteUnits | None]:
+    """How many units run at once on the CPU, and the worker processes that run them where this machine
+    has cores for them (``mocli.workers``; shared among a torchrun's processes): a thread per worker then
+    waits for its unit, so that every worker has one."""
+    procs = wk.PROCS // job.dist.world if wk.enabled() and wk.MANY_CORES else 0
+    if procs < 2:
+        return UNIT_WORKERS, None
+    return max(UNIT_WORKERS, procs), RemoteUnits(units, procs)
 
 
 def _agree(dist: Dist, error: BaseException | None) -> BaseException | None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from mocli.io.safetensors_file import TensorReader
 from mocli.stream.pool import UnitContext
+from mocli.stream.remote import RemoteUnits
 from mocli.stream.units import Piece, Unit
 
 if TYPE_CHECKING:
@@ -23,10 +24,11 @@ if TYPE_CHECKING:
 UNIT_WORKERS = int(os.environ.get("MOCLI_UNIT_WORKERS") or 0) or max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
-def ran_in_order(units: list[Unit], ctx: UnitContext, workers: int):
+def ran_in_order(units: list[Unit], ctx: UnitContext, workers: int, remote: RemoteUnits | None = None):
     """(unit, its pieces) in plan order. ``workers`` > 1: up to that many units run at once ahead of the
     writer, each thread with a reader of its own (a reader's descriptors are not shared across threads);
-    an error stops the units not yet started."""
+    with ``remote``, those that can run in its worker processes (``mocli.stream.remote``), the threads
+    waiting for them. An error stops the units not yet started."""
     if workers == 1:
         for unit in units:
             yield unit, unit.run(ctx)
@@ -39,6 +41,9 @@ def ran_in_order(units: list[Unit], ctx: UnitContext, workers: int):
     lock = threading.Lock()
 
     def run(unit: Unit) -> list[Piece]:
+        pieces = remote.run(unit) if remote is not None else None
+        if pieces is not None:
+            return pieces
         own = getattr(local, "ctx", None)
         if own is None:
             with lock:
