@@ -644,6 +644,7 @@ def test_module_checks_side_by_side_agree_and_stop_at_an_error(cli, converted, m
     from mocli.verify import modules
     from mocli.verify.kinds import nvfp4_linear, nvfp4_moe
 
+    monkeypatch.setattr("mocli.workers.PROCS", 0)  # threads of this process (tests/test_workers.py: processes)
     out = converted["qwen", TRTLLM]
     one = cli("--json", "verify", out).json
     monkeypatch.setattr(modules, "WORKERS", 2)

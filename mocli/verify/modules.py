@@ -9,10 +9,12 @@ from the page cache).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import pickle
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 
 from mocli import trace
+from mocli import workers as wk
 from mocli.checkpoint import Checkpoint
 from mocli.devices import Kernels, capability, check_device
 from mocli.kinds import ModuleKind
@@ -93,10 +95,12 @@ def check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout, 
                 for ck in cks.values():
                     ck.drop_pages()
 
-        workers = WORKERS if rt is None else 1  # numpy checks side by side where there are cores
+        remote = _RemoteChecks(names, check) if rt is None and wk.enabled() and wk.PROCS >= 2 and len(names) > 1 else None
+        workers = (remote.procs if remote else WORKERS) if rt is None else 1  # numpy checks side by side
+        run = remote.run if remote else check
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mocli-verify") if workers > 1 else None
         # the largest modules start first, so a long MoE layer does not start last (results in order)
-        done = (_in_order({n: pool.submit(check, n) for n in sorted(names, key=lambda n: -_module_bytes(cks, n))},
+        done = (_in_order({n: pool.submit(run, n) for n in sorted(names, key=lambda n: -_module_bytes(cks, n))},
                           names) if pool else (check(n) for n in names))
         try:
             for res, cr in done:
@@ -107,7 +111,43 @@ def check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout, 
         finally:  # an error or Ctrl-C: the modules not started yet are not checked
             if pool:
                 pool.shutdown(wait=True, cancel_futures=True)
+            if remote:
+                remote.close()
     return results, cross
+
+
+# The run's modules and their check, as the worker processes inherit them (``_RemoteChecks``)
+_NAMES: list[str] = []
+_CHECK: Callable | None = None
+
+
+class _RemoteChecks:
+    """Numpy checks in worker processes (``mocli.workers``), where a machine has cores that one process's
+    threads cannot keep busy (the byte checks hold the GIL between short numpy passes). Forked once the
+    run's context exists, a worker runs a module's check as this process would and sends its results
+    back; a check that fails there (an error, the worker gone) runs again here, where its error shows."""
+
+    def __init__(self, names: list[str], check: Callable) -> None:
+        global _NAMES, _CHECK
+        _NAMES, _CHECK = list(names), check
+        self.index = {n: i for i, n in enumerate(_NAMES)}
+        self.pool = wk.fresh(wk.PROCS)
+        self.procs, self.check = wk.PROCS, check
+
+    def run(self, name: str):
+        got: list = []
+        task = wk.Task(remote_check, (self.index[name],), 0, 0, None, lambda _, reply: got.append(pickle.loads(reply)))
+        return got[0] if self.pool.call(task) else self.check(name)
+
+    def close(self) -> None:
+        global _NAMES, _CHECK
+        self.pool.close()
+        _NAMES, _CHECK = [], None
+
+
+def remote_check(src, dst, args: tuple[int, ...]) -> bytes:
+    """In a worker: module ``args[0]``'s check, its (results, cross result) pickled."""
+    return pickle.dumps(_CHECK(_NAMES[args[0]]))
 
 
 def _fp4(rt):

@@ -1,0 +1,191 @@
+"""Work in worker processes (``mocli.workers``): the Marlin repack and its inverse a slot at a time, whole
+conversion units (``mocli.stream.remote``) and verify's numpy checks (``mocli.verify.modules``). Off under
+8 cores, so these tests turn two workers on; what they hold is that a worker changes no byte, no result and
+no error, and that a worker which dies or stops is worked around."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from fixtures.generate import make_checkpoint
+from mocli import workers
+from mocli.ops import marlin
+from mocli.targets import marlin_decode
+from tests import reference as ref
+from tests.conftest import REAL_QWEN, digest_tree, edit_tensor
+
+
+@pytest.fixture
+def two_workers(monkeypatch):
+    """Two workers, tasks of 4 KiB (a repack then spans several), every repack and decode sent to them."""
+    monkeypatch.setattr(workers, "PROCS", 2)
+    monkeypatch.setattr(workers, "MANY_CORES", True)
+    monkeypatch.setattr(workers, "TASK", 4096)
+    monkeypatch.setattr(workers, "PROC_MIN", 0)
+    yield
+    workers.shutdown()
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n, k // 2), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("n,k", [(256, 512), (100, 48), (320, 96), (1024, 4096)])
+def test_repack_and_decode_in_workers_are_vllms_reference(two_workers, n, k):
+    """Against vLLM's python reference restated (tests/reference.py), not against the in-process path."""
+    w = _weight(n, k, n + k)
+    np_, kp = marlin.padded_nk(n, k)
+    got = marlin.repack(w.numpy(), np_, kp)
+    assert workers.workers() is not None and not workers.workers().broken
+    assert np.array_equal(got.view(np.int32), ref.marlin_repack(w, np_, kp).numpy())
+    assert np.array_equal(marlin_decode.decode_weight(got, n, k, "w"), w.numpy())
+
+
+def test_a_worker_that_dies_leaves_its_task_to_the_caller(two_workers):
+    w = _weight(512, 1024, 1)
+    want = ref.marlin_repack(w, 512, 1024).numpy()
+    pool = workers.workers()
+    os.kill(pool.pids[0], signal.SIGKILL)
+    os.waitpid(pool.pids[0], 0)
+    assert np.array_equal(marlin.repack(w.numpy(), 512, 1024).view(np.int32), want)
+    assert pool.broken == {0}  # and the other worker still works
+    assert np.array_equal(marlin.repack(w.numpy(), 512, 1024).view(np.int32), want)
+
+
+def test_a_worker_that_stops_is_given_up(two_workers, monkeypatch):
+    """A worker stuck on a lock the fork left taken uses no CPU: after STALL seconds its task runs here."""
+    monkeypatch.setattr(workers, "STALL", 1.0)
+    w = _weight(256, 512, 2)
+    pool = workers.workers()
+    for pid in pool.pids:
+        os.kill(pid, signal.SIGSTOP)
+    assert np.array_equal(marlin.repack(w.numpy(), 256, 512).view(np.int32), ref.marlin_repack(w, 256, 512).numpy())
+    assert pool.broken == {0, 1}
+
+
+def test_no_workers_where_torch_has_brought_up_cuda(monkeypatch):
+    monkeypatch.setattr(workers, "PROCS", 2)
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    assert not workers.enabled() and workers.workers() is None
+
+
+def test_pools_are_per_process():
+    """A forked worker gets thread pools of its own (one thread), never its parent's threadless ones."""
+    ex = workers.executor("mocli-test", 3)
+    assert workers.executor("mocli-test", 3) is ex and ex._max_workers == 3
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        workers._child = True
+        child = workers.executor("mocli-test", 3)
+        os.write(w, b"%d %d" % (child is not ex, child._max_workers))
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 16) == b"1 1"
+
+
+@pytest.mark.parametrize("target,src_kw", [
+    ("marlin", None), ("flashinfer-trtllm", None),
+    ("flashinfer-cutlass", {"arch": "qwen3_moe", "algo": "FP8", "hidden": 192, "heads": 4, "kv_heads": 2,
+                            "head_dim": 48, "moe_intermediate": 96}),
+])
+def test_units_in_workers_write_the_same_bytes(cli, tmp_path, monkeypatch, target, src_kw):
+    """Whole conversions, with and without worker processes, at one rank and at --tp 2: every file."""
+    src = REAL_QWEN if src_kw is None else make_checkpoint(tmp_path / "src", **src_kw)
+    monkeypatch.setattr(workers, "MANY_CORES", True)  # as from 8 cores
+    for tp in ("1", "2"):
+        outs = {}
+        for procs in (0, 2):
+            monkeypatch.setattr(workers, "PROCS", procs)
+            outs[procs] = tmp_path / f"{tp}-{procs}"
+            r = cli("convert", src, "-o", outs[procs], "--target", target, "--tp", tp)
+            assert r.exit_code == 0, r.stderr
+        assert digest_tree(outs[0]) == digest_tree(outs[2])
+        assert workers._active is None  # the stream's workers are gone with it
+
+
+def test_bad_data_in_a_worker_is_the_same_refusal(cli, tmp_path, monkeypatch):
+    """A unit that raises in a worker (NaN codes) runs again here and refuses the run as it always has."""
+    src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="FP8", hidden=192, heads=4, kv_heads=2,
+                          head_dim=48, moe_intermediate=96)
+    monkeypatch.setattr(workers, "MANY_CORES", True)
+    edit_tensor(src, "model.layers.0.mlp.experts.1.down_proj.weight",
+                lambda t: t.view(torch.uint8).index_fill_(1, torch.tensor([5]), 0x7F).view(t.dtype))
+    got = {}
+    for procs in (0, 2):
+        monkeypatch.setattr(workers, "PROCS", procs)
+        r = cli("convert", src, "-o", tmp_path / f"o{procs}", "--target", "flashinfer-cutlass")
+        got[procs] = r.exit_code, r.stderr
+        assert not (tmp_path / f"o{procs}").exists()
+    assert got[0] == got[2] and got[0][0] == 1 and "DAT001" in got[0][1]
+
+
+def _verified(cli, out, monkeypatch, procs: int) -> tuple[int, list[dict]]:
+    monkeypatch.setattr(workers, "PROCS", procs)
+    r = cli("--json", "verify", out)
+    return r.exit_code, [{k: v for k, v in m.items() if k != "seconds"} for m in json.loads(r.stdout)["modules"]]
+
+
+def _same_results(a: list[dict], b: list[dict]) -> None:
+    """Every field the same, but the float32 errors: a worker's GEMMs run on one BLAS thread, so their sums
+    may round in another order (the 7th digit of an error of 1e-7, as between two machines)."""
+    assert len(a) == len(b) > 5
+    for x, y in zip(a, b, strict=True):
+        fuzzy = ("error", "stages")
+        assert {k: v for k, v in x.items() if k not in fuzzy} == {k: v for k, v in y.items() if k not in fuzzy}
+        assert x["error"] == pytest.approx(y["error"], rel=0.2, abs=1e-6)
+        assert x["stages"].keys() == y["stages"].keys()
+        assert all(x["stages"][k] == pytest.approx(y["stages"][k], rel=0.2, abs=1e-6) for k in x["stages"])
+
+
+def test_verify_in_workers_gives_the_same_results(cli, tmp_path, monkeypatch):
+    out = tmp_path / "o"
+    assert cli("convert", REAL_QWEN, "-o", out, "--target", "marlin").exit_code == 0
+    (c0, r0), (c2, r2) = _verified(cli, out, monkeypatch, 0), _verified(cli, out, monkeypatch, 2)
+    assert c0 == c2 == 0
+    _same_results(r0, r2)
+
+
+def test_verify_in_workers_finds_the_same_fault(cli, tmp_path, monkeypatch):
+    """One byte of one stored expert changed: the same module fails, for the same reason, either way."""
+    out = tmp_path / "o"
+    assert cli("convert", REAL_QWEN, "-o", out, "--target", "marlin").exit_code == 0
+    edit_tensor(out, "model.layers.1.mlp.experts.w2_weight", lambda t: t.view(torch.uint8).index_fill_(
+        2, torch.tensor([7]), 0x5A).view(t.dtype))
+    (c0, r0), (c2, r2) = _verified(cli, out, monkeypatch, 0), _verified(cli, out, monkeypatch, 2)
+    assert c0 == c2 == 1
+    assert [m["module"] for m in r0 if not m["passed"]] == ["model.layers.1.mlp.experts"]
+    _same_results(r0, r2)
+
+
+def test_a_new_pool_replaces_an_old_one(tmp_path):
+    """The lazily forked pool (a repack's), then a stream's: the old one's workers must see their pipes
+    close, so no new worker may keep the old ends open (that waited for ever, before). In a process of its
+    own, with a deadline."""
+    import subprocess
+
+    script = (
+        "import numpy as np\n"
+        "from mocli import workers\n"
+        "from mocli.ops import marlin\n"
+        "workers.PROCS, workers.PROC_MIN, workers.MANY_CORES = 2, 0, True\n"
+        "w = np.arange(256 * 256, dtype=np.uint32).astype(np.uint8).reshape(256, 256)\n"
+        "a = marlin.repack(w, 256, 512)\n"
+        "old = workers._active\n"
+        "workers.fresh(2)\n"
+        "assert old.pids == [] and workers._active is not old\n"
+        "assert (marlin.repack(w, 256, 512) == a).all()\n"
+        "workers.shutdown()\n"
+        "print('done')\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr
