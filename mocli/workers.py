@@ -24,6 +24,7 @@ process): by default one per core but two, at least two. Where they are used: ``
 
 from __future__ import annotations
 
+import gc
 import importlib
 import mmap
 import os
@@ -42,19 +43,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-_CORES = os.cpu_count() or 1
-_ASKED = os.environ.get("MOCLI_KERNEL_PROCS")
-PROCS = int(_ASKED) if _ASKED else max(2, _CORES - 2)  # a pool's workers
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # ours to use
+_ASKED = os.environ.get("MOCLI_KERNEL_PROCS", "").strip()
+PROCS = int(_ASKED) if _ASKED.isdigit() else max(2, _CORES - 2)  # a pool's workers (not a number: the default)
 # Where they are used. verify's numpy checks: on every machine (their threads' GIL cost even the 2-core VM
 # time: its check of a Marlin output 5.3 s in threads, 3.9 s in two workers). Conversion units and the
 # repack's blocks: from 8 cores, or where MOCLI_KERNEL_PROCS asks (on the 2-core VM the copies out of the
 # slots cost more than the workers save: a Marlin conversion 4.8 s in process, 6.7 s with two)
-MANY_CORES = bool(_ASKED) or _CORES >= 8
+MANY_CORES = _ASKED.isdigit() or _CORES >= 8
 SLOT = 8 << 20  # bytes of input (and as many of output) a kernel task may carry: a unit's output may take both
 PROC_MIN = 1 << 20  # a call moving fewer bytes stays in process (forking and two copies cost more)
 # bytes per task where a call can be cut: an expert's 3 MiB half in three, each to a worker of its own
 TASK = int(os.environ.get("MOCLI_KERNEL_TASK_BYTES") or 0) or 1 << 20
-STALL = 30.0  # seconds a worker may use no CPU on a task before it is given up (``_alive_until_ready``)
+STALL = 30  # seconds a worker may use no CPU on a task before it is given up (``_alive_until_ready``)
 _HEAD = struct.Struct("<4q")  # name length, input bytes, output bytes, number of ints
 _REPLY = struct.Struct("<Bq")  # 1 done (0 failed), reply bytes
 
@@ -86,9 +87,14 @@ class Workers:
         self.broken: set[int] = set()
         self.procs = procs
         self.drivers = ThreadPoolExecutor(procs, thread_name_prefix="mocli-kernel")
-        for i in range(procs):
-            self._fork(i)
-            self.idle.put(i)
+        gc.freeze()  # what exists now stays out of the collector's way: the children's pages stay shared
+        try:
+            for i in range(procs):
+                self._fork(i)
+                self.idle.put(i)
+        except BaseException:  # no process or descriptor left (EAGAIN, EMFILE): the ones forked go
+            self.close()
+            raise
 
     def __enter__(self) -> Workers:
         return self
@@ -107,8 +113,8 @@ class Workers:
             code = 1
             try:
                 _child = True
-                for fd in (task_w, done_r, *_ends):  # the parent's ends, of every pool: EOF must reach them
-                    os.close(fd)
+                for fd in (task_w, done_r, *_ends, *_private):  # the parent's pipe ends, of every pool (EOF
+                    os.close(fd)  # must reach them), and what no worker may hold (``keep_from_workers``)
                 _serve(task_r, done_w, self.slots[i])
                 code = 0
             finally:
@@ -125,9 +131,12 @@ class Workers:
             return False
         i = self.idle.get()
         try:
-            return i not in self.broken and self._remote(i, task)
+            done = i not in self.broken and self._remote(i, task)
         finally:
             self.idle.put(i)
+        with _lock:
+            STATS["done" if done else "failed"] += 1
+        return done
 
     def run(self, task: Task) -> None:
         """The task in a worker, or here where that fails."""
@@ -142,6 +151,9 @@ class Workers:
         task.take(dst, task.kernel(src, dst, task.args) or b"")
 
     def _remote(self, i: int, task: Task) -> bool:
+        """True once the worker's output is taken; False where the task failed there (the worker is fine)
+        or the worker is gone or stuck (then it is killed and never used again). Anything else raised
+        while a task is out (Ctrl-C) kills the worker too: its reply must never reach another task."""
         slot = self.slots[i]
         if task.fill is not None:
             task.fill(slot[:task.nin])
@@ -151,20 +163,28 @@ class Workers:
         w, r = self.pipes[i]
         try:
             os.write(w, msg)  # under PIPE_BUF: whole
-            if not _alive_until_ready(r, self.pids[i]):
-                os.kill(self.pids[i], signal.SIGKILL)
-                raise OSError("a worker stopped making progress")
-            head = _read(r, _REPLY.size)
-            ok, n = _REPLY.unpack(head) if head else (0, 0)
+            head = _read(r, _REPLY.size) if _alive_until_ready(r, self.pids[i]) else None
+            ok, n = _REPLY.unpack(head) if head else (0, -1)
             reply = _read(r, n) if ok else None
-        except OSError:
-            reply = None
+        except BaseException:
+            self._give_up(i)
+            if not isinstance(sys.exc_info()[1], OSError):
+                raise
+            return False
         if reply is None:
-            self.broken.add(i)
+            if n < 0 or (ok and reply is None):  # gone, stuck, or cut off mid-reply
+                self._give_up(i)
             return False
         out = slot[SLOT:SLOT + task.nout] if task.nin else slot[:task.nout]
         task.take(out, reply)
         return True
+
+    def _give_up(self, i: int) -> None:
+        self.broken.add(i)
+        try:
+            os.kill(self.pids[i], signal.SIGKILL)
+        except OSError:
+            pass
 
     def run_all(self, tasks: Sequence[Task]) -> None:
         """Every task, spread over the workers (the calling thread drives the first)."""
@@ -181,14 +201,16 @@ class Workers:
         with _lock:
             if _active is self:
                 _active = None
-        for w, r in self.pipes:
+        for w, r in self.pipes:  # idle workers see end of file and exit
             _ends.difference_update((w, r))
             os.close(w)
             os.close(r)
-        for pid in self.pids:
+        for i, pid in enumerate(self.pids):
             try:
+                if i in self.broken:  # killed, or to be: never waited on while stuck
+                    os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-            except ChildProcessError:
+            except (ChildProcessError, ProcessLookupError):
                 pass
         self.pipes, self.pids = [], []
         self.drivers.shutdown(wait=False)
@@ -214,9 +236,9 @@ def _serve(task_r: int, done_w: int, slot: np.ndarray) -> None:
                 kernels[name] = getattr(importlib.import_module(module), qual)
             dst = slot[SLOT:SLOT + nout] if nin else slot[:nout]
             reply = kernels[name](slot[:nin], dst, args) or b""
-            os.write(done_w, _REPLY.pack(1, len(reply)) + reply)
+            _write(done_w, _REPLY.pack(1, len(reply)) + reply)
         except Exception:  # the parent runs it again in process, where the error shows
-            os.write(done_w, _REPLY.pack(0, 0))
+            _write(done_w, _REPLY.pack(0, 0))
 
 
 def _one_blas_thread() -> None:
@@ -246,12 +268,14 @@ def _alive_until_ready(fd: int, pid: int) -> bool:
     left taken). Its task then runs in process: a stuck worker costs time, never the run."""
     import select
 
-    last, since = _cpu_ticks(pid), time.monotonic()
-    while not select.select([fd], [], [], 1.0)[0]:
+    poll = select.poll()
+    poll.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    last, still = _cpu_ticks(pid), 0
+    while not poll.poll(1000):  # polls, not the clock: a machine paused or a job stopped is not a stall
         now = _cpu_ticks(pid)
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since > STALL:
+        still = still + 1 if now == last else 0
+        last = now
+        if still > STALL:
             return False
     return True
 
@@ -267,6 +291,12 @@ def _cpu_ticks(pid: int) -> int:
         return time.monotonic_ns()
 
 
+def _write(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def _read(fd: int, n: int) -> bytes | None:
     """Exactly ``n`` bytes, or None at end of file (the other end is gone or done)."""
     got = b""
@@ -278,10 +308,13 @@ def _read(fd: int, n: int) -> bytes | None:
     return got
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _active: Workers | None = None  # the pool kernels use: a stream's, or one forked on first use
 _child = False  # set in a worker: it runs everything in process
+_failed = False  # a pool could not be forked: not tried again
 _ends: set[int] = set()  # the parent's ends of every pool's pipes, which no child may keep open
+_private: set[int] = set()  # descriptors no child may keep open (``keep_from_workers``)
+STATS = {"done": 0, "failed": 0}  # tasks a worker did, and those it could not (run again in process)
 
 
 _executors: dict[tuple[int, str], ThreadPoolExecutor] = {}
@@ -296,6 +329,12 @@ def executor(name: str, threads: int) -> ThreadPoolExecutor:
         if ex is None:
             ex = _executors[key] = ThreadPoolExecutor(1 if _child else threads, thread_name_prefix=name)
         return ex
+
+
+def keep_from_workers(fd: int, keep: bool = True) -> None:
+    """``fd`` (an output's lock) is closed in every worker forked while it is open; ``keep`` False: no more."""
+    with _lock:
+        (_private.add if keep else _private.discard)(fd)
 
 
 def in_worker() -> bool:
@@ -323,21 +362,37 @@ def workers() -> Workers | None:
     """This process's workers for kernel tasks (forked on first use where no stream has its own); None
     where there are to be none (``PROCS``, ``MANY_CORES``), in a worker itself, or where this system cannot
     fork."""
-    global _active
-    if not enabled() or not MANY_CORES:
+    global _active, _failed
+    procs = PROCS // local_world()
+    if not enabled() or not MANY_CORES or procs < 2:
         return None
     with _lock:
-        if _active is None:
-            _active = Workers(PROCS)
+        if _active is None and not _failed:
+            try:
+                _active = Workers(procs)
+            except OSError:  # no process or descriptor to spare: in process, and not tried again
+                _failed = True
         return _active
 
 
-def fresh(procs: int) -> Workers:
+def local_world() -> int:
+    """The processes of this run on this machine (torchrun's), among which the cores are shared."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def fresh(procs: int) -> Workers | None:
     """A pool forked now (a stream's: its children see its plan), the one kernels use until it closes;
-    an earlier pool is closed first."""
+    an earlier pool is closed first. None where no process or descriptor can be spared (then everything
+    runs in process, as under 2 workers)."""
     global _active
     shutdown()
-    new = Workers(procs)
+    try:
+        new = Workers(procs)
+    except OSError:
+        return None
     with _lock:
         _active = new
     return new

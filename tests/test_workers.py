@@ -23,6 +23,21 @@ from tests import reference as ref
 from tests.conftest import REAL_QWEN, digest_tree, edit_tensor
 
 
+@pytest.fixture(autouse=True)
+def stats(monkeypatch):
+    """``workers.STATS`` counted from zero: a test asserts that its work really went to a worker (a worker
+    that failed every task would otherwise pass unseen, every task run again in process)."""
+    monkeypatch.setattr(workers, "STATS", {"done": 0, "failed": 0})
+    yield workers.STATS
+    pool = workers._active
+    for pid in pool.pids if pool is not None else []:  # stopped ones too: never waited on for ever
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # reaped by the test
+            pass
+    workers.shutdown()
+
+
 @pytest.fixture
 def two_workers(monkeypatch):
     """Two workers, tasks of 4 KiB (a repack then spans several), every repack and decode sent to them."""
@@ -30,8 +45,6 @@ def two_workers(monkeypatch):
     monkeypatch.setattr(workers, "MANY_CORES", True)
     monkeypatch.setattr(workers, "TASK", 4096)
     monkeypatch.setattr(workers, "PROC_MIN", 0)
-    yield
-    workers.shutdown()
 
 
 def _weight(n: int, k: int, seed: int) -> torch.Tensor:
@@ -39,25 +52,58 @@ def _weight(n: int, k: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n,k", [(256, 512), (100, 48), (320, 96), (1024, 4096)])
-def test_repack_and_decode_in_workers_are_vllms_reference(two_workers, n, k):
+def test_repack_and_decode_in_workers_are_vllms_reference(two_workers, stats, n, k):
     """Against vLLM's python reference restated (tests/reference.py), not against the in-process path."""
     w = _weight(n, k, n + k)
     np_, kp = marlin.padded_nk(n, k)
     got = marlin.repack(w.numpy(), np_, kp)
-    assert workers.workers() is not None and not workers.workers().broken
-    assert np.array_equal(got.view(np.int32), ref.marlin_repack(w, np_, kp).numpy())
+    repacked = stats["done"]
+    assert repacked >= 1 and np.array_equal(got.view(np.int32), ref.marlin_repack(w, np_, kp).numpy())
     assert np.array_equal(marlin_decode.decode_weight(got, n, k, "w"), w.numpy())
+    assert stats["done"] > repacked and stats["failed"] == 0 and not workers._active.broken
 
 
-def test_a_worker_that_dies_leaves_its_task_to_the_caller(two_workers):
+def test_a_worker_that_dies_leaves_its_task_to_the_caller(two_workers, stats):
     w = _weight(512, 1024, 1)
     want = ref.marlin_repack(w, 512, 1024).numpy()
     pool = workers.workers()
     os.kill(pool.pids[0], signal.SIGKILL)
     os.waitpid(pool.pids[0], 0)
     assert np.array_equal(marlin.repack(w.numpy(), 512, 1024).view(np.int32), want)
-    assert pool.broken == {0}  # and the other worker still works
+    assert pool.broken == {0}
+    done = stats["done"]
     assert np.array_equal(marlin.repack(w.numpy(), 512, 1024).view(np.int32), want)
+    assert stats["done"] > done  # the other worker still works
+
+
+def _failing(src, dst, args):  # a kernel (a worker imports it by name)
+    raise ValueError("planted")
+
+
+def test_a_task_that_fails_leaves_its_worker_in_use(two_workers, stats):
+    """An error in a task (bad data, a unit past the slot) is the task's: the worker stays."""
+    pool = workers.workers()
+    task = workers.Task(_failing, (), 0, 16, None, lambda dst, reply: None)
+    assert not pool.call(task) and not pool.call(task)
+    assert stats["failed"] == 2 and not pool.broken
+    with pytest.raises(ValueError, match="planted"):  # ``run``: again here, where the error shows
+        pool.run(task)
+
+
+def test_an_interrupt_while_a_task_is_out_retires_its_worker(two_workers, monkeypatch):
+    """Ctrl-C while a worker computes: that worker's late reply must never be read as another task's."""
+    w = _weight(256, 512, 3)
+    pool = workers.workers()
+
+    def interrupted(fd, pid):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(workers, "_alive_until_ready", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        marlin.repack(w.numpy(), 256, 512)
+    assert pool.broken
+    monkeypatch.undo()
+    assert np.array_equal(marlin.repack(w.numpy(), 256, 512).view(np.int32), ref.marlin_repack(w, 256, 512).numpy())
 
 
 def test_a_worker_that_stops_is_given_up(two_workers, monkeypatch):
@@ -111,6 +157,7 @@ def test_units_in_workers_write_the_same_bytes(cli, tmp_path, monkeypatch, targe
             assert r.exit_code == 0, r.stderr
         assert digest_tree(outs[0]) == digest_tree(outs[2])
         assert workers._active is None  # the stream's workers are gone with it
+    assert workers.STATS["done"] > 0 and workers.STATS["failed"] == 0
 
 
 def test_bad_data_in_a_worker_is_the_same_refusal(cli, tmp_path, monkeypatch):
@@ -127,6 +174,7 @@ def test_bad_data_in_a_worker_is_the_same_refusal(cli, tmp_path, monkeypatch):
         got[procs] = r.exit_code, r.stderr
         assert not (tmp_path / f"o{procs}").exists()
     assert got[0] == got[2] and got[0][0] == 1 and "DAT001" in got[0][1]
+    assert workers.STATS["failed"] == 1  # the unit with the NaN, in a worker: then again here
 
 
 def _verified(cli, out, monkeypatch, procs: int) -> tuple[int, list[dict]]:
@@ -153,6 +201,7 @@ def test_verify_in_workers_gives_the_same_results(cli, tmp_path, monkeypatch):
     (c0, r0), (c2, r2) = _verified(cli, out, monkeypatch, 0), _verified(cli, out, monkeypatch, 2)
     assert c0 == c2 == 0
     _same_results(r0, r2)
+    assert workers.STATS["done"] == len({m["module"] for m in r2}) and workers.STATS["failed"] == 0
 
 
 def test_verify_in_workers_finds_the_same_fault(cli, tmp_path, monkeypatch):

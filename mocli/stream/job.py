@@ -423,6 +423,7 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
         writer.close()
         if remote is not None:
             remote.close()
+        wk.shutdown()  # a pool forked on first use by an in-process repack too: before the lock goes
         if threads is not None:
             import torch
 
@@ -434,10 +435,11 @@ def _unit_workers(job: Job, units: list[Unit]) -> tuple[int, RemoteUnits | None]
     """How many units run at once on the CPU, and the worker processes that run them where this machine
     has cores for them (``mocli.workers``; shared among a torchrun's processes): a thread per worker then
     waits for its unit, so that every worker has one."""
-    procs = wk.PROCS // job.dist.world if wk.enabled() and wk.MANY_CORES else 0
-    if procs < 2:
-        return UNIT_WORKERS, None
-    return max(UNIT_WORKERS, procs), RemoteUnits(units, procs)
+    procs = wk.PROCS // wk.local_world() if wk.enabled() and wk.MANY_CORES else 0
+    remote = RemoteUnits(units, procs, UNIT_WORKERS) if procs >= 2 else None
+    if remote is None or remote.pool is None:
+        return UNIT_WORKERS, remote
+    return max(UNIT_WORKERS, procs), remote
 
 
 def _agree(dist: Dist, error: BaseException | None) -> BaseException | None:

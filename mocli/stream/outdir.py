@@ -14,6 +14,7 @@ import socket
 import time
 from pathlib import Path
 
+from mocli import workers as wk
 from mocli.errors import InputError
 from mocli.io import human_bytes
 
@@ -63,6 +64,7 @@ class OutputLock:
                 break
             os.close(fd)
         self.fd = fd
+        wk.keep_from_workers(fd)  # a worker that outlived a kill -9 of this process must not hold the lock
         info = f"pid {os.getpid()} on {socket.gethostname()}, {self.command}, since {time.strftime('%H:%M:%S')}"
         os.ftruncate(fd, 0)
         os.pwrite(fd, info.encode(), 0)
@@ -73,6 +75,7 @@ class OutputLock:
             os.unlink(self.path)
         except OSError:
             pass
+        wk.keep_from_workers(self.fd, False)
         os.close(self.fd)
 
 

@@ -12,6 +12,7 @@ it always has: a unit's bytes are the same wherever it ran.
 from __future__ import annotations
 
 import pickle
+import threading
 from typing import TYPE_CHECKING
 
 from mocli import workers as wk
@@ -30,22 +31,25 @@ _ctx: UnitContext | None = None  # a child's own context (its reader)
 class RemoteUnits:
     """The workers of one stream: ``run(unit)`` returns its pieces, or None where it is to run here."""
 
-    def __init__(self, units: list[Unit], procs: int) -> None:
+    def __init__(self, units: list[Unit], procs: int, here: int) -> None:
         global _UNITS
+        self.here = threading.Semaphore(here)  # units that run in this process, at once
         # a torch-free unit goes to a worker where its input fits a slot: its output is about as large
         # (the byte moves keep sizes; one that writes more than a slot runs again here)
-        self.index = {id(u): i for i, u in enumerate(units) if u.torch_free and 0 < u.input_bytes <= 2 * wk.SLOT}
         _UNITS = units
         self.pool = wk.fresh(procs)
+        self.index = {id(u): i for i, u in enumerate(units) if u.torch_free and 0 < u.input_bytes <= 2 * wk.SLOT} \
+            if self.pool is not None else {}
 
     def close(self) -> None:
         global _UNITS
-        self.pool.close()
+        if self.pool is not None:
+            self.pool.close()
         _UNITS = []
 
     def run(self, unit: Unit) -> list[Piece] | None:
         i = self.index.get(id(unit))
-        if i is None:
+        if i is None or self.pool is None:
             return None
         got: list[list[Piece]] = []
         task = wk.Task(run_unit, (i,), 0, 2 * wk.SLOT, None, lambda slot, reply: got.append(_pieces(slot, reply)))

@@ -49,7 +49,10 @@ def ran_in_order(units: list[Unit], ctx: UnitContext, workers: int, remote: Remo
             with lock:
                 readers.append(TensorReader())
                 own = local.ctx = UnitContext(readers[-1], None, ctx.pool)
-        return unit.run(own)
+        if remote is None:
+            return unit.run(own)
+        with remote.here:  # those that run here: no more at once than without workers
+            return unit.run(own)
 
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mocli-unit")
     todo = iter(units)

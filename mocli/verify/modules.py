@@ -10,6 +10,7 @@ from the page cache).
 from __future__ import annotations
 
 import pickle
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 
@@ -95,8 +96,9 @@ def check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout, 
                 for ck in cks.values():
                     ck.drop_pages()
 
-        remote = _RemoteChecks(names, check) if rt is None and wk.enabled() and wk.PROCS >= 2 and len(names) > 1 else None
-        workers = (remote.procs if remote else WORKERS) if rt is None else 1  # numpy checks side by side
+        remote = _RemoteChecks(names, check) if rt is None and wk.enabled() and len(names) > 1 and \
+            wk.PROCS // wk.local_world() >= 2 else None
+        workers = (remote.procs if remote and remote.pool else WORKERS) if rt is None else 1  # numpy checks at once
         run = remote.run if remote else check
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mocli-verify") if workers > 1 else None
         # the largest modules start first, so a long MoE layer does not start last (results in order)
@@ -131,17 +133,23 @@ class _RemoteChecks:
         global _NAMES, _CHECK
         _NAMES, _CHECK = list(names), check
         self.index = {n: i for i, n in enumerate(_NAMES)}
-        self.pool = wk.fresh(wk.PROCS)
-        self.procs, self.check = wk.PROCS, check
+        self.procs = wk.PROCS // wk.local_world()
+        self.pool = wk.fresh(self.procs)
+        self.check = check
+        self.here = threading.Semaphore(WORKERS)  # checks run here (a worker failed): as many as without workers
 
     def run(self, name: str):
         got: list = []
         task = wk.Task(remote_check, (self.index[name],), 0, 0, None, lambda _, reply: got.append(pickle.loads(reply)))
-        return got[0] if self.pool.call(task) else self.check(name)
+        if self.pool is not None and self.pool.call(task):
+            return got[0]
+        with self.here:
+            return self.check(name)
 
     def close(self) -> None:
         global _NAMES, _CHECK
-        self.pool.close()
+        if self.pool is not None:
+            self.pool.close()
         _NAMES, _CHECK = [], None
 
 

@@ -32,8 +32,8 @@ from mocli.verify.results import FUSED_MOE_THRESHOLD, Halves, Problems, Stages, 
 # CPU the copies would cost memory and passes the expert-by-expert path never makes.
 STACKED_BYTES_ON = ("cuda",)
 STACKED_BYTES = 512 << 20
-# One thread for the expert byte checks of the CPU path (torch drops the GIL in its operations).
-
+# One thread for the expert byte checks of the CPU path (torch drops the GIL in its operations):
+# ``byte_checks(..., 1)`` below.
 
 
 class Fp8Moe(MoeCase):

@@ -28,7 +28,6 @@ from mocli.verify.results import Problems, rng
 EMULATED_MOE = "emulated Marlin W4A16 MoE (decoded layout, exact products)"
 
 
-
 class MarlinMoe(Nvfp4Moe):
     """One MoE layer for Marlin: ``Nvfp4Moe``'s source side and stages, Marlin's bytes and arithmetic."""
 

@@ -27,7 +27,6 @@ from mocli.verify.source import floats
 LABEL = "emulated MXFP4 MoE (decoded layout, BF16 activations, exact products)"
 
 
-
 def dequant(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """e2m1 [N, K/2] times E8M0 [N, K/32] -> float32 [N, K] (each block of 32 scaled in place: no [N, K] scale)."""
     v = unpack_e2m1(np.ascontiguousarray(codes))

@@ -36,8 +36,6 @@ EMULATED_MOE = "emulated NVFP4 MoE (decoded layout, exact products)"
 ONE = np.float32(1)
 
 
-
-
 class Nvfp4Moe(MoeCase):
     """One NVFP4 MoE layer: source scales, activations, dequantized experts on demand (numpy)."""
 
