@@ -16,7 +16,9 @@ process (``run`` does), where its error shows as it would have: the bytes are th
 The children ignore SIGINT (the parent decides), run numpy's BLAS on one thread, and exit when their task
 pipe reaches end of file, which the parent's exit, however abrupt, brings about (each closes the other
 workers' ends, so that nothing but the parent holds them). They keep the parent's other descriptors (the
-readers' open files): a stream closes its workers before it releases its output's lock. They see the
+readers' open files) but an output's lock (``keep_from_workers``); a stream closes its workers before it
+releases that lock. A worker gone, stuck (no CPU for ``STALL`` seconds) or interrupted mid-task is killed
+and not used again; a task that merely failed leaves its worker in use. They see the
 parent's memory as it was when they were forked (a stream's workers are forked once its plan exists).
 ``MOCLI_KERNEL_PROCS`` sets how many a pool has (a tuning knob, docs/DEVELOPMENT.md; 0: none, everything in
 process): by default one per core but two, at least two. Where they are used: ``MANY_CORES``.
