@@ -377,6 +377,18 @@ def workers() -> Workers | None:
         return _active
 
 
+def for_bytes(total: int, group: int) -> Workers | None:
+    """The workers for a call moving ``total`` bytes in groups of ``group`` bytes (a task holds at least one):
+    None where it is too small to pay for the copies, a group does not fit a slot, or there are none."""
+    return workers() if total >= PROC_MIN and group <= SLOT else None
+
+
+def spans(groups: int, group: int) -> list[tuple[int, int]]:
+    """Groups [c0, c1) for tasks of about ``TASK`` bytes (at least one group each)."""
+    per = max(1, TASK // group)
+    return [(c0, min(groups, c0 + per)) for c0 in range(0, groups, per)]
+
+
 def local_world() -> int:
     """The processes of this run on this machine (torchrun's), among which the cores are shared."""
     try:

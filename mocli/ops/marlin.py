@@ -70,7 +70,7 @@ def repack(w: np.ndarray, np_: int, kp: int, out: np.ndarray | None = None) -> n
     groups = np_ // 64
     res = np.empty((kp // 16, 8 * np_), dtype=np.uint8) if out is None else out
     per = max(1, min(groups, BLOCK_BYTES // (32 * kp)))
-    procs = wk.workers() if 32 * kp * groups >= wk.PROC_MIN and 32 * kp <= wk.SLOT else None
+    procs = wk.for_bytes(32 * kp * groups, 32 * kp)
     if procs is not None:
         procs.run_all(_tasks(w, kp, res, groups))
         return res
@@ -90,7 +90,7 @@ def repack(w: np.ndarray, np_: int, kp: int, out: np.ndarray | None = None) -> n
 def _tasks(w: np.ndarray, kp: int, res: np.ndarray, groups: int) -> list[wk.Task]:
     """The repack as worker tasks of up to a slot's bytes each: a task's rows copied into its slot, its
     words out of the slot into their columns of ``res``."""
-    kt, words, per_task = kp // 16, res.view(np.uint32), max(1, wk.TASK // (32 * kp))
+    kt, words = kp // 16, res.view(np.uint32)
 
     def task(c0: int, c1: int) -> wk.Task:
         def fill(slot: np.ndarray) -> None:
@@ -102,7 +102,7 @@ def _tasks(w: np.ndarray, kp: int, res: np.ndarray, groups: int) -> list[wk.Task
         n = 32 * kp * (c1 - c0)
         return wk.Task(repack_kernel, (c1 - c0, kp), n, n, fill, take)
 
-    return [task(c0, min(groups, c0 + per_task)) for c0 in range(0, groups, per_task)]
+    return [task(c0, c1) for c0, c1 in wk.spans(groups, 32 * kp)]
 
 
 def repack_kernel(src: np.ndarray, dst: np.ndarray, args: tuple[int, ...]) -> None:

@@ -39,7 +39,7 @@ def decode_weight(stored: np.ndarray, n: int, k: int, what: str) -> np.ndarray:
     np_, kp = nbytes // 8, 16 * kt
     pairs, out = raw.view(np.uint64), np.empty((np_, kp // 2), dtype=np.uint8)  # pairs: [kt, Np]
     groups = np_ // 64
-    procs = wk.workers() if 32 * kp * groups >= wk.PROC_MIN and 32 * kp <= wk.SLOT else None
+    procs = wk.for_bytes(32 * kp * groups, 32 * kp)
     if procs is not None:  # worker processes, a slot of groups at a time (``mocli.workers``)
         procs.run_all(_tasks(pairs, out, groups))
     else:
@@ -66,7 +66,6 @@ def _tasks(pairs: np.ndarray, out: np.ndarray, groups: int) -> list[wk.Task]:
     """The decode as worker tasks of up to a slot's bytes: a task's word columns copied into its slot, its
     rows out of the slot into ``out``."""
     kt = pairs.shape[0]
-    per_task = max(1, wk.TASK // (512 * kt))
 
     def task(c0: int, c1: int) -> wk.Task:
         def fill(slot: np.ndarray) -> None:
@@ -78,7 +77,7 @@ def _tasks(pairs: np.ndarray, out: np.ndarray, groups: int) -> list[wk.Task]:
         n = 512 * kt * (c1 - c0)
         return wk.Task(decode_kernel, (c1 - c0,), n, n, fill, take)
 
-    return [task(c0, min(groups, c0 + per_task)) for c0 in range(0, groups, per_task)]
+    return [task(c0, c1) for c0, c1 in wk.spans(groups, 512 * kt)]
 
 
 def decode_kernel(src: np.ndarray, dst: np.ndarray, args: tuple[int, ...]) -> None:
@@ -86,9 +85,7 @@ def decode_kernel(src: np.ndarray, dst: np.ndarray, args: tuple[int, ...]) -> No
     [Kp/16, 64 g]; ``dst`` their rows [64 g, Kp/2]."""
     (g,) = args
     kt = src.size // (512 * g)
-    per = max(1, min(g, BLOCK_BYTES // (512 * kt)))
-    blocks = [(c0, min(g, c0 + per)) for c0 in range(0, g, per)]
-    _decode_blocks(src.view(np.uint64).reshape(kt, 64 * g), dst.reshape(64 * g, 8 * kt), blocks, per)
+    _decode_groups(src.view(np.uint64).reshape(kt, 64 * g), dst.reshape(64 * g, 8 * kt), g)  # one thread there
 
 
 def _decode_blocks(pairs: np.ndarray, out: np.ndarray, blocks: list[tuple[int, int]], per: int) -> None:
