@@ -160,3 +160,62 @@ def test_decode_shared_out_to_threads_undoes_vllms_reference(monkeypatch):
         w = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
         np_, kp = marlin.padded_nk(n, k)
         assert np.array_equal(marlin_decode.decode_weight(ref.marlin_repack(w, np_, kp).numpy(), n, k, "w"), w.numpy())
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([(128, 256), (192, 192), (100, 48)]), st.integers(0, 2**31),
+       st.sampled_from([(0.25, 1.0), (0.75, 1.5), (1.0, 1.0)]), st.sampled_from([1.0, 4.0]))
+def test_scales_rescaled_in_the_same_lookup(shape, seed, s2_big, sf):
+    """An MoE half whose global scale is under the expert's max: its codes rescaled and rewritten in one
+    lookup (``rescale=``), the bytes of rescaling first with the element-wise formula
+    (``fp8.rescale_codes``, no table) and then vLLM's scale processing restated."""
+    from mocli.ops import fp8
+
+    n, k = shape
+    g = np.random.default_rng(seed)
+    codes = g.integers(0, 0x7F, (n, k // 16), dtype=np.uint8)
+    s2, big = (np.float32(x) for x in s2_big)
+    np_, kp = marlin.padded_nk(n, k)
+    got = marlin.permute_scales(codes, np_, kp, marlin.scale_table(sf), rescale=fp8.rescale_table(s2, big))
+    rescaled = fp8.rescale_codes(codes, np.full(codes.shape, s2), np.full(codes.shape, big))
+    assert np.array_equal(got, ref.marlin_scales(torch.from_numpy(rescaled), np_, kp, sf).numpy())
+
+
+@given(st.integers(1, 300), st.integers(1, 16), st.integers(1, 4))
+def test_guided_blocks_cover_every_group_once(groups, per, threads):
+    """The blocks a threaded repack hands out: in order, none empty or over ``per``, every group once,
+    and the last one a single group wherever a block of ``per`` would not be the whole weight."""
+    blocks = marlin._guided(groups, per, threads)
+    assert [b for a, b in blocks][:-1] == [a for a, b in blocks][1:] and blocks[0][0] == 0 and blocks[-1][1] == groups
+    assert all(1 <= b - a <= per for a, b in blocks)
+    assert blocks[-1][1] - blocks[-1][0] == 1 or groups <= per
+
+
+@pytest.mark.parametrize("where", ["caller", "helper"])
+def test_a_failing_block_stops_the_other_threads(monkeypatch, where):
+    """An error in a block, on the calling thread or on a helper, is raised to the caller, and no thread
+    takes a block after it."""
+    import threading
+    import time
+
+    monkeypatch.setattr(marlin, "REPACK_THREADS", 2)
+    monkeypatch.setattr(marlin, "BLOCK_BYTES", 1 << 14)
+    taken, real = [], marlin._repack_rows
+
+    def flaky(rows, kp, words, tiles, scratch):
+        caller = threading.current_thread() is threading.main_thread()
+        failing = (where == "caller") == caller
+        if not failing:
+            time.sleep(0.002)  # the failing thread surely takes a block while most are left
+        if failing and "failed" not in taken:
+            taken.append("failed")
+            raise MemoryError("planted")
+        taken.append(caller)
+        real(rows, kp, words, tiles, scratch)
+
+    monkeypatch.setattr(marlin, "_repack_rows", flaky)
+    w = np.zeros((4096, 256), dtype=np.uint8)  # 64 groups, a block of one each
+    with pytest.raises(MemoryError, match="planted"):
+        marlin.repack(w, *marlin.padded_nk(4096, 512))
+    after = taken[taken.index("failed") + 1:]
+    assert len(after) <= 1  # at most the block the other thread had in hand

@@ -380,3 +380,29 @@ def test_check_finite_judges_every_float_scale_piece_and_no_weight(dtype):
                 check_finite([Piece(key, 0, data)], tensors)
             assert e.value.code == "SCL006" and e.value.tensor == "m.alpha on rank-1"
             assert f"is {bad}" in e.value.message and "element 2" in e.value.message
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from([(7,), (8,), (3, 5), (4, 6), (16, 33)]), st.booleans())
+def test_byte_lookup_is_plain_indexing(seed, shape, strided):
+    """``fp8.lookup`` (two bytes per lookup where it can) gives ``table[codes]``, any shape, odd sizes and
+    strided views included."""
+    g = np.random.default_rng(seed)
+    table = g.integers(0, 256, 256, dtype=np.uint8)
+    codes = g.integers(0, 256, (*shape[:-1], 2 * shape[-1]), dtype=np.uint8)
+    codes = codes[..., ::2] if strided else codes[..., :shape[-1]]
+    assert np.array_equal(fp8.lookup(codes, table), table[codes])
+
+
+@pytest.mark.parametrize("r,k,c", [(64, 3, 64), (128, 16, 64), (192, 5, 128)])
+def test_gather_transposed_is_a_row_gather_then_a_transpose(r, k, c):
+    """res[k, c] = src[rows[c], k], into a column slice of a wider array (the half of an MoE expert's
+    scales): the words path against numpy's plain ``src[rows].T``; the rest of the array untouched."""
+    from mocli.ops.marlin import gather_transposed
+
+    g = np.random.default_rng(r + k)
+    src, rows = g.integers(0, 256, (r, k), dtype=np.uint8), g.permutation(r)[:c]
+    wide = np.full((k, 3 * c), 7, dtype=np.uint8)
+    gather_transposed(src, rows, wide[:, c:2 * c])
+    assert np.array_equal(wide[:, c:2 * c], src[rows].T)
+    assert (wide[:, :c] == 7).all() and (wide[:, 2 * c:] == 7).all()

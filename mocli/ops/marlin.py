@@ -16,6 +16,8 @@ of every 4 (``view(-1, 4)[:, [0, 2, 1, 3]]``), and a per-code rewrite to unsigne
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from math import lcm
@@ -24,7 +26,7 @@ import numpy as np
 
 from mocli import workers as wk
 from mocli.ops import roundup
-from mocli.ops.fp8 import FP8_MAX, decode_fp8
+from mocli.ops.fp8 import FP8_MAX, decode_fp8, lookup
 
 GROUP = 16  # NVFP4 block size along K
 TILE_N, TILE_K = 64, 128  # Marlin's thread-tile families: (n % 64, k % 128) or (n % 128, k % 64)
@@ -49,10 +51,12 @@ def moe_padded_i(i: int, h: int) -> int:
 # Rows (n) repacked at a time: a block of 64-row groups of about this many source bytes, so that its three
 # passes (nibbles, tiles, the transpose) run in the core's cache rather than at memory speed
 BLOCK_BYTES = int(os.environ.get("MOCLI_REPACK_BLOCK_BYTES") or 0) or 1 << 19  # (a tuning knob, docs/DEVELOPMENT.md)
-# Threads one repack uses, on a CPU run: one per eight cores, up to four. The 2-core build machine keeps one
-# (its other core writes and hashes); a 16-core machine's four unit threads (``UNIT_WORKERS``) each take two
-# (MOCLI_REPACK_THREADS overrides: a tuning knob, docs/DEVELOPMENT.md)
-REPACK_THREADS = int(os.environ.get("MOCLI_REPACK_THREADS") or 0) or max(1, min(4, (os.cpu_count() or 1) // 8))
+# Threads one repack uses, on a CPU run: two, and one per eight cores from 24, up to four; blocks go to
+# whichever is free (``_Blocks``). On the 2-core build machine two took 0.91 of the wall time of one with
+# fixed halves (6 pairs; the other core also writes and hashes). A 16-core machine's four unit threads
+# (``UNIT_WORKERS``) each take two (MOCLI_REPACK_THREADS overrides: a tuning knob, docs/DEVELOPMENT.md)
+_CORES = os.cpu_count() or 1
+REPACK_THREADS = int(os.environ.get("MOCLI_REPACK_THREADS") or 0) or max(min(2, _CORES), min(4, _CORES // 8))
 _T_ROWS = 64  # the words transposed at a time (one slab's source rows stay in cache while its columns are written)
 _PAIR_NIBBLES, _TWELVE = np.uint64(0x0000F0F00000F0F0), np.uint64(12)
 
@@ -65,8 +69,8 @@ def repack(w: np.ndarray, np_: int, kp: int, out: np.ndarray | None = None) -> n
     Per block of 64-row groups: the source bytes moved into 4-byte words (c, a, b, j, kt | h, blk), each
     word's nibbles exchanged from (h; l) to (l; h) (``_exchange_nibbles``), then the words transposed to
     (kt | c, a, b, j). Blocks write disjoint columns: on a machine with worker processes
-    (``mocli.workers``) they go there a slot at a time; else, with ``REPACK_THREADS`` > 1, they are
-    shared out to threads (numpy drops the GIL in each pass), the calling thread taking the first share."""
+    (``mocli.workers``) they go there a slot at a time; else, with ``REPACK_THREADS`` > 1, threads take
+    them one at a time (numpy drops the GIL in each pass), the calling thread among them."""
     groups = np_ // 64
     res = np.empty((kp // 16, 8 * np_), dtype=np.uint8) if out is None else out
     per = max(1, min(groups, BLOCK_BYTES // (32 * kp)))
@@ -74,17 +78,55 @@ def repack(w: np.ndarray, np_: int, kp: int, out: np.ndarray | None = None) -> n
     if procs is not None:
         procs.run_all(_tasks(w, kp, res, groups))
         return res
-    blocks = [(c0, min(groups, c0 + per)) for c0 in range(0, groups, per)]
-    threads = 1 if wk.in_worker() else min(REPACK_THREADS, len(blocks))
+    threads = 1 if wk.in_worker() else min(REPACK_THREADS, -(-groups // per))
     if threads <= 1:
-        _repack_blocks(w, kp, res, blocks, per)
+        _repack_blocks(w, kp, res, [(c0, min(groups, c0 + per)) for c0 in range(0, groups, per)], per)
         return res
-    shares = [blocks[i::threads] for i in range(threads)]
-    rest = [_pool().submit(_repack_blocks, w, kp, res, share, per) for share in shares[1:]]
-    _repack_blocks(w, kp, res, shares[0], per)
-    for f in rest:
-        f.result()
+    # the blocks are taken one at a time by whichever thread is free, smaller towards the end: a helper
+    # that starts late or shares its core with the writer takes fewer, and the calling thread waits at
+    # most for a small last block (fixed halves left it waiting for the helper's)
+    shared = _Blocks(_guided(groups, per, threads))
+    work = lambda blocks: _repack_blocks(w, kp, res, blocks, per)  # noqa: E731
+    rest = [_pool().submit(shared.drain, work) for _ in range(threads - 1)]
+    try:
+        shared.drain(work)
+    finally:
+        for f in rest:
+            f.result()
     return res
+
+
+def _guided(groups: int, per: int, threads: int) -> list[tuple[int, int]]:
+    """Blocks [c0, c1) of the groups, each a 1/(2 threads) share of what is left, at most ``per``."""
+    blocks, c0 = [], 0
+    while c0 < groups:
+        n = min(per, max(1, -(-(groups - c0) // (2 * threads))))
+        blocks.append((c0, c0 + n))
+        c0 += n
+    return blocks
+
+
+class _Blocks:
+    """An iterator over blocks shared by threads, each block handed out once."""
+
+    def __init__(self, blocks: list[tuple[int, int]]) -> None:
+        self._it, self._lock = iter(blocks), threading.Lock()
+
+    def __iter__(self) -> _Blocks:
+        return self
+
+    def __next__(self) -> tuple[int, int]:
+        with self._lock:
+            return next(self._it)
+
+    def drain(self, work: Callable[[Iterable[tuple[int, int]]], None]) -> None:
+        """``work(self)``: blocks taken until none is left; on an error there no thread takes another."""
+        try:
+            work(self)
+        except BaseException:
+            with self._lock:
+                self._it = iter(())
+            raise
 
 
 def _tasks(w: np.ndarray, kp: int, res: np.ndarray, groups: int) -> list[wk.Task]:
@@ -122,7 +164,7 @@ def _scratch(per: int, kp: int) -> tuple[np.ndarray, np.ndarray]:
     return tiles, np.empty(tiles.size // 8, dtype=np.uint64)
 
 
-def _repack_blocks(w: np.ndarray, kp: int, res: np.ndarray, blocks: list[tuple[int, int]], per: int) -> None:
+def _repack_blocks(w: np.ndarray, kp: int, res: np.ndarray, blocks: Iterable[tuple[int, int]], per: int) -> None:
     """``repack``'s passes over the 64-row groups [c0, c1) of each block, with scratch of this call's own."""
     words = res.view(np.uint32)  # [kt, 2 Np]
     tiles, scratch = _scratch(per, kp)
@@ -214,17 +256,36 @@ def scale_table(sf: float) -> np.ndarray:
     return ((half.view(np.uint16) >> 7) & 0xFF).astype(np.uint8)
 
 
-def permute_scales(codes: np.ndarray, np_: int, kp: int, table: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def permute_scales(codes: np.ndarray, np_: int, kp: int, table: np.ndarray, out: np.ndarray | None = None,
+                   rescale: np.ndarray | None = None) -> np.ndarray:
     """Block-scale codes uint8 [N, K/16] -> Marlin's uint8 [Kp/16, Np]: zero-padded, each code rewritten
-    through ``table`` (``scale_table``), transposed and permuted in runs of 64 along Np. The run
-    permutation moves whole rows of the codes before the transpose (``_scale_rows``). ``out``: where to
-    write it (a [Kp/16, Np] view whose rows are contiguous)."""
+    through ``table`` (``scale_table``; through ``rescale`` first where given: ``fp8.rescale_table``, one
+    lookup for both), transposed and permuted in runs of 64 along Np. The run permutation moves whole
+    rows of the codes before the transpose (``_scale_rows``). ``out``: where to write it (a [Kp/16, Np]
+    view whose rows are contiguous)."""
     n, kb = codes.shape
     rows = _scale_rows(np_)
-    src = np.zeros((np_, kp // GROUP), dtype=np.uint8)
-    src[:n, :kb] = codes
+    src = codes
+    if codes.shape != (np_, kp // GROUP):
+        src = np.zeros((np_, kp // GROUP), dtype=np.uint8)
+        src[:n, :kb] = codes
     res = np.empty((kp // GROUP, np_), dtype=np.uint8) if out is None else out
-    res[...] = np.take(table, np.take(src, rows, axis=0)).T
+    return gather_transposed(lookup(src, table if rescale is None else table[rescale]), rows, res)
+
+
+def gather_transposed(src: np.ndarray, rows: np.ndarray, res: np.ndarray) -> np.ndarray:
+    """``res[k, c] = src[rows[c], k]`` for uint8 ``src`` [R, K] and ``res`` [K, C] (C a multiple of 4, its
+    rows contiguous), a byte transpose done on words: each four gathered rows packed into uint32 (byte r
+    of a word from row 4q + r), then the words transposed in slabs. 0.22 ms against 0.32 for a byte-wise
+    ``.T`` of an expert's [1536, 256] scales (build VM)."""
+    words = res.view(np.uint32)
+    packed = np.take(src, rows[0::4], axis=0).astype(np.uint32)
+    for r in (1, 2, 3):
+        part = np.take(src, rows[r::4], axis=0).astype(np.uint32)
+        part <<= np.uint32(8 * r)
+        packed |= part
+    for i in range(0, packed.shape[0], _T_ROWS):
+        words[:, i:i + _T_ROWS] = packed[i:i + _T_ROWS].T
     return res
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mocli.ops.marlin import _scale_rows, padded_nk, permute_bias, repack
+from mocli.ops.marlin import _scale_rows, gather_transposed, padded_nk, permute_bias, repack
 
 GROUP = 32  # MXFP4 block size along K
 
@@ -22,11 +22,12 @@ def permute_scales(codes: np.ndarray, np_: int, kp: int, out: np.ndarray | None 
     parameters start at 1), transposed, permuted in runs of 64 along Np (the permutation moves whole rows
     before the transpose: ``_scale_rows``). ``out``: where to write it (a [Kp/32, Np] view)."""
     n, kb = codes.shape
-    src = np.full((np_, kp // GROUP), fill, dtype=np.uint8)
-    src[:n, :kb] = codes
+    src = codes
+    if codes.shape != (np_, kp // GROUP):
+        src = np.full((np_, kp // GROUP), fill, dtype=np.uint8)
+        src[:n, :kb] = codes
     res = np.empty((kp // GROUP, np_), dtype=np.uint8) if out is None else out
-    res[...] = np.take(src, _scale_rows(np_), axis=0).T
-    return res
+    return gather_transposed(src, _scale_rows(np_), res)
 
 
 __all__ = ["GROUP", "padded_nk", "permute_bias", "permute_scales", "repack"]

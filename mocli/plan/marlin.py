@@ -244,8 +244,8 @@ class _MarlinMoe(_Moe):
             (i0, i1), ip = rows, self.ip[r]
             out = np.empty((h // 16, 2 * ip), dtype=np.uint8)
             for half, (m, s2) in enumerate(((g, s2_1), (u, s2_3))):
-                codes = fp8.rescale_block_scales(_checked(ctx, m.tensors[WEIGHT_SCALE])[i0:i1], s2, big)
-                marlin.permute_scales(codes, ip, h, marlin.scale_table(self.sf13[r]), out=out[:, ip * half:ip * (half + 1)])
+                marlin.permute_scales(_checked(ctx, m.tensors[WEIGHT_SCALE])[i0:i1], ip, h, marlin.scale_table(self.sf13[r]),
+                                      out=out[:, ip * half:ip * (half + 1)], rescale=fp8.rescale_table(s2, big))
             return [out]
 
         self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], weights, compute=True, gpu=True)
