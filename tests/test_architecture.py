@@ -275,7 +275,7 @@ def test_the_e4m3_maximum_is_defined_twice_at_most():
     apart on purpose, so that an encoder cannot pass its own check; nowhere else as a number."""
     defs = [f"{p.relative_to(ROOT.parent)}:{n.lineno}" for p in ROOT.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
             if isinstance(n, ast.Constant) and type(n.value) in (int, float) and n.value == 448]
-    assert sorted(defs) == ["mocli/numerics/__init__.py:11", "mocli/ops/fp8.py:19"], defs
+    assert sorted(d.rpartition(":")[0] for d in defs) == ["mocli/numerics/__init__.py", "mocli/ops/fp8.py"], defs
 
 
 def test_modules_and_functions_stay_small():

@@ -385,13 +385,15 @@ def test_check_finite_judges_every_float_scale_piece_and_no_weight(dtype):
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**31), st.sampled_from([(7,), (8,), (3, 5), (4, 6), (16, 33)]), st.booleans())
 def test_byte_lookup_is_plain_indexing(seed, shape, strided):
-    """``fp8.lookup`` (two bytes per lookup where it can) gives ``table[codes]``, any shape, odd sizes and
+    """``byte_lookup`` (two bytes per lookup where it can) gives ``table[codes]``, any shape, odd sizes and
     strided views included."""
+    from mocli.numerics.lookup import byte_lookup
+
     g = np.random.default_rng(seed)
     table = g.integers(0, 256, 256, dtype=np.uint8)
     codes = g.integers(0, 256, (*shape[:-1], 2 * shape[-1]), dtype=np.uint8)
     codes = codes[..., ::2] if strided else codes[..., :shape[-1]]
-    assert np.array_equal(fp8.lookup(codes, table), table[codes])
+    assert np.array_equal(byte_lookup(codes, table), table[codes])
 
 
 @pytest.mark.parametrize("r,k,c", [(64, 3, 64), (128, 16, 64), (192, 5, 128)])
@@ -406,3 +408,14 @@ def test_gather_transposed_is_a_row_gather_then_a_transpose(r, k, c):
     gather_transposed(src, rows, wide[:, c:2 * c])
     assert np.array_equal(wide[:, c:2 * c], src[rows].T)
     assert (wide[:, :c] == 7).all() and (wide[:, 2 * c:] == 7).all()
+
+
+@pytest.mark.parametrize("r,c", [(256, 1536), (96, 200), (6, 10), (4, 1)])
+def test_decode_transpose_on_words_is_a_transpose(r, c):
+    """verify's transpose of Marlin scales (four rows to a word where the row count allows) against
+    numpy's own ``.T``."""
+    from mocli.targets.marlin_decode import transposed
+
+    a = np.random.default_rng(r * c).integers(0, 256, (r, c), dtype=np.uint8)
+    got = transposed(a)
+    assert got.flags.c_contiguous and np.array_equal(got, a.T)

@@ -25,8 +25,9 @@ from math import lcm
 import numpy as np
 
 from mocli import workers as wk
+from mocli.numerics.lookup import byte_lookup
 from mocli.ops import roundup
-from mocli.ops.fp8 import FP8_MAX, decode_fp8, lookup
+from mocli.ops.fp8 import FP8_MAX, decode_fp8
 
 GROUP = 16  # NVFP4 block size along K
 TILE_N, TILE_K = 64, 128  # Marlin's thread-tile families: (n % 64, k % 128) or (n % 128, k % 64)
@@ -270,7 +271,7 @@ def permute_scales(codes: np.ndarray, np_: int, kp: int, table: np.ndarray, out:
         src = np.zeros((np_, kp // GROUP), dtype=np.uint8)
         src[:n, :kb] = codes
     res = np.empty((kp // GROUP, np_), dtype=np.uint8) if out is None else out
-    return gather_transposed(lookup(src, table if rescale is None else table[rescale]), rows, res)
+    return gather_transposed(byte_lookup(src, table if rescale is None else table[rescale]), rows, res)
 
 
 def gather_transposed(src: np.ndarray, rows: np.ndarray, res: np.ndarray) -> np.ndarray:

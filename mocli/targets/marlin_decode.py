@@ -16,10 +16,12 @@ import numpy as np
 
 from mocli import workers as wk
 from mocli.numerics import FP8_MAX
+from mocli.numerics.lookup import byte_lookup
 from mocli.targets.decode import LayoutError
 
 # 64-row groups decoded at a time: about this many bytes, so the passes run in the core's cache
 BLOCK_BYTES = 1 << 19
+_SLAB = 64  # columns of words transposed at a time (``transposed``)
 # Threads one decode uses: one per eight cores, up to four (the 2-core machine keeps one), as the forward
 # repack does (``mocli.ops.marlin.REPACK_THREADS``)
 DECODE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 8))
@@ -159,11 +161,28 @@ def decode_scales(stored: np.ndarray, n: int, kb: int, sf: float, what: str) -> 
     """Marlin block-scale bytes [Kp/16, Np] -> e4m3 codes uint8 [n, kb] (flushed blocks as code 0);
     padding must be zero. Transposed to rows n first, then each run of 64 rows put back in order."""
     raw = np.ascontiguousarray(stored).view(np.uint8)
-    np_ = raw.shape[1]
-    back = np.take(np.ascontiguousarray(raw.T), _natural_rows(np_), axis=0)  # [Np, Kp/16]
+    back = np.take(transposed(raw), _natural_rows(raw.shape[1]), axis=0)  # [Np, Kp/16]
     if bool(back[n:].any()) or bool(back[:n, kb:].any()):
         raise LayoutError(f"{what}: Marlin scale padding is not zero")
-    return np.take(_code_of_byte(sf), back[:n, :kb])
+    return byte_lookup(back[:n, :kb], _code_of_byte(sf))
+
+
+def transposed(raw: np.ndarray) -> np.ndarray:
+    """``raw.T`` of a contiguous uint8 [R, C] as a new contiguous array, done on words where R is a
+    multiple of 4 (each four rows packed into uint32, byte r from row 4q + r; the words transposed in
+    slabs): the scales' [Kp/16, Np] are, Kp being a multiple of 64. 2-3x a byte-wise transpose."""
+    rows, cols = raw.shape
+    if rows % 4:
+        return np.ascontiguousarray(raw.T)
+    packed = raw[0::4].astype(np.uint32)
+    for r in (1, 2, 3):
+        part = raw[r::4].astype(np.uint32)
+        part <<= np.uint32(8 * r)
+        packed |= part
+    out = np.empty((cols, rows // 4), dtype=np.uint32)
+    for i in range(0, cols, _SLAB):
+        out[i:i + _SLAB] = packed[:, i:i + _SLAB].T
+    return out.view(np.uint8)
 
 
 @lru_cache(maxsize=16)
@@ -175,7 +194,7 @@ def _natural_rows(np_: int) -> np.ndarray:
 def flushed(codes: np.ndarray, sf: float) -> np.ndarray:
     """The e4m3 block-scale codes a Marlin layout holds for ``codes``: those under 2^-6 once scaled by
     ``sf`` become 0 (SEMANTICS §13.5: the kernel reads them as zero blocks)."""
-    return np.take(_flush_table(sf), codes)
+    return byte_lookup(codes, _flush_table(sf))
 
 
 @lru_cache(maxsize=64)

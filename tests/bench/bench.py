@@ -162,7 +162,7 @@ def bench_convert(scratch: Path, rounds: int, device: str, results: list, algos:
     for algo, made, goal in cases:
         if algo.lower() not in algos:
             continue
-        src = made()
+        src = made().resolve()  # cp -r of a symlinked source would copy the link, not the files
         warm(src)
         gib = size_gib(src)
         for target in CONVERT_TARGETS[algo]:
