@@ -22,8 +22,9 @@ from mocli.targets.decode import LayoutError
 # 64-row groups decoded at a time: about this many bytes, so the passes run in the core's cache
 BLOCK_BYTES = 1 << 19
 _SLAB = 64  # columns of words transposed at a time (``transposed``)
-# Threads one decode uses: one per eight cores, up to four (the 2-core machine keeps one), as the forward
-# repack does (``mocli.ops.marlin.REPACK_THREADS``)
+# Threads one decode uses in process: one per eight cores, up to four. verify decodes in its worker
+# processes (``mocli.workers``, one thread each), so these serve only where the workers are off
+# (MOCLI_KERNEL_PROCS=0) and in serving's CPU kernels (``mocli.serve``)
 DECODE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 8))
 
 
