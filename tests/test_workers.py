@@ -239,3 +239,68 @@ def test_a_new_pool_replaces_an_old_one(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                        cwd=os.path.dirname(os.path.dirname(__file__)))
     assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr
+
+
+def _stamp(src, dst, args):  # a kernel: its output is args[0] in every byte
+    dst[:] = args[0]
+
+
+def _kept(value: int, leases: list) -> workers.Task:
+    return workers.Task(_stamp, (value,), 0, 64, None, lambda dst, reply: leases.append(dst), keep=leases.append)
+
+
+def test_a_kept_slot_is_not_reused_until_its_lease_is_given(two_workers, stats):
+    """A unit's pieces are written from its worker's slot (``mocli.stream.remote``): no other task may
+    write there until the lease is given back; at most half the workers are leased (the next caller gets
+    None: copy now), and a lease an error dropped gives its worker back too."""
+    pool = workers.Workers(4)
+    try:
+        first: list = []
+        assert pool.call(_kept(7, first))
+        out, lease = first
+        assert isinstance(lease, workers.Lease) and pool.leased == 1
+        second: list = []
+        assert pool.call(_kept(8, second)) and isinstance(second[1], workers.Lease) and pool.leased == 2
+        third: list = []
+        assert pool.call(_kept(9, third)) and third[1] is None and pool.leased == 2  # half of 4: copy
+        for v in range(10, 30):  # the two free workers take every other task
+            assert pool.call(workers.Task(_stamp, (v,), 0, 64, None, lambda dst, reply: None))
+        assert (out == 7).all() and (second[0] == 8).all()
+        lease.give()
+        lease.give()  # once only
+        assert pool.leased == 1 and pool.idle.qsize() == 3
+        second.clear()  # dropped (an error on the way to the writer): its worker comes back
+        assert pool.leased == 0 and pool.idle.qsize() == 4
+        assert stats["failed"] == 0
+    finally:
+        pool.close()
+
+
+def test_a_unit_in_a_worker_hands_its_arrays_over_in_place(monkeypatch):
+    """``run_unit`` (here in process): an array made by ``UnitContext.empty`` stays where the unit wrote
+    it in the slot, any other is copied in after it, source ranges travel as they are; the parent's pieces
+    are views of the slot with the same bytes."""
+    from mocli.stream import remote
+    from mocli.stream.units import Piece, SourceRange, Unit
+
+    made = np.arange(1000, dtype=np.uint16).reshape(10, 100)
+    own = np.arange(77, dtype=np.uint8)
+    rng = SourceRange(None, 3, 5)
+    slots: list = []
+
+    def run(ctx):
+        slot_made = ctx.empty((10, 100), np.uint16)
+        slot_made[:] = made
+        slots.append(slot_made)
+        return [Piece(("g", "a"), 0, slot_made), Piece(("g", "b"), 0, own), Piece(("g", "c"), 0, rng)]
+
+    monkeypatch.setattr(remote, "_UNITS", [Unit("u", [], [], run, torch_free=True)])
+    monkeypatch.setattr(remote, "_ctx", None)
+    dst = np.zeros(4096, dtype=np.uint8)
+    pieces = remote._pieces(dst, remote.run_unit(np.empty(0, np.uint8), dst, (0,)))
+    a, b, c = (p.data for p in pieces)
+    assert np.shares_memory(slots[0], dst) and slots[0].ctypes.data == dst.ctypes.data  # made in place, at 0
+    assert np.array_equal(a, made) and a.dtype == np.uint16 and np.shares_memory(a, dst)
+    assert np.array_equal(b, own) and np.shares_memory(b, dst) and b.ctypes.data - dst.ctypes.data == 2048
+    assert c == rng and remote._ctx.arena is None  # the context's arena is the unit's only
+    assert not np.shares_memory(remote._ctx.empty((3,)), dst)  # outside a unit: numpy's own

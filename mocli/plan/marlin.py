@@ -235,14 +235,14 @@ class _MarlinMoe(_Moe):
                     marlin_torch.repack(ctx.rows(m.tensors[WEIGHT], i0, i1).to(ctx.device, non_blocking=True), ip, h,
                                         out=out[:, 8 * ip * half:8 * ip * (half + 1)])
                 return [out]
-            out = np.empty((h // 16, 16 * ip), dtype=np.uint8)
+            out = ctx.empty((h // 16, 16 * ip))
             for half, m in enumerate((g, u)):
                 marlin.repack(ctx.array(m.tensors[WEIGHT], i0, i1), ip, h, out=out[:, 8 * ip * half:8 * ip * (half + 1)])
             return [out]
 
         def scales(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
             (i0, i1), ip = rows, self.ip[r]
-            out = np.empty((h // 16, 2 * ip), dtype=np.uint8)
+            out = ctx.empty((h // 16, 2 * ip))
             for half, (m, s2) in enumerate(((g, s2_1), (u, s2_3))):
                 marlin.permute_scales(_checked(ctx, m.tensors[WEIGHT_SCALE])[i0:i1], ip, h, marlin.scale_table(self.sf13[r]),
                                       out=out[:, ip * half:ip * (half + 1)], rescale=fp8.rescale_table(s2, big))
@@ -256,12 +256,12 @@ class _MarlinMoe(_Moe):
             (i0, i1), ip = rows, self.ip[r]
             if _on_gpu(ctx):
                 return [marlin_torch.repack(ctx.load(d.tensors[WEIGHT])[:, i0 // 2:i1 // 2], self.h, ip)]
-            return [marlin.repack(ctx.array(d.tensors[WEIGHT])[:, i0 // 2:i1 // 2], self.h, ip)]
+            return [marlin.repack(ctx.array(d.tensors[WEIGHT])[:, i0 // 2:i1 // 2], self.h, ip, out=ctx.empty((ip // 16, 8 * self.h)))]
 
         def scales(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
             (i0, i1), ip = rows, self.ip[r]
             codes = _checked(ctx, d.tensors[WEIGHT_SCALE])[:, i0 // 16:i1 // 16]
-            return [marlin.permute_scales(codes, self.h, ip, marlin.scale_table(self.sf2[r]))]
+            return [marlin.permute_scales(codes, self.h, ip, marlin.scale_table(self.sf2[r]), out=ctx.empty((ip // 16, self.h)))]
 
         self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], weights, compute=True, gpu=True)
         self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], scales)

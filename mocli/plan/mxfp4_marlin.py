@@ -99,14 +99,14 @@ class _Mxfp4MarlinMoe(_Moe):
 
         def w13(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
             (i0, i1), ip = rows, rows[1] - rows[0]
-            out = np.empty((h // 16, 16 * ip), dtype=np.uint8)
+            out = ctx.empty((h // 16, 16 * ip))
             for half, m in enumerate((g, u)):
                 mx.repack(ctx.array(m.tensors[WEIGHT])[i0:i1], ip, h, out=out[:, 8 * ip * half:8 * ip * (half + 1)])
             return [out]
 
         def w13s(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
             (i0, i1), ip = rows, rows[1] - rows[0]
-            out = np.empty((h // mx.GROUP, 2 * ip), dtype=np.uint8)
+            out = ctx.empty((h // mx.GROUP, 2 * ip))
             for half, m in enumerate((g, u)):
                 codes = checked_scales(ctx.array(m.tensors[WEIGHT_SCALE]), m.tensors[WEIGHT_SCALE])[i0:i1]
                 mx.permute_scales(codes, ip, h, out=out[:, ip * half:ip * (half + 1)])
@@ -114,12 +114,13 @@ class _Mxfp4MarlinMoe(_Moe):
 
         def w2(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
             (i0, i1) = rows
-            return [mx.repack(ctx.array(d.tensors[WEIGHT])[:, i0 // 2:i1 // 2], h, i1 - i0)]
+            return [mx.repack(ctx.array(d.tensors[WEIGHT])[:, i0 // 2:i1 // 2], h, i1 - i0, out=ctx.empty(((i1 - i0) // 16, 8 * h)))]
 
         def w2s(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
             (i0, i1) = rows
             codes = checked_scales(ctx.array(d.tensors[WEIGHT_SCALE]), d.tensors[WEIGHT_SCALE])
-            return [mx.permute_scales(codes[:, i0 // mx.GROUP:i1 // mx.GROUP], h, i1 - i0)]
+            return [mx.permute_scales(codes[:, i0 // mx.GROUP:i1 // mx.GROUP], h, i1 - i0,
+                                      out=ctx.empty(((i1 - i0) // mx.GROUP, h)))]
 
         self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], w13, compute=True)
         self.expert_unit("w13s", e, Role.W13_WEIGHT_SCALE, [g.tensors[WEIGHT_SCALE], u.tensors[WEIGHT_SCALE]], w13s)

@@ -20,12 +20,13 @@ MAP_MIN = 1 << 20
 class Loan:
     """Bytes a torch-free unit's own numpy arrays hold until they are written and hashed: counted
     against the pool's limit as a borrowed buffer is, then forgotten (numpy's allocator owns them;
-    nothing goes to the free lists)."""
+    nothing goes to the free lists). ``lease``: the worker's slot they lie in (``mocli.stream.remote``),
+    given back with them."""
 
-    __slots__ = ("nbytes",)
+    __slots__ = ("lease", "nbytes")
 
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
+    def __init__(self, nbytes: int, lease=None) -> None:
+        self.nbytes, self.lease = nbytes, lease
 
 
 class BufferPool:
@@ -62,18 +63,20 @@ class BufferPool:
 
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
-    def lend(self, nbytes: int, own: int = 0) -> Loan:
+    def lend(self, nbytes: int, own: int = 0, lease=None) -> Loan:
         """Count ``nbytes`` that a unit allocated itself (numpy arrays) as on loan, waiting as ``take``
         does. The arrays exist before the wait, so at most one unit's worth is over the limit."""
         with self.cond:
             self._admit(nbytes, own)
-        return Loan(nbytes)
+        return Loan(nbytes, lease)
 
     def give(self, bufs: list[torch.Tensor | Loan]) -> None:
         with self.cond:
             for b in bufs:
                 if isinstance(b, Loan):
                     self.out -= b.nbytes
+                    if b.lease is not None:
+                        b.lease.give()
                     continue
                 n = b.numel()
                 self.out -= n
@@ -93,6 +96,7 @@ class UnitContext:
     def __init__(self, reader: TensorReader, device: torch.device | None, pool: BufferPool) -> None:
         self.reader, self.device, self.pool = reader, device, pool
         self.borrowed: list[torch.Tensor] = []
+        self.arena = None  # in a worker, the slot its output arrays go to (``mocli.stream.remote``)
 
     def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A CPU tensor from the pool, valid until the unit's pieces are written (garbage content)."""
@@ -157,6 +161,14 @@ class UnitContext:
 
         return gather_rows([self.array(e, a, b) for e, a, b in parts], idx)
 
+    def empty(self, shape: tuple[int, ...], dtype="u1") -> np.ndarray:
+        """An output array of a torch-free unit: in a worker, room in its slot where the unit's pieces
+        are handed over from (``mocli.stream.remote``: not copied there); else numpy's own."""
+        import numpy as np
+
+        got = self.arena.empty(shape, dtype) if self.arena is not None else None
+        return np.empty(shape, dtype=dtype) if got is None else got
+
     @staticmethod
     def src(entry: TensorEntry) -> SourceRange:
         return SourceRange(entry, 0, entry.nbytes)
@@ -182,6 +194,9 @@ class UnitContext:
             if done:
                 self.pool.give(done)
         arrays = sum(p.data.nbytes for p in pieces if isinstance(p.data, np.ndarray))
+        lease = getattr(pieces, "lease", None)  # a worker's slot the arrays are views of
         if arrays:  # after the give-back above, and never waiting for the unit's own kept buffers
-            keep.append(self.pool.lend(arrays, own=sum(b.numel() for b in keep)))
+            keep.append(self.pool.lend(arrays, own=sum(b.numel() for b in keep), lease=lease))
+        elif lease is not None:
+            lease.give()
         return keep

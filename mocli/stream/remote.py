@@ -1,12 +1,14 @@
 """Torch-free units run in worker processes (``mocli.workers``), their pieces handed back to the writer here.
 
 A stream forks its workers once the plan exists, so a child finds every unit where the parent has it
-(``_UNITS``) and is told only an index. It runs the unit with a reader of its own, lays the pieces'
-arrays end to end in its slot and replies with where each went (source ranges travel as they are). The
-parent copies them out into arrays of its own (a slot is reused at once) and hands them on as if the unit
-had run here: the writer, the hashing, the journal and the checks see no difference. A unit that fails
-in a worker (bad data, a worker gone, output larger than a slot) runs again here, where its error shows as
-it always has: a unit's bytes are the same wherever it ran.
+(``_UNITS``) and is told only an index. It runs the unit with a reader of its own, its output arrays
+allocated in its slot (``UnitContext.empty``; any other array is copied there), and replies with where
+each piece lies (source ranges travel as they are). The parent's pieces are views of the slot, which
+stays theirs until they are written and hashed (``Held``, ``mocli.workers.Lease``: the loan that
+``UnitContext.release`` makes of them gives it back), so neither side copies a unit's bytes. The writer,
+the hashing, the journal and the checks see no difference. A unit that fails in a worker (bad data, a
+worker gone, output larger than a slot) runs again here, where its error shows as it always has: a
+unit's bytes are the same wherever it ran.
 """
 
 from __future__ import annotations
@@ -51,9 +53,51 @@ class RemoteUnits:
         i = self.index.get(id(unit))
         if i is None or self.pool is None:
             return None
-        got: list[list[Piece]] = []
-        task = wk.Task(run_unit, (i,), 0, 2 * wk.SLOT, None, lambda slot, reply: got.append(_pieces(slot, reply)))
+        got: list[Held] = []
+
+        def keep(lease: wk.Lease | None) -> None:
+            if lease is None:  # the slot is reused: the arrays copied out
+                got[0] = Held(p if isinstance(p.data, SourceRange) else Piece(p.key, p.offset, p.data.copy()) for p in got[0])
+                return
+            got[0].lease = lease
+
+        task = wk.Task(run_unit, (i,), 0, 2 * wk.SLOT, None, lambda slot, reply: got.append(_pieces(slot, reply)), keep=keep)
         return got[0] if self.pool.call(task) else None
+
+
+class Held(list):
+    """A unit's pieces that are views of a worker's slot, and the ``lease`` that keeps it theirs."""
+
+    lease: wk.Lease | None = None
+
+
+class _Arena:
+    """A worker's slot handed out to one unit's output arrays, front to back (``UnitContext.empty``)."""
+
+    def __init__(self, slot: np.ndarray) -> None:
+        self.slot, self.at = slot, 0
+        self.base = slot.__array_interface__["data"][0]
+
+    def take(self, nbytes: int) -> int | None:
+        """Where ``nbytes`` fit in the slot (aligned), or None where they do not."""
+        at = self.at
+        if at + nbytes > self.slot.size:
+            return None
+        self.at = at + -(-nbytes // _ALIGN) * _ALIGN
+        return at
+
+    def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray | None:
+        import numpy as np
+
+        dtype = np.dtype(dtype)
+        n = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        at = self.take(n)
+        return None if at is None else self.slot[at:at + n].view(dtype).reshape(shape)
+
+    def where(self, a: np.ndarray) -> int | None:
+        """The offset in the slot of an array laid out there whole (C order), else None."""
+        at = a.__array_interface__["data"][0] - self.base
+        return at if a.flags.c_contiguous and 0 <= at and at + a.nbytes <= self.slot.size else None
 
 
 def run_unit(src: np.ndarray, dst: np.ndarray, args: tuple[int, ...]) -> bytes:
@@ -67,30 +111,39 @@ def run_unit(src: np.ndarray, dst: np.ndarray, args: tuple[int, ...]) -> bytes:
         from mocli.stream.pool import BufferPool, UnitContext
 
         _ctx = UnitContext(TensorReader(), None, BufferPool())
-    out, at = [], 0
-    for p in _UNITS[args[0]].run(_ctx):
+    _ctx.arena = arena = _Arena(dst)
+    try:
+        pieces = _UNITS[args[0]].run(_ctx)
+    finally:
+        _ctx.arena = None
+    out = []
+    for p in pieces:
         if isinstance(p.data, SourceRange):
             out.append((p.key, p.offset, p.data))
             continue
-        if not isinstance(p.data, np.ndarray) or at + p.data.nbytes > dst.size:
-            raise ValueError("not a numpy piece, or past the slot")  # the parent runs it instead
-        np.copyto(dst[at:at + p.data.nbytes].view(p.data.dtype).reshape(p.data.shape), p.data)
+        if not isinstance(p.data, np.ndarray):
+            raise ValueError("not a numpy piece")  # the parent runs it instead
+        at = arena.where(p.data)
+        if at is None:  # an array of the unit's own: copied in after the others
+            at = arena.take(p.data.nbytes)
+            if at is None:
+                raise ValueError("past the slot")
+            np.copyto(dst[at:at + p.data.nbytes].view(p.data.dtype).reshape(p.data.shape), p.data)
         out.append((p.key, p.offset, (p.data.dtype.str, p.data.shape, at)))
-        at += -(-p.data.nbytes // _ALIGN) * _ALIGN
     return pickle.dumps(out)
 
 
-def _pieces(slot: np.ndarray, reply: bytes) -> list[Piece]:
-    """The parent's pieces from a worker's reply: arrays copied out of its slot."""
+def _pieces(slot: np.ndarray, reply: bytes) -> Held:
+    """The parent's pieces from a worker's reply: views of its slot."""
     import numpy as np
 
-    out = []
+    out = Held()
     for key, offset, data in pickle.loads(reply):
         if isinstance(data, SourceRange):
             out.append(Piece(key, offset, data))
             continue
         dtype, shape, at = data
-        arr = np.empty(shape, dtype=np.dtype(dtype))
-        np.copyto(arr.reshape(-1).view(np.uint8), slot[at:at + arr.nbytes])
-        out.append(Piece(key, offset, arr))
+        dtype = np.dtype(dtype)
+        n = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        out.append(Piece(key, offset, slot[at:at + n].view(dtype).reshape(shape)))
     return out
