@@ -367,14 +367,15 @@ STATS = {"done": 0, "failed": 0}  # tasks a worker did, and those it could not (
 _executors: dict[tuple[int, str], ThreadPoolExecutor] = {}
 
 
-def executor(name: str, threads: int) -> ThreadPoolExecutor:
+def executor(name: str, threads: int, in_workers: bool = False) -> ThreadPoolExecutor:
     """A thread pool by name, this process's own: a worker forked from a process whose pools had threads
-    would find them gone and wait on them for ever; it gets new ones (``threads``, at most 1 there)."""
+    would find them gone and wait on them for ever; it gets new ones (``threads``, at most 1 there but
+    ``in_workers``: for work its parent sized to the cores its workers leave idle)."""
     key = os.getpid(), name
     with _lock:
         ex = _executors.get(key)
         if ex is None:
-            ex = _executors[key] = ThreadPoolExecutor(1 if _child else threads, thread_name_prefix=name)
+            ex = _executors[key] = ThreadPoolExecutor(1 if _child and not in_workers else threads, thread_name_prefix=name)
         return ex
 
 

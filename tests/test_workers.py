@@ -304,3 +304,52 @@ def test_a_unit_in_a_worker_hands_its_arrays_over_in_place(monkeypatch):
     assert np.array_equal(b, own) and np.shares_memory(b, dst) and b.ctypes.data - dst.ctypes.data == 2048
     assert c == rng and remote._ctx.arena is None  # the context's arena is the unit's only
     assert not np.shares_memory(remote._ctx.empty((3,)), dst)  # outside a unit: numpy's own
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize("fault", [None, 0, 4, 6, 9])
+def test_experts_shared_out_to_threads_report_as_one_loop(monkeypatch, threads, fault):
+    """``verify.kinds.each_expert``: the findings in expert order, those after a layout fault dropped, what
+    each call returned up to it - as the plain loop below reports them - however many threads share them."""
+    from mocli.verify import kinds as check_kinds
+    from mocli.verify.results import Problems
+
+    monkeypatch.setattr(check_kinds, "EXPERT_THREADS", threads)
+    experts = [f"e{i}" for i in range(10)]
+
+    def one(local, ex, found):
+        if local == fault:
+            raise LookupError(f"fault at {ex}")
+        if local % 3 == 1:
+            found.append(f"{ex} differs")
+        return local * local
+
+    want_found, want_got, want_fault = [], [], None
+    for local, ex in enumerate(experts):  # the loop each check ran before
+        if local == fault:
+            want_fault = f"fault at {ex}"
+            break
+        if local % 3 == 1:
+            want_found.append(f"{ex} differs")
+        want_got.append(local * local)
+    found, err, got = check_kinds.each_expert("mocli-test-split", experts, one, (LookupError,))
+    assert isinstance(found, Problems) and found == want_found and got == want_got
+    assert (None if err is None else str(err)) == want_fault
+
+
+def test_verify_with_experts_in_threads_in_workers_finds_the_same(cli, tmp_path, monkeypatch):
+    """Each worker's MoE byte checks shared out to three threads: two experts changed, in different runs of
+    them, give the same findings in the same order as the check in process, one expert at a time."""
+    from mocli.verify import modules
+
+    out = tmp_path / "o"
+    assert cli("convert", REAL_QWEN, "-o", out, "--target", "marlin").exit_code == 0
+    edit_tensor(out, "model.layers.1.mlp.experts.w2_weight", lambda t: t.view(torch.uint8).index_fill_(
+        0, torch.tensor([1, t.shape[0] - 1]), 0x5A).view(t.dtype))
+    monkeypatch.setattr(modules, "expert_threads", lambda procs, sizes: 3)
+    (c0, r0), (c2, r2) = _verified(cli, out, monkeypatch, 0), _verified(cli, out, monkeypatch, 2)
+    assert c0 == c2 == 1
+    bad = [m for m in r0 if not m["passed"]]
+    assert [m["module"] for m in bad] == ["model.layers.1.mlp.experts"]
+    assert bad[0]["message"] == "w2_weight (expert 1) differs from the source; w2_weight (expert 7) differs from the source"
+    _same_results(r0, r2)

@@ -20,6 +20,7 @@ from mocli.checkpoint import Checkpoint
 from mocli.devices import Kernels, capability, check_device
 from mocli.kinds import ModuleKind
 from mocli.progress import ModuleProgress as Progress
+from mocli.verify import kinds as check_kinds
 from mocli.verify.expect import heads_of
 from mocli.verify.kinds import CHECKS, WORKERS
 from mocli.verify.kinds.context import CheckContext
@@ -96,8 +97,8 @@ def check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout, 
                 for ck in cks.values():
                     ck.drop_pages()
 
-        remote = _RemoteChecks(names, check) if rt is None and wk.enabled() and len(names) > 1 and \
-            wk.PROCS // wk.local_world() >= 2 else None
+        remote = _RemoteChecks(names, check, [_module_bytes(cks, n) for n in names]) if rt is None and \
+            wk.enabled() and len(names) > 1 and wk.PROCS // wk.local_world() >= 2 else None
         workers = (remote.procs if remote and remote.pool else WORKERS) if rt is None else 1  # numpy checks at once
         run = remote.run if remote else check
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mocli-verify") if workers > 1 else None
@@ -129,11 +130,12 @@ class _RemoteChecks:
     run's context exists, a worker runs a module's check as this process would and sends its results
     back; a check that fails there (an error, the worker gone) runs again here, where its error shows."""
 
-    def __init__(self, names: list[str], check: Callable) -> None:
+    def __init__(self, names: list[str], check: Callable, sizes: list[int]) -> None:
         global _NAMES, _CHECK
         _NAMES, _CHECK = list(names), check
         self.index = {n: i for i, n in enumerate(_NAMES)}
         self.procs = wk.PROCS // wk.local_world()
+        check_kinds.EXPERT_THREADS = expert_threads(self.procs, sizes)  # the children inherit it
         self.pool = wk.fresh(self.procs)
         self.check = check
         self.here = threading.Semaphore(WORKERS)  # checks run here (a worker failed): as many as without workers
@@ -151,6 +153,14 @@ class _RemoteChecks:
         if self.pool is not None:
             self.pool.close()
         _NAMES, _CHECK = [], None
+        check_kinds.EXPERT_THREADS = 1
+
+
+def expert_threads(procs: int, sizes: list[int]) -> int:
+    """Threads for each MoE check's expert bytes in a worker: the workers that the large modules (at
+    least half the largest's bytes) leave idle, shared among them, up to four each."""
+    large = sum(1 for b in sizes if 2 * b >= max(sizes, default=0)) or 1
+    return max(1, min(4, procs // large))
 
 
 def remote_check(src, dst, args: tuple[int, ...]) -> bytes:

@@ -13,7 +13,7 @@ import numpy as np
 from mocli.errors import CorruptFileError
 from mocli.numerics.in_numpy import silu
 from mocli.targets.decode import LayoutError
-from mocli.verify.kinds import byte_checks
+from mocli.verify.kinds import byte_checks, each_expert
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.moe import MoeCase
 from mocli.verify.results import CPU_SAMPLE_EXPERTS, Problems, Stages, pick_experts, rel_error, rng
@@ -52,16 +52,13 @@ class DecodedMoe(MoeCase):
         return byte_checks("mocli-verify-moe-bytes").submit(self._all_bytes, mod, experts, i_slice)
 
     def _all_bytes(self, mod, experts, i_slice) -> tuple[Problems, Exception | None]:
-        found = Problems()
-        try:
-            for local, ex in enumerate(experts):
-                got = self.decoded(mod, local)
-                for role, parts in self.expected(ex, i_slice).items():
-                    found.expect_parts(f"{role} (expert {ex.index})", np.ascontiguousarray(got[role]).view(np.uint8),
-                                       [np.ascontiguousarray(p).view(np.uint8) for p in parts])
-        except (LayoutError, CorruptFileError, ValueError) as e:
-            return found, e
-        return found, None
+        def one(local: int, ex, found: Problems) -> None:
+            got = self.decoded(mod, local)
+            for role, parts in self.expected(ex, i_slice).items():
+                found.expect_parts(f"{role} (expert {ex.index})", np.ascontiguousarray(got[role]).view(np.uint8),
+                                   [np.ascontiguousarray(p).view(np.uint8) for p in parts])
+
+        return each_expert("mocli-verify-moe-bytes", experts, one, (LayoutError, CorruptFileError, ValueError))[:2]
 
     def reference(self, gid: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ex = self.layer.experts[gid]

@@ -18,7 +18,7 @@ from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.targets import marlin_decode as lay
 from mocli.targets.decode import LayoutError
 from mocli.verify.expect import apply_table
-from mocli.verify.kinds import byte_checks
+from mocli.verify.kinds import byte_checks, each_expert
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.marlin_linear import expected_factor, expected_global
 from mocli.verify.kinds.moe import check_moe
@@ -90,23 +90,24 @@ class MarlinMoe(Nvfp4Moe):
 
     def _all_bytes(self, mod, experts, i_slice):
         """Every expert's bytes, and (all of them read) the rank's two scale factors as vLLM computes them."""
-        found, codes = Problems(), {"w13_weight_scale": [], "w2_weight_scale": []}
         (i0, i1), i, src = i_slice, i_slice[1] - i_slice[0], self.src
         sf = {"w13_weight_scale": mod.scale_factor_w13, "w2_weight_scale": mod.scale_factor_w2}
-        try:
-            for local, ex in enumerate(experts):
-                got, scales = self.decoded(mod, local, i), self.source_codes(ex, i_slice)
-                want = {"w13_weight": [src.arr(ex.gate.tensors[WEIGHT].name)[i0:i1], src.arr(ex.up.tensors[WEIGHT].name)[i0:i1]],
-                        "w2_weight": [src.arr(ex.down.tensors[WEIGHT].name)[:, i0 // 2:i1 // 2]]}
-                want |= {role: [lay.flushed(c, sf[role]) for c in parts] for role, parts in scales.items()}
-                for role, parts in want.items():
-                    found.expect_parts(f"{role} (expert {ex.index})", got[role](), parts)
-                for role, parts in scales.items():
-                    codes[role] += parts
-        except (LayoutError, CorruptFileError) as e:
-            return found, e
+
+        def one(local: int, ex, found: Problems) -> dict[str, list[np.ndarray]]:
+            got, scales = self.decoded(mod, local, i), self.source_codes(ex, i_slice)
+            want = {"w13_weight": [src.arr(ex.gate.tensors[WEIGHT].name)[i0:i1], src.arr(ex.up.tensors[WEIGHT].name)[i0:i1]],
+                    "w2_weight": [src.arr(ex.down.tensors[WEIGHT].name)[:, i0 // 2:i1 // 2]]}
+            want |= {role: [lay.flushed(c, sf[role]) for c in parts] for role, parts in scales.items()}
+            for role, parts in want.items():
+                found.expect_parts(f"{role} (expert {ex.index})", got[role](), parts)
+            return scales
+
+        found, fault, scales = each_expert("mocli-verify-marlin", experts, one, (LayoutError, CorruptFileError))
+        if fault is not None:
+            return found, fault
         for role, stored in sf.items():
-            if stored != (vllm := expected_factor(codes[role], mod.act_dtype)):
+            codes = [c for per in scales for c in per[role]]
+            if stored != (vllm := expected_factor(codes, mod.act_dtype)):
                 found.insert(0, f"{role}: scale factor {stored}, vLLM computes {vllm} over the rank's experts")
         return found, None
 

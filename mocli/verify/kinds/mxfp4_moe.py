@@ -18,7 +18,7 @@ from mocli.tables import WEIGHT, WEIGHT_SCALE
 from mocli.targets import mxfp4_decode as dec
 from mocli.targets.decode import LayoutError
 from mocli.verify.expect import bit_equal
-from mocli.verify.kinds import byte_checks
+from mocli.verify.kinds import byte_checks, each_expert
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.moe import MoeCase, check_moe
 from mocli.verify.results import CPU_SAMPLE_EXPERTS, Problems, Stages, pick_experts, rel_error, rng
@@ -66,17 +66,14 @@ class Mxfp4Moe(MoeCase):
         return byte_checks("mocli-verify-mxfp4-bytes").submit(self._all_bytes, mod, experts, i_slice)
 
     def _all_bytes(self, mod, experts, i_slice) -> tuple[Problems, Exception | None]:
-        found = Problems()
-        try:
-            for local, ex in enumerate(experts):
-                got, want = self.decoded_parts(mod, local), self.expected_parts(ex, i_slice, mod)
-                for role, parts in want.items():
-                    if len(got[role]) != len(parts) or not all(g.size == w.size and bit_equal(g, w.reshape(g.shape))
-                                                               for g, w in zip(got[role], parts, strict=True)):
-                        found.append(f"{role} (expert {ex.index}) differs from the source")
-        except (LayoutError, CorruptFileError, ValueError) as e:
-            return found, e
-        return found, None
+        def one(local: int, ex, found: Problems) -> None:
+            got, want = self.decoded_parts(mod, local), self.expected_parts(ex, i_slice, mod)
+            for role, parts in want.items():
+                if len(got[role]) != len(parts) or not all(g.size == w.size and bit_equal(g, w.reshape(g.shape))
+                                                           for g, w in zip(got[role], parts, strict=True)):
+                    found.append(f"{role} (expert {ex.index}) differs from the source")
+
+        return each_expert("mocli-verify-mxfp4-bytes", experts, one, (LayoutError, CorruptFileError, ValueError))[:2]
 
     def decoded(self, mod, local: int) -> dict[str, np.ndarray]:
         """Expert ``local``'s stored tensors in logical order, padding checked and cut: ``w13_*`` as [up; gate]."""

@@ -17,7 +17,7 @@ from mocli.numerics.in_numpy import bf16_round, nvfp4_quant, scaled_matmul, silu
 from mocli.tables import INPUT_SCALE, PRE_QUANT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.targets.decode import LayoutError, unswizzle
 from mocli.verify.expect import apply_table
-from mocli.verify.kinds import byte_checks
+from mocli.verify.kinds import byte_checks, each_expert
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.moe import MoeCase, check_moe
 from mocli.verify.results import (
@@ -143,22 +143,22 @@ class Nvfp4Moe(MoeCase):
     def _all_bytes(self, mod, experts, i_slice: tuple[int, int]) -> tuple[Problems, Exception | None]:
         """Every expert's bytes of one rank: the differences in expert order, and the layout fault that
         stopped the check, if one did (the differences found before it are kept)."""
-        found = Problems()
         i = i_slice[1] - i_slice[0]
         trace.mark(f"{mod.name}: expert bytes started")
-        try:
-            for local, ex in enumerate(experts):
-                got = self.decoded(mod, local, i)
-                for role, parts in self.expected(ex, i_slice).items():
-                    what = f"{role} (expert {ex.index})"
-                    if len(parts) == 1:
-                        found.expect_equal(what, got[role](), parts[0])
-                    else:
-                        found.expect_parts(what, got[role](), parts)
-        except (LayoutError, CorruptFileError) as e:
-            return found, e
-        trace.mark(f"{mod.name}: expert bytes done")
-        return found, None
+
+        def one(local: int, ex, found: Problems) -> None:
+            got = self.decoded(mod, local, i)
+            for role, parts in self.expected(ex, i_slice).items():
+                what = f"{role} (expert {ex.index})"
+                if len(parts) == 1:
+                    found.expect_equal(what, got[role](), parts[0])
+                else:
+                    found.expect_parts(what, got[role](), parts)
+
+        found, fault, _ = each_expert("mocli-verify-bytes", experts, one, (LayoutError, CorruptFileError))
+        if fault is None:
+            trace.mark(f"{mod.name}: expert bytes done")
+        return found, fault
 
     def expert_gemms(self, mod, local: int, i: int):
         """One expert through the emulated kernel: GEMM1 out, GEMM2 out, the kernel's intermediate
