@@ -49,9 +49,11 @@ _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else o
 _ASKED = os.environ.get("MOCLI_KERNEL_PROCS", "").strip()
 PROCS = int(_ASKED) if _ASKED.isdigit() else max(2, _CORES - 2)  # a pool's workers (not a number: the default)
 # Where they are used. verify's numpy checks: on every machine (their threads' GIL cost even the 2-core VM
-# time: its check of a Marlin output 5.3 s in threads, 3.9 s in two workers). Conversion units and the
-# repack's blocks: from 8 cores, or where MOCLI_KERNEL_PROCS asks (on the 2-core VM the copies out of the
-# slots cost more than the workers save: a Marlin conversion 4.8 s in process, 6.7 s with two)
+# time: its check of a Marlin output 5.3 s in threads, 3.9 s in two workers). Conversion units: from 8
+# cores, and on any machine for a large Marlin conversion (``mocli.stream.job.REMOTE_MIN_BYTES``: units
+# that make their arrays in the slot, written from there, beat one process on the 2-core VM; those copied
+# out did not). The blocks of a repack or decode called in process: from 8 cores, or where
+# MOCLI_KERNEL_PROCS asks
 MANY_CORES = _ASKED.isdigit() or _CORES >= 8
 SLOT = 8 << 20  # bytes of input (and as many of output) a kernel task may carry: a unit's output may take both
 PROC_MIN = 1 << 20  # a call moving fewer bytes stays in process (forking and two copies cost more)

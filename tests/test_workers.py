@@ -353,3 +353,30 @@ def test_verify_with_experts_in_threads_in_workers_finds_the_same(cli, tmp_path,
     assert [m["module"] for m in bad] == ["model.layers.1.mlp.experts"]
     assert bad[0]["message"] == "w2_weight (expert 1) differs from the source; w2_weight (expert 7) differs from the source"
     _same_results(r0, r2)
+
+
+@pytest.mark.parametrize("src", [REAL_QWEN, REAL_QWEN.parent / "qwen3_moe-mxfp4"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_in_place_units_make_every_array_in_the_slot(src, tp):
+    """``Unit.in_place`` is what lets a machine of few cores send a conversion to workers: every array
+    such a unit hands over must lie in the arena it was given (none copied in), with the bytes the same
+    unit makes without one."""
+    from mocli.checkpoint import open_checkpoint
+    from mocli.io.safetensors_file import TensorReader
+    from mocli.stream.pool import BufferPool, UnitContext
+    from mocli.stream.remote import _Arena
+    from tests.test_convert import build_plan_for
+
+    plan = build_plan_for(open_checkpoint(str(src)), "marlin", tp)
+    units = [u for u in plan.units if u.in_place]
+    assert len(units) >= 4 * 8  # w13, w13s, w2, w2s of every expert
+    with TensorReader() as reader:
+        ctx = UnitContext(reader, None, BufferPool())
+        for unit in units:
+            want = [p.data.copy() for p in unit.run(ctx)]
+            slot = np.zeros(2 * workers.SLOT, dtype=np.uint8)
+            ctx.arena = arena = _Arena(slot)
+            got = unit.run(ctx)
+            ctx.arena = None
+            assert [arena.where(p.data) is not None for p in got] == [True] * len(got), unit.id
+            assert all(np.array_equal(p.data, w) for p, w in zip(got, want, strict=True)), unit.id

@@ -248,8 +248,8 @@ class _MarlinMoe(_Moe):
                                       out=out[:, ip * half:ip * (half + 1)], rescale=fp8.rescale_table(s2, big))
             return [out]
 
-        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], weights, compute=True, gpu=True)
-        self.expert_unit("w13s", e, Role.W13_WEIGHT_SCALE, [g.tensors[WEIGHT_SCALE], u.tensors[WEIGHT_SCALE]], scales)
+        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], weights, compute=True, gpu=True, in_place=True)
+        self.expert_unit("w13s", e, Role.W13_WEIGHT_SCALE, [g.tensors[WEIGHT_SCALE], u.tensors[WEIGHT_SCALE]], scales, in_place=True)
 
     def _w2_units(self, e: int, d: Module) -> None:
         def weights(ctx: UnitContext, _, r: int, rows: tuple[int, int]) -> list:
@@ -263,8 +263,8 @@ class _MarlinMoe(_Moe):
             codes = _checked(ctx, d.tensors[WEIGHT_SCALE])[:, i0 // 16:i1 // 16]
             return [marlin.permute_scales(codes, self.h, ip, marlin.scale_table(self.sf2[r]), out=ctx.empty((ip // 16, self.h)))]
 
-        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], weights, compute=True, gpu=True)
-        self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], scales)
+        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], weights, compute=True, gpu=True, in_place=True)
+        self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], scales, in_place=True)
 
     def _vectors(self, vectors: dict) -> None:
         """Per-expert [E] vectors of each rank's experts; the global scales with the rank's scale factor."""

@@ -88,12 +88,14 @@ class _Moe:
         return [r for r in self.ranks if self.experts[r][0] <= e < self.experts[r][1]]
 
     def expert_unit(self, kind: str, e: int, role: Role, inputs: list[TensorEntry], emit: Callable,
-                    prepare: Callable = lambda ctx: None, compute: bool = False, gpu: bool = False) -> None:
+                    prepare: Callable = lambda ctx: None, compute: bool = False, gpu: bool = False,
+                    in_place: bool = False) -> None:
         """One unit for expert ``e``'s part of ``role`` on every rank that holds it: ``prepare(ctx)``
         once, then per rank ``emit(ctx, prepared, r, (i0, i1))`` gives the rank's bytes of the expert
         (parts laid end to end in its slot of the stacked tensor; ``(i0, i1)``: the rank's rows of I):
         source ranges or numpy arrays, made without torch (``Unit.torch_free``); ``gpu``: or torch tensors on
-        the context's CUDA device where the run has one (``Unit.gpu``)."""
+        the context's CUDA device where the run has one (``Unit.gpu``); ``in_place``: its arrays made by
+        ``UnitContext.empty`` (``Unit.in_place``)."""
         holders = self.holders(e)
         keys = {r: self.key(r, role) for r in holders}
         slots = {r: self.pc.plan.tensors[keys[r]].nbytes // self.local(r) * (e - self.experts[r][0]) for r in holders}
@@ -103,7 +105,7 @@ class _Moe:
             return [p for r in holders for p in concat_pieces(keys[r], emit(ctx, prepared, r, self.inter[r]), slots[r])]
 
         self.pc.plan.units.append(Unit(f"{kind}:{self.p}.{e}", inputs, list(keys.values()), run, compute, torch_free=True,
-                                       gpu=gpu))
+                                       gpu=gpu, in_place=in_place))
 
     def plan_vectors(self, vectors: dict[Role, tuple[np.ndarray, str, list[str]]]) -> None:
         """Per-expert [E] vectors sliced to each rank's experts; 0-dim scalars whole everywhere."""

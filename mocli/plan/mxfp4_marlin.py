@@ -122,10 +122,10 @@ class _Mxfp4MarlinMoe(_Moe):
             return [mx.permute_scales(codes[:, i0 // mx.GROUP:i1 // mx.GROUP], h, i1 - i0,
                                       out=ctx.empty(((i1 - i0) // mx.GROUP, h)))]
 
-        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], w13, compute=True)
-        self.expert_unit("w13s", e, Role.W13_WEIGHT_SCALE, [g.tensors[WEIGHT_SCALE], u.tensors[WEIGHT_SCALE]], w13s)
-        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], w2, compute=True)
-        self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], w2s)
+        self.expert_unit("w13", e, Role.W13_WEIGHT, [g.tensors[WEIGHT], u.tensors[WEIGHT]], w13, compute=True, in_place=True)
+        self.expert_unit("w13s", e, Role.W13_WEIGHT_SCALE, [g.tensors[WEIGHT_SCALE], u.tensors[WEIGHT_SCALE]], w13s, in_place=True)
+        self.expert_unit("w2", e, Role.W2_WEIGHT, [d.tensors[WEIGHT]], w2, compute=True, in_place=True)
+        self.expert_unit("w2s", e, Role.W2_WEIGHT_SCALE, [d.tensors[WEIGHT_SCALE]], w2s, in_place=True)
 
 
 class _Mxfp4MarlinGptOssMoe(_Mxfp4TrtllmMoe):

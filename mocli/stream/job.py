@@ -431,11 +431,22 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
     return None, used
 
 
+# Input bytes of in-place units (``Unit.in_place``: the Marlin repacks) from which a conversion's units go to
+# worker processes on a machine of fewer than 8 cores (``mocli.workers.MANY_CORES``: there, always). On the
+# 2-core VM, two workers against the units in process (alternated pairs): the 3.95 GiB NVFP4 Marlin
+# conversion 0.84 of the wall time (two runs of 8; system time 2.1-2.7 s against 4.5-5.3 s), the 4.07 GiB
+# CT-MXFP4 one 0.98 (6); with units whose arrays are copied into the slot and out, flashinfer-cutlass 0.97
+# and -trtllm 0.96 of NVFP4, but FP8 trtllm 1.15 (6 each). A small checkpoint's units take less time than
+# forking the workers.
+REMOTE_MIN_BYTES = 256 << 20
+
+
 def _unit_workers(job: Job, units: list[Unit]) -> tuple[int, RemoteUnits | None]:
-    """How many units run at once on the CPU, and the worker processes that run them where this machine
-    has cores for them (``mocli.workers``; shared among a torchrun's processes): a thread per worker then
-    waits for its unit, so that every worker has one."""
-    procs = wk.PROCS // wk.local_world() if wk.enabled() and wk.MANY_CORES else 0
+    """How many units run at once on the CPU, and the worker processes that run them (``mocli.workers``;
+    shared among a torchrun's processes): from 8 cores, or where in-place units read at least
+    ``REMOTE_MIN_BYTES``. A thread per worker then waits for its unit, so that every worker has one."""
+    large = sum(u.input_bytes for u in units if u.in_place) >= REMOTE_MIN_BYTES
+    procs = wk.PROCS // wk.local_world() if wk.enabled() and (wk.MANY_CORES or large) else 0
     remote = RemoteUnits(units, procs, UNIT_WORKERS) if procs >= 2 else None
     if remote is None or remote.pool is None:
         return UNIT_WORKERS, remote

@@ -157,6 +157,10 @@ class Unit:
     # a torch-free unit that moves its bytes through the GPU where the run is asked for CUDA (its ``run``
     # sees the context's device; the CPU path otherwise): the Marlin repack (``mocli.ops.marlin_torch``)
     gpu: bool = False
+    # a torch-free unit whose output arrays come from ``UnitContext.empty``: in a worker process they are
+    # made in its slot and written from there, nothing copied (the Marlin repacks and scale moves); what
+    # makes workers pay on a machine of few cores (``mocli.stream.job.REMOTE_MIN_BYTES``)
+    in_place: bool = False
 
     @property
     def input_bytes(self) -> int:
