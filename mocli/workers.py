@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # ours to use
 _ASKED = os.environ.get("MOCLI_KERNEL_PROCS", "").strip()
 PROCS = int(_ASKED) if _ASKED.isdigit() else max(2, _CORES - 2)  # a pool's workers (not a number: the default)
+# A conversion's pool: one more on a small machine, where a worker whose slot the writer still holds (a
+# ``Lease``) waits. On the 2-core VM a Marlin conversion with three took 0.89 of the time with two (6
+# alternated pairs), with four 1.02 of three; verify (no leases) with three 1.02 of two
+UNIT_PROCS = int(_ASKED) if _ASKED.isdigit() else max(3, _CORES - 2)
 # Where they are used. verify's numpy checks: on every machine (their threads' GIL cost even the 2-core VM
 # time: its check of a Marlin output 5.3 s in threads, 3.9 s in two workers). Conversion units: from 8
 # cores, and on any machine for a large Marlin conversion (``mocli.stream.job.REMOTE_MIN_BYTES``: units

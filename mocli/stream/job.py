@@ -446,7 +446,7 @@ def _unit_workers(job: Job, units: list[Unit]) -> tuple[int, RemoteUnits | None]
     shared among a torchrun's processes): from 8 cores, or where in-place units read at least
     ``REMOTE_MIN_BYTES``. A thread per worker then waits for its unit, so that every worker has one."""
     large = sum(u.input_bytes for u in units if u.in_place) >= REMOTE_MIN_BYTES
-    procs = wk.PROCS // wk.local_world() if wk.enabled() and (wk.MANY_CORES or large) else 0
+    procs = wk.UNIT_PROCS // wk.local_world() if wk.enabled() and (wk.MANY_CORES or large) else 0
     remote = RemoteUnits(units, procs, UNIT_WORKERS) if procs >= 2 else None
     if remote is None or remote.pool is None:
         return UNIT_WORKERS, remote

@@ -332,10 +332,10 @@ def main() -> None:
         raise SystemExit(f"{SHARED}/floor.py not found: set MOCLI_SHARED to the shared folder that holds bench/")
     a.scratch.mkdir(parents=True, exist_ok=True)
     cache_bytecode()
-    procs = subprocess.run([sys.executable, "-c", "import mocli.workers as w; print(w.PROCS)"], capture_output=True,
-                           text=True, cwd=ROOT).stdout.strip()
+    procs = subprocess.run([sys.executable, "-c", "import mocli.workers as w; print(w.PROCS, w.UNIT_PROCS)"],
+                           capture_output=True, text=True, cwd=ROOT).stdout.split()
     print(f"mocli bench: {os.cpu_count()} cores, device {a.device}, {a.rounds} rounds, scratch {a.scratch}, "
-          f"{procs} worker processes (mocli.workers)", flush=True)
+          f"worker processes (mocli.workers): {' for verify, '.join(procs)} for a conversion's units", flush=True)
     results: list = []
     only = set(a.only.split(","))
     if "headers" in only:
