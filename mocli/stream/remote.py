@@ -66,7 +66,9 @@ class RemoteUnits:
 
 
 class Held(list):
-    """A unit's pieces that are views of a worker's slot, and the ``lease`` that keeps it theirs."""
+    """A unit's pieces that are views of a worker's slot, and the ``lease`` that keeps it theirs: a step
+    between the unit and ``UnitContext.release`` that made a new list of them would lose it (none does;
+    ``unit_runner.to_host`` is for units on a GPU, which never run in a worker)."""
 
     lease: wk.Lease | None = None
 
