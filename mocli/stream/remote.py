@@ -92,9 +92,8 @@ class _Arena:
         import numpy as np
 
         dtype = np.dtype(dtype)
-        n = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        at = self.take(n)
-        return None if at is None else self.slot[at:at + n].view(dtype).reshape(shape)
+        at = self.take(dtype.itemsize * int(np.prod(shape, dtype=np.int64)))
+        return None if at is None else _view(self.slot, at, dtype, shape)
 
     def where(self, a: np.ndarray) -> int | None:
         """The offset in the slot of an array laid out there whole (C order), else None."""
@@ -130,7 +129,7 @@ def run_unit(src: np.ndarray, dst: np.ndarray, args: tuple[int, ...]) -> bytes:
             at = arena.take(p.data.nbytes)
             if at is None:
                 raise ValueError("past the slot")
-            np.copyto(dst[at:at + p.data.nbytes].view(p.data.dtype).reshape(p.data.shape), p.data)
+            np.copyto(_view(dst, at, p.data.dtype, p.data.shape), p.data)
         out.append((p.key, p.offset, (p.data.dtype.str, p.data.shape, at)))
     return pickle.dumps(out)
 
@@ -145,7 +144,12 @@ def _pieces(slot: np.ndarray, reply: bytes) -> Held:
             out.append(Piece(key, offset, data))
             continue
         dtype, shape, at = data
-        dtype = np.dtype(dtype)
-        n = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        out.append(Piece(key, offset, slot[at:at + n].view(dtype).reshape(shape)))
+        out.append(Piece(key, offset, _view(slot, at, np.dtype(dtype), shape)))
     return out
+
+
+def _view(slot: np.ndarray, at: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """The array of ``dtype`` and ``shape`` that lies at byte ``at`` of a slot (uint8)."""
+    import numpy as np
+
+    return slot[at:at + dtype.itemsize * int(np.prod(shape, dtype=np.int64))].view(dtype).reshape(shape)
