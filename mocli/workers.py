@@ -6,11 +6,11 @@ H200 host, a Marlin conversion with 1, 4, 8 and 12 unit threads took 5.2, 4.7, 3
 same work on one core of the 2-core VM takes 7 CPU-seconds in all. Processes have a GIL each.
 
 A kernel is a module-level function ``fn(src, dst, args) -> bytes | None`` over two uint8 arrays (a
-worker's slot) and a tuple of ints: a block of the Marlin repack or of its inverse, or a whole conversion
-unit (``mocli.stream.remote``), whose reply says what it wrote where. ``Workers`` forks its processes, each
-with a slot of its own in one shared anonymous map: a calling thread takes an idle worker, copies the input
-into its slot, names the kernel over a pipe, waits for the reply (``os.read`` drops the GIL) and copies the
-result out. A task that fails in a worker (an error, the worker gone) is the caller's to run again in
+slot's halves) and a tuple of ints: a block of the Marlin repack or of its inverse, or a whole conversion
+unit (``mocli.stream.remote``), whose reply says what it wrote where. ``Workers`` forks its processes, which
+all see the slots of one shared anonymous map: a calling thread takes an idle worker and a free slot, copies
+the input into the slot, names the kernel and the slot over a pipe, waits for the reply (``os.read`` drops
+the GIL) and copies the result out, or keeps the slot for a while (``Lease``). A task that fails in a worker (an error, the worker gone) is the caller's to run again in
 process (``run`` does), where its error shows as it would have: the bytes are the same either way.
 
 The children ignore SIGINT (the parent decides), run numpy's BLAS on one thread, and exit when their task
@@ -48,9 +48,9 @@ if TYPE_CHECKING:
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # ours to use
 _ASKED = os.environ.get("MOCLI_KERNEL_PROCS", "").strip()
 PROCS = int(_ASKED) if _ASKED.isdigit() else max(2, _CORES - 2)  # a pool's workers (not a number: the default)
-# A conversion's pool: one more on a small machine, where a worker whose slot the writer still holds (a
-# ``Lease``) waits. On the 2-core VM a Marlin conversion with three took 0.89 of the time with two (6
-# alternated pairs), with four 1.02 of three; verify (no leases) with three 1.02 of two
+# A conversion's pool: one more on a small machine. On the 2-core VM a Marlin conversion with three took
+# 0.89 of the time with two (6 alternated pairs, when a worker waited while the writer held its slot), with
+# four 1.02 of three; verify (no leases) with three 1.02 of two
 UNIT_PROCS = int(_ASKED) if _ASKED.isdigit() else max(3, _CORES - 2)
 # Where they are used. verify's numpy checks: on every machine (their threads' GIL cost even the 2-core VM
 # time: its check of a Marlin output 5.3 s in threads, 3.9 s in two workers). Conversion units: from 8
@@ -64,7 +64,7 @@ PROC_MIN = 1 << 20  # a call moving fewer bytes stays in process (forking and tw
 # bytes per task where a call can be cut: an expert's 3 MiB half in three, each to a worker of its own
 TASK = int(os.environ.get("MOCLI_KERNEL_TASK_BYTES") or 0) or 1 << 20
 STALL = 30  # seconds a worker may use no CPU on a task before it is given up (``_alive_until_ready``)
-_HEAD = struct.Struct("<4q")  # name length, input bytes, output bytes, number of ints
+_HEAD = struct.Struct("<5q")  # name length, slot, input bytes, output bytes, number of ints
 _REPLY = struct.Struct("<Bq")  # 1 done (0 failed), reply bytes
 
 
@@ -80,15 +80,15 @@ class Task:
     nout: int
     fill: Callable[[np.ndarray], None] | None
     take: Callable[[np.ndarray, bytes], None]
-    # the output read in place: called after ``take`` with the slot's ``Lease``, the worker idle again
-    # only once it is given back (``mocli.stream.remote``: a unit's pieces written from the slot); with
-    # None where half the workers are leased already (copy the output now: the slot is reused)
+    # the output read in place: called after ``take`` with the slot's ``Lease``, the slot free again only
+    # once it is given back (``mocli.stream.remote``: a unit's pieces written from the slot); with None
+    # where the pool's spare slots are leased already (copy the output now: the slot is reused)
     keep: Callable[[Lease | None], None] | None = None
 
 
 class Lease:
-    """A worker's slot that its caller keeps after the task, its output still to be read there: ``give``
-    (once; or the lease's end, where an error dropped it) lets the worker take tasks again."""
+    """A slot that its caller keeps after the task, its output still to be read there: ``give`` (once; or
+    the lease's end, where an error dropped it) frees it for other tasks."""
 
     __slots__ = ("_give",)
 
@@ -104,18 +104,26 @@ class Lease:
 
 
 class Workers:
-    def __init__(self, procs: int) -> None:
+    def __init__(self, procs: int, spare: int = 0) -> None:
+        """``procs`` workers and ``procs + spare`` slots, slot ``j`` worker ``j % procs``'s (a worker maps
+        the pages of its own slots only: one that wrote to any slot faulted in all of them, on an H200 host
+        0.9 s more system time in a Marlin conversion). A worker is idle while it has a free slot: one
+        that a caller keeps (``Lease``) is one of the spares."""
         import numpy as np
 
-        self.arena = mmap.mmap(-1, procs * 2 * SLOT)  # MAP_SHARED | MAP_ANONYMOUS: the children see it
+        n = procs + spare
+        self.arena = mmap.mmap(-1, n * 2 * SLOT)  # MAP_SHARED | MAP_ANONYMOUS: the children see every slot
         self.slots = [np.frombuffer(self.arena, dtype=np.uint8, count=2 * SLOT, offset=2 * i * SLOT)
-                      for i in range(procs)]
+                      for i in range(n)]
         self.pipes: list[tuple[int, int]] = []  # (task pipe's write end, reply pipe's read end)
         self.pids: list[int] = []
         self.idle: queue.SimpleQueue[int] = queue.SimpleQueue()
+        # each worker's free slots, the last given back taken first (its pages are the ones in the caches)
+        self.free: list[list[int]] = [list(range(i, n, procs))[::-1] for i in range(procs)]
+        self.parked: set[int] = set()  # workers whose slots are all leased: idle again at a give
         self.broken: set[int] = set()
-        self.leased = 0  # workers whose slots their callers keep (``Task.keep``)
-        self.procs = procs
+        self.leased = 0  # slots their callers keep (``Task.keep``), at most ``spare``
+        self.procs, self.spare = procs, spare
         self.drivers = ThreadPoolExecutor(procs, thread_name_prefix="mocli-kernel")
         gc.freeze()  # what exists now stays out of the collector's way: the children's pages stay shared
         try:
@@ -145,7 +153,7 @@ class Workers:
                 _child = True
                 for fd in (task_w, done_r, *_ends, *_private):  # the parent's pipe ends, of every pool (EOF
                     os.close(fd)  # must reach them), and what no worker may hold (``keep_from_workers``)
-                _serve(task_r, done_w, self.slots[i])
+                _serve(task_r, done_w, self.slots)
                 code = 0
             finally:
                 os._exit(code)
@@ -159,35 +167,51 @@ class Workers:
         """The task in an idle worker (waiting for one); False where it failed there (run it here)."""
         if task.nin > SLOT or task.nout > (2 * SLOT if not task.nin else SLOT):
             return False
-        i = self.idle.get()
-        kept = False  # once True, the lease or the caller puts the worker back
+        i, s = self.idle.get(), None
+        kept = False  # once True, the lease puts the slot back
         try:
-            done = i not in self.broken and self._remote(i, task)
+            done = False
+            if i not in self.broken:
+                with _lock:  # an idle worker has a free slot
+                    s = self.free[i].pop()
+                done = self._remote(i, s, task)
             if done and task.keep is not None:
-                lease = self._lease(i)
+                lease = self._lease(i, s)
                 kept = lease is not None
                 task.keep(lease)
         finally:
-            if not kept:
+            with _lock:
+                if s is not None and not kept:
+                    self.free[i].append(s)
+                idle = i in self.broken or bool(self.free[i])  # a broken worker fails its tasks at once
+                if not idle:
+                    self.parked.add(i)
+            if idle:
                 self.idle.put(i)
         with _lock:
             STATS["done" if done else "failed"] += 1
         return done
 
-    def _lease(self, i: int) -> Lease | None:
-        """Worker ``i``'s slot kept by its caller (from then on the lease makes it idle again), or None
-        where half the workers are leased: a lease lasts until the output is written and hashed, and
-        units queued for the writer would otherwise hold every slot while the workers wait (on an
-        H200 host all leased: 2.55 s against 2.28 s copying every unit out)."""
+    def _lease(self, i: int, s: int) -> Lease | None:
+        """Worker ``i``'s slot ``s`` kept by its caller (the lease gives it back), or None where ``spare``
+        slots are leased already (copy the output now; so at least ``procs`` slots are never leased and
+        some worker always has one free): a lease lasts until the output is written and hashed. With one
+        slot per worker, the units queued for the writer held the slots and their workers waited (on an
+        H200 host, 14 workers: 6 at work on average; with 8 workers the conversion took 2.9 s against 2.0 s
+        with two slots each)."""
         with _lock:
-            if 2 * (self.leased + 1) > self.procs:
+            if self.leased >= self.spare:
                 return None
             self.leased += 1
 
         def give() -> None:
             with _lock:
                 self.leased -= 1
-            self.idle.put(i)
+                self.free[i].append(s)
+                parked = i in self.parked
+                self.parked.discard(i)
+            if parked:
+                self.idle.put(i)
 
         return Lease(give)
 
@@ -203,15 +227,15 @@ class Workers:
         dst = np.empty(task.nout, dtype=np.uint8)
         task.take(dst, task.kernel(src, dst, task.args) or b"")
 
-    def _remote(self, i: int, task: Task) -> bool:
+    def _remote(self, i: int, s: int, task: Task) -> bool:
         """True once the worker's output is taken; False where the task failed there (the worker is fine)
         or the worker is gone or stuck (then it is killed and never used again). Anything else raised
         while a task is out (Ctrl-C) kills the worker too: its reply must never reach another task."""
-        slot = self.slots[i]
+        slot = self.slots[s]
         if task.fill is not None:
             task.fill(slot[:task.nin])
         name = f"{task.kernel.__module__}:{task.kernel.__qualname__}".encode()
-        msg = _HEAD.pack(len(name), task.nin, task.nout, len(task.args)) + name + \
+        msg = _HEAD.pack(len(name), s, task.nin, task.nout, len(task.args)) + name + \
             struct.pack(f"<{len(task.args)}q", *task.args)
         w, r = self.pipes[i]
         try:
@@ -269,8 +293,8 @@ class Workers:
         self.drivers.shutdown(wait=False)
 
 
-def _serve(task_r: int, done_w: int, slot: np.ndarray) -> None:
-    """A child's loop: a task in, the kernel run on the slot, its reply out (or a failure)."""
+def _serve(task_r: int, done_w: int, slots: list[np.ndarray]) -> None:
+    """A child's loop: a task in, the kernel run on the slot it names, its reply out (or a failure)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _one_blas_thread()
     kernels: dict[bytes, Callable] = {}
@@ -278,12 +302,13 @@ def _serve(task_r: int, done_w: int, slot: np.ndarray) -> None:
         head = _read(task_r, _HEAD.size)
         if head is None:
             return
-        n_name, nin, nout, n_args = _HEAD.unpack(head)
+        n_name, s, nin, nout, n_args = _HEAD.unpack(head)
         body = _read(task_r, n_name + 8 * n_args)
         if body is None:
             return
         name, args = body[:n_name], struct.unpack(f"<{n_args}q", body[n_name:])
         try:
+            slot = slots[s]
             if name not in kernels:
                 module, _, qual = name.decode().partition(":")
                 kernels[name] = getattr(importlib.import_module(module), qual)
@@ -449,14 +474,14 @@ def local_world() -> int:
         return 1
 
 
-def fresh(procs: int) -> Workers | None:
+def fresh(procs: int, spare: int = 0) -> Workers | None:
     """A pool forked now (a stream's: its children see its plan), the one kernels use until it closes;
     an earlier pool is closed first. None where no process or descriptor can be spared (then everything
     runs in process, as under 2 workers)."""
     global _active
     shutdown()
     try:
-        new = Workers(procs)
+        new = Workers(procs, spare)
     except OSError:
         return None
     with _lock:

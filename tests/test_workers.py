@@ -249,11 +249,15 @@ def _kept(value: int, leases: list) -> workers.Task:
     return workers.Task(_stamp, (value,), 0, 64, None, lambda dst, reply: leases.append(dst), keep=leases.append)
 
 
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
 def test_a_kept_slot_is_not_reused_until_its_lease_is_given(two_workers, stats):
-    """A unit's pieces are written from its worker's slot (``mocli.stream.remote``): no other task may
-    write there until the lease is given back; at most half the workers are leased (the next caller gets
-    None: copy now), and a lease an error dropped gives its worker back too."""
-    pool = workers.Workers(4)
+    """A unit's pieces are written from its slot (``mocli.stream.remote``): no other task may write there
+    until the lease is given back, while the workers go on in their other slots; at most ``spare`` slots
+    are leased (the next caller gets None: copy now), and a lease an error dropped gives its slot back."""
+    pool = workers.Workers(2, spare=2)  # worker 0: slots 0 and 2; worker 1: slots 1 and 3
     try:
         first: list = []
         assert pool.call(_kept(7, first))
@@ -262,16 +266,64 @@ def test_a_kept_slot_is_not_reused_until_its_lease_is_given(two_workers, stats):
         second: list = []
         assert pool.call(_kept(8, second)) and isinstance(second[1], workers.Lease) and pool.leased == 2
         third: list = []
-        assert pool.call(_kept(9, third)) and third[1] is None and pool.leased == 2  # half of 4: copy
-        for v in range(10, 30):  # the two free workers take every other task
-            assert pool.call(workers.Task(_stamp, (v,), 0, 64, None, lambda dst, reply: None))
+        assert pool.call(_kept(9, third)) and third[1] is None and pool.leased == 2  # both spares out: copy
+        seen: list = []
+        for v in range(10, 30):  # both workers go on, each in its slot not leased
+            assert pool.call(workers.Task(_stamp, (v,), 0, 64, None, lambda dst, reply: seen.append(_address(dst))))
         assert (out == 7).all() and (second[0] == 8).all()
+        assert set(seen) == {_address(pool.slots[2]), _address(pool.slots[3])} and pool.idle.qsize() == 2
         lease.give()
         lease.give()  # once only
-        assert pool.leased == 1 and pool.idle.qsize() == 3
-        second.clear()  # dropped (an error on the way to the writer): its worker comes back
-        assert pool.leased == 0 and pool.idle.qsize() == 4
+        assert pool.leased == 1 and sum(map(len, pool.free)) == 3
+        second.clear()  # dropped (an error on the way to the writer): its slot comes back
+        assert pool.leased == 0 and sum(map(len, pool.free)) == 4
         assert stats["failed"] == 0
+    finally:
+        pool.close()
+
+
+def test_a_worker_whose_slots_are_all_kept_waits_for_a_lease(two_workers, stats):
+    """A worker with every slot of its own leased takes no task (another would overwrite a unit's output
+    before it is written) until a lease comes back; the other worker takes them meanwhile."""
+    pool = workers.Workers(2, spare=2)
+    try:
+        first: list = []
+        assert pool.call(_kept(1, first)) and isinstance(first[1], workers.Lease)  # worker 0, slot 0
+        assert pool.call(workers.Task(_stamp, (2,), 0, 64, None, lambda dst, reply: None))  # worker 1
+        last: list = []
+        assert pool.call(_kept(3, last)) and isinstance(last[1], workers.Lease)  # worker 0, slot 2
+        assert pool.parked == {0} and pool.idle.qsize() == 1
+        seen: list = []
+        for v in range(4, 10):
+            assert pool.call(workers.Task(_stamp, (v,), 0, 64, None, lambda dst, reply: seen.append(_address(dst))))
+        assert set(seen) == {_address(pool.slots[1])} and (first[0] == 1).all() and (last[0] == 3).all()
+        last[1].give()
+        assert pool.parked == set() and pool.idle.qsize() == 2
+    finally:
+        pool.close()
+
+
+def test_a_worker_given_up_mid_task_never_passes_its_slot_on(two_workers, stats, monkeypatch):
+    """A worker killed as stuck may still write to its slots as it dies: they are never handed to
+    another worker, and the pool goes on with its other worker."""
+    pool = workers.Workers(2, spare=1)  # worker 0: slots 0 and 2; worker 1: slot 1
+    try:
+        alive = workers._alive_until_ready
+        stuck = [True]
+
+        def first_stuck(fd, pid):
+            if stuck.pop() if stuck else False:
+                return False
+            return alive(fd, pid)
+
+        monkeypatch.setattr(workers, "_alive_until_ready", first_stuck)
+        assert not pool.call(workers.Task(_stamp, (1,), 0, 64, None, lambda dst, reply: None))
+        assert pool.broken == {0}
+        taken: list = []
+        results = [pool.call(workers.Task(_stamp, (v,), 0, 64, None, lambda dst, reply: taken.append(_address(dst))))
+                   for v in range(2, 12)]
+        assert results == [True, False] * 5  # the live worker takes every other task
+        assert set(taken) == {_address(pool.slots[1])} and stats["done"] == 5
     finally:
         pool.close()
 

@@ -39,7 +39,7 @@ class RemoteUnits:
         # a torch-free unit goes to a worker where its input fits a slot: its output is about as large
         # (the byte moves keep sizes; one that writes more than a slot runs again here)
         _UNITS = units
-        self.pool = wk.fresh(procs)
+        self.pool = wk.fresh(procs, spare=procs)  # as many units kept for the writer as are at work
         self.index = {id(u): i for i, u in enumerate(units) if u.torch_free and 0 < u.input_bytes <= 2 * wk.SLOT} \
             if self.pool is not None else {}
 
