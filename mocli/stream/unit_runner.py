@@ -58,7 +58,7 @@ def ran_in_order(units: list[Unit], ctx: UnitContext, workers: int, remote: Remo
     # units submitted ahead: with worker processes twice the threads, so that a thread whose unit is done
     # takes the next while the writer still waits for an earlier one (units are small: 2.6 MB on average
     # in the bench's Marlin conversion; a worker's output is copied out or kept in its slot, at most
-    # half of them kept: ``mocli.workers.Lease``)
+    # as many kept as there are workers: ``mocli.workers.Lease``)
     depth = 2 * workers if remote is not None else workers
     todo = iter(units)
     window: deque = deque()
