@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 from collections import defaultdict
@@ -108,12 +107,21 @@ def show(path: str, width: float) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) >= 3 and sys.argv[1] == "record":
-        record(sys.argv[2], sys.argv[3:])
-    elif len(sys.argv) >= 3 and sys.argv[1] == "show":
-        show(sys.argv[2], float(sys.argv[4]) if sys.argv[3:4] == ["--bin"] and len(sys.argv) > 4 else 0.1)
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    rec = sub.add_parser("record", help="run mocli with its stages timed")
+    rec.add_argument("out")
+    rec.add_argument("argv", nargs=argparse.REMAINDER, help="mocli's arguments")
+    sh = sub.add_parser("show", help="print a recorded timeline")
+    sh.add_argument("path")
+    sh.add_argument("--bin", type=float, default=0.1, help="seconds per row")
+    a = ap.parse_args()
+    if a.cmd == "record":
+        record(a.out, a.argv)
     else:
-        sys.exit(__doc__)
+        show(a.path, a.bin)
 
 
 if __name__ == "__main__":
