@@ -35,5 +35,15 @@ def mark(label: str) -> None:
             sys.stderr.flush()
 
 
+_ONCE: set[str] = set()
+
+
+def once(label: str) -> None:
+    """``mark`` the first time only (a loop's first pass)."""
+    if ON and label not in _ONCE:
+        _ONCE.add(label)
+        mark(label)
+
+
 if ON:
     atexit.register(mark, "exit (atexit handlers run)")

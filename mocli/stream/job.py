@@ -406,6 +406,7 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
                 used = (devices.requested_device(job.device), "cpu")
             recorded = job.source_digests is None or dist.rank != 0
             workers, remote = _unit_workers(job, units) if ctx.device is None else (1, None)
+            trace.mark(f"{len(remote.pool.pids) if remote and remote.pool else 0} unit workers forked")
             for unit, pieces in ran_in_order(units, ctx, workers, remote):
                 if not recorded and job.source_digests.done():
                     record_source(partial, job.source_digests.result())
@@ -414,6 +415,7 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
                     pieces = to_host(pieces, ctx)
                 check_finite(pieces, job.plan.tensors)
                 sink.put(unit, pieces, ctx.release(pieces))
+                trace.once("first unit to the writer")
                 job.progress.advance(unit.input_bytes, name=unit.id)
             if not recorded:  # publishing waits for the digests anyway
                 record_source(partial, job.source_digests.result())
@@ -423,6 +425,7 @@ def _stream(job: Job, partial: Path, units: list[Unit], writer: ShardWriter, poo
         writer.close()
         if remote is not None:
             remote.close()
+            trace.mark("unit workers closed")
         wk.shutdown()  # a pool forked on first use by an in-process repack too: before the lock goes
         if threads is not None:
             import torch
