@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import regex
-
 from mocli.ct_schemes import attention_only, group_algo, group_targets, kv_algo
 from mocli.exclusions import PatternReport
 from mocli.findings import Findings
@@ -37,6 +35,8 @@ def matches(pattern: str, name: str) -> bool:
     """compressed-tensors' rule: equal, or ``re:`` + ``re.match`` (anchored at the start, not the end)."""
     if not pattern.startswith("re:"):
         return pattern == name
+    import regex  # only for ``re:`` patterns (6 ms of every command's start otherwise)
+
     try:
         return regex.match(pattern[3:], name, timeout=REGEX_SECONDS) is not None
     except TimeoutError:

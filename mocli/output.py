@@ -26,7 +26,8 @@ class _Console(Console):
     """rich exits 1 on a broken pipe by itself; hand it to mocli.cli's one error handler instead.
     Off a terminal, rich would wrap at 80 columns: it wraps nothing unless COLUMNS says so; and it pads
     each line of a table (a grid's last column, a title) to the table's width: a pipe or a file gets no
-    trailing whitespace (``mocli inspect M | diff``, a CI log)."""
+    trailing whitespace (``mocli inspect M | diff``, a CI log). No ``:name:`` emoji codes: a tensor name
+    between colons is printed as it is (and rich's 20 ms table of codes is never loaded)."""
 
     def __init__(self, file, **kw) -> None:
         import os
@@ -70,13 +71,13 @@ class Output:
     @property
     def stdout(self) -> Console:
         if self._stdout is None:
-            self._stdout = _Console(file=sys.stdout, highlight=False, soft_wrap=False)
+            self._stdout = _Console(file=sys.stdout, highlight=False, soft_wrap=False, emoji=False)
         return self._stdout
 
     @property
     def stderr(self) -> Console:
         if self._stderr is None:
-            self._stderr = _Console(file=sys.stderr, highlight=False)
+            self._stderr = _Console(file=sys.stderr, highlight=False, emoji=False)
         return self._stderr
 
     @property

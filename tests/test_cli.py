@@ -189,6 +189,14 @@ def test_human_output_is_not_wrapped_off_a_terminal(cli, tmp_path):
     assert "excluded by the config but 1 module(s) are stored quantized" in row and hint in row
 
 
+def test_colon_names_are_printed_as_they_are(cli, tmp_path):
+    """rich reads ``:smile:`` as an emoji code by default: a path or tensor name between colons must print as is."""
+    out = tmp_path / "run:smile:1"
+    r = cli("convert", REAL_QWEN, "-o", out, "--target", "flashinfer-cutlass")
+    assert r.exit_code == 0
+    assert next(x for x in r.stdout.splitlines() if x.startswith("converted")).endswith(f"-> {out}")
+
+
 def test_help_reads_like_other_clis(cli):
     r = cli("convert", "--help", env={"COLUMNS": "200"})
     assert r.exit_code == 0
