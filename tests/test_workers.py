@@ -432,3 +432,26 @@ def test_in_place_units_make_every_array_in_the_slot(src, tp):
             ctx.arena = None
             assert [arena.where(p.data) is not None for p in got] == [True] * len(got), unit.id
             assert all(np.array_equal(p.data, w) for p, w in zip(got, want, strict=True)), unit.id
+
+
+def _rss_shmem() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) << 10 for x in f if x.startswith("RssShmem:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
+def test_closing_a_pool_gives_its_slots_pages_back(stats):
+    """The slots' pages are freed when the workers go, not at the process's exit (where the kernel freed
+    them on the run's critical path)."""
+    import time
+
+    pool = workers.Workers(2, spare=2)
+    for slot in pool.slots:
+        slot[:] = 1  # every page of every slot touched
+    before = _rss_shmem()
+    assert before >= 4 * 2 * workers.SLOT
+    pool.close()
+    deadline = time.monotonic() + 5
+    while _rss_shmem() > before - 4 * 2 * workers.SLOT and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _rss_shmem() <= before - 4 * 2 * workers.SLOT
