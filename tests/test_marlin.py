@@ -193,3 +193,48 @@ def test_marlin_moe_needs_hidden_a_multiple_of_64(cli, tmp_path):
         ("TGT001", f"model.layers.{i}.mlp.experts") for i in (0, 1)}
     assert cli("convert", src, "-o", tmp_path / "o", "--target", MARLIN).exit_code == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_scale_factors_come_from_each_ranks_own_experts(cli, tmp_path):
+    """Layer 0's w1/w3 scales 8x smaller on experts 2-3 and w2's on experts 0-1: at --ep 2 the two ranks'
+    scale factors differ, each the power of two computed here from the rank's own experts' codes."""
+    src = make_checkpoint(tmp_path / "src", arch="mixtral", algo="NVFP4")
+    t = load_file(str(src / "model.safetensors"))
+    for n in [n for n in t if n.startswith("model.layers.0.") and ".experts." in n and n.endswith(".weight_scale")]:
+        e, proj = int(n.split(".experts.")[1].split(".")[0]), n.split(".")[-2]
+        if (proj in ("w1", "w3")) == (e >= 2):
+            t[n] = (t[n].view(torch.uint8).int() - 24).clamp(min=0).to(torch.uint8).view(FP8)
+    save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
+    r = cli("-q", "convert", src, "-o", tmp_path / "out", "--target", MARLIN, "--ep", 2)
+    assert r.exit_code == 0, r.stderr
+
+    def factor(names: list[str]) -> float:
+        top = max(float(t[n].float().max()) for n in names)
+        return 2.0 ** int(torch.floor(torch.log2(torch.tensor(448.0 / top))))
+
+    manifest = json.loads((tmp_path / "out" / "mocli-layout.json").read_text())
+    layer0 = {r["rank"]: next(m["meta"] for m in r["modules"] if m["name"] == "model.layers.0.block_sparse_moe.experts")
+              for r in manifest["ranks"]}
+    for rank, experts in ((0, (0, 1)), (1, (2, 3))):
+        for key, projs in (("scale_factor_w13", ("w1", "w3")), ("scale_factor_w2", ("w2",))):
+            names = [f"model.layers.0.block_sparse_moe.experts.{e}.{p}.weight_scale" for e in experts for p in projs]
+            assert layer0[rank][key] == factor(names), (rank, key)
+    assert {m["scale_factor_w13"] for m in layer0.values()} == {1.0, 8.0}
+
+
+def test_a_first_expert_below_the_top_bucket_does_not_settle_the_factor(cli, tmp_path):
+    """Plan time stops reading an MoE layer's block scales once the factor is 1. Expert 0's w2 codes capped at
+    224 (factor 2 on its own) and expert 3's holding 448: the layer's w2 factor is 1, expert 3 read."""
+    src = make_checkpoint(tmp_path / "src", arch="mixtral", algo="NVFP4")
+    t = load_file(str(src / "model.safetensors"))
+    ep = "model.layers.0.block_sparse_moe.experts"
+    cap = int(torch.tensor(224.0).to(FP8).view(torch.uint8))
+    for e in range(4):
+        codes = t[f"{ep}.{e}.w2.weight_scale"].view(torch.uint8).clamp(max=cap if e == 0 else cap - 8)
+        codes[0, 0] = int(torch.tensor(448.0).to(FP8).view(torch.uint8)) if e == 3 else codes[0, 0]
+        t[f"{ep}.{e}.w2.weight_scale"] = codes.contiguous().view(FP8)
+    save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
+    r = cli("-q", "convert", src, "-o", tmp_path / "out", "--target", MARLIN)
+    assert r.exit_code == 0, r.stderr
+    manifest = json.loads((tmp_path / "out" / "mocli-layout.json").read_text())
+    assert next(m["meta"] for m in manifest["modules"] if m["name"] == ep)["scale_factor_w2"] == 1.0

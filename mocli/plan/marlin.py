@@ -12,6 +12,7 @@ Activations are BF16 (``ACT_DTYPE``).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -46,6 +47,18 @@ def _top_code(pc: PlanContext, m: Module, rows: tuple[int, int] | None = None,
 
 def _rescaled_top(pc: PlanContext, m: Module, s2, big, **where) -> int:
     return int(fp8.rescale_codes(_top_code(pc, m, **where), s2, big))
+
+
+@lru_cache(maxsize=256)
+def _factor(top: int) -> float:
+    """vLLM's scale factor of block scales whose largest code is ``top``."""
+    return marlin.scale_factor(np.array([top], dtype=np.uint8), ACT_DTYPE)
+
+
+def _settled(top: int) -> bool:
+    """Whether codes up to ``top`` fix the scale factor whatever larger ones follow: it is 1 and ``top`` is
+    a positive scale (all-zero scales give 1 too, but a later positive one may raise it)."""
+    return top > 0 and _factor(top) == 1.0
 
 
 def _unify(pc: PlanContext, s2: list, what: str) -> np.float32:
@@ -207,17 +220,26 @@ class _MarlinMoe(_Moe):
     def _scale_factors(self, s2_1, s2_3, w13_s2) -> tuple[dict[int, float], dict[int, float]]:
         """Per rank, vLLM's power-of-two scale factor of w13's and of w2's block scales, from the largest
         (rescaled) code over the rank's experts and rows (rescaling keeps codes in order: the top code's
-        rescaled value is the largest rescaled one)."""
-        top13, top2 = {}, {}
+        rescaled value is the largest rescaled one). A larger code never raises the factor, so the experts
+        are read only until it is 1 (``_settled``: a code above 224). Every block-scale tensor of the real
+        exports in fixtures/real reaches 256-448, so a layer settles at its first expert and the rest of its
+        block scales is not read at plan time (the units read them anyway). The benchmark's synthetic MoE
+        (scales in [20, 220], factor 2) reads all 0.44 GB, 30 ms on the build VM and 60 on an H200 host."""
+        sf13, sf2 = {}, {}
         for r in self.ranks:
             (e0, e1), (i0, i1) = self.experts[r], self.inter[r]
-            mods = self.mods[e0:e1]
-            tops = [np.array([_top_code(self.pc, m[j], rows=(i0, i1)) for m in mods]) for j in (0, 1)]
-            top13[r] = int(max(fp8.rescale_codes(tops[0], s2_1[e0:e1], w13_s2[e0:e1]).max(),
-                               fp8.rescale_codes(tops[1], s2_3[e0:e1], w13_s2[e0:e1]).max()))
-            top2[r] = max(_top_code(self.pc, d, cols=(i0 // 16, i1 // 16)) for _, _, d in mods)
-        factor = lambda top: marlin.scale_factor(np.array([top], dtype=np.uint8), ACT_DTYPE)  # noqa: E731
-        return {r: factor(t) for r, t in top13.items()}, {r: factor(t) for r, t in top2.items()}
+            top13 = top2 = 0
+            for e in range(e0, e1):
+                g, u, d = self.mods[e]
+                if not _settled(top13):
+                    top13 = max(top13, _rescaled_top(self.pc, g, s2_1[e], w13_s2[e], rows=(i0, i1)),
+                                _rescaled_top(self.pc, u, s2_3[e], w13_s2[e], rows=(i0, i1)))
+                if not _settled(top2):
+                    top2 = max(top2, _top_code(self.pc, d, cols=(i0 // 16, i1 // 16)))
+                if _settled(top13) and _settled(top2):
+                    break
+            sf13[r], sf2[r] = _factor(top13), _factor(top2)
+        return sf13, sf2
 
     def _w13_units(self, e: int, g: Module, u: Module, s2_1, s2_3, big) -> None:
         """[w1; w3], each half repacked (or its scales permuted) straight into its half of the expert's
