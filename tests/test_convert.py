@@ -297,6 +297,49 @@ def test_cuda_without_gpu_and_bad_size_are_usage_errors(cli, tmp_path):
     assert r.exit_code == 2 and "max-shard-size" in r.stderr
 
 
+@pytest.mark.parametrize("visible,count", [(None, 2), ("", 0), ("1", 1), ("1,0", 2), ("0,7,1", 1), ("GPU-8c1f", 1)])
+def test_visible_gpus_from_proc_and_cuda_visible_devices(tmp_path, monkeypatch, visible, count):
+    """The count a conversion's --device check takes without starting the CUDA driver: /proc's GPUs as
+    CUDA_VISIBLE_DEVICES narrows them (the list ends at an index out of range); None where /proc is silent."""
+    from mocli import devices
+
+    for pci in ("0000:00:06.0", "0000:00:07.0"):
+        (tmp_path / pci).mkdir()
+    monkeypatch.setattr(devices, "PROC_GPUS", str(tmp_path))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert devices.visible_gpus() == count
+    monkeypatch.setattr(devices, "PROC_GPUS", str(tmp_path / "none"))
+    assert devices.visible_gpus() is None
+
+
+@pytest.mark.parametrize("gpus", [1, 0])
+def test_convert_device_cuda_never_starts_the_cuda_driver(cli, tmp_path, monkeypatch, gpus):
+    """--device cuda is checked against /proc's GPUs where it lists them; the driver library is never
+    loaded (cuInit cost an H200 host 0.1 s of a conversion that never uses the GPU)."""
+    import ctypes
+
+    from mocli import devices
+
+    for i in range(gpus):
+        (tmp_path / "gpus" / f"0000:00:0{i}.0").mkdir(parents=True)
+    (tmp_path / "gpus").mkdir(exist_ok=True)
+    monkeypatch.setattr(devices, "PROC_GPUS", str(tmp_path / "gpus"))
+    monkeypatch.setattr(devices, "_probes", {})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    loaded = []
+    real = ctypes.CDLL
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: loaded.append(name) or real(name, *a, **k))
+    r = cli("--json", "convert", REAL_LLAMA, "-o", tmp_path / "o", "--target", "flashinfer-cutlass", "--device", "cuda")
+    if gpus:
+        assert r.exit_code == 0 and (r.json["device"], r.json["device_requested"]) == ("cpu", "cuda:0"), r.stderr
+    else:
+        assert r.exit_code == 2 and "no CUDA device is available" in r.stderr and not (tmp_path / "o").exists()
+    assert not [n for n in loaded if "libcuda" in str(n)]
+
+
 class _Ran(Exception):
     pass
 
