@@ -238,3 +238,19 @@ def test_a_first_expert_below_the_top_bucket_does_not_settle_the_factor(cli, tmp
     assert r.exit_code == 0, r.stderr
     manifest = json.loads((tmp_path / "out" / "mocli-layout.json").read_text())
     assert next(m["meta"] for m in manifest["modules"] if m["name"] == ep)["scale_factor_w2"] == 1.0
+
+
+@pytest.mark.parametrize("key", ["odd", "w4a16-llama", "qwen"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dense_weights_repacked_in_parts_are_the_same_bytes(cli, converted, tmp_path, monkeypatch, key, tp):
+    """A dense weight is repacked in K-row parts (``PART_BYTES``); parts of a few hundred bytes, some wholly
+    in K's padding (the odd model's K 192 pads to 256), give the bytes of the one-part output, which
+    test_bytes_match_the_reference holds to the reference."""
+    import mocli.plan.marlin as planner
+    from tests.conftest import digest_tree
+
+    src, whole = converted[key, tp, 1]
+    monkeypatch.setattr(planner, "PART_BYTES", 512)
+    r = cli("-q", "convert", src, "-o", tmp_path / "parts", "--target", MARLIN, "--tp", tp)
+    assert r.exit_code == 0, r.stderr
+    assert digest_tree(tmp_path / "parts") == digest_tree(whole)

@@ -67,7 +67,9 @@ class _Dense:
     def sources(self, suffix: str) -> list[str]:
         return [m.tensors[suffix].name for m in self.shards]
 
-    def finish(self, meta_extra, inputs: list[TensorEntry], run) -> None:
+    def finish(self, meta_extra, inputs: list[TensorEntry], run, parts: tuple[Unit, ...] = ()) -> None:
+        """The manifest's modules and the unit (after ``parts``: units that make a piece of the outputs
+        each, ahead of it)."""
         for r in self.ranks:
             s = self.slice_of(r)
             meta = {"n": s.n, "k": s.k, "shard_rows": [b - a for a, b in s.rows], **meta_extra(r)}
@@ -78,6 +80,7 @@ class _Dense:
                                                         self.tensors[r], [m.name for m in self.shards], meta,
                                                         self.pc.parallel.group(r)))
         self._plan_bias()
+        self.pc.plan.units += parts
         self.pc.plan.units.append(Unit(f"dense:{self.prefix}", inputs + self._bias_entries(), self.outputs, run,
                                        self.compute, torch_free=True))
 

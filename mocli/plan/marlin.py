@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from mocli.stream.pool import UnitContext
 
 ACT_DTYPE = "bfloat16"  # the activation dtype the scales are built for (fp16 gives other bytes)
+PART_BYTES = 2 << 20  # a dense weight's bytes per repack unit (``_MarlinDense._weight_parts``)
 
 
 def _top_code(pc: PlanContext, m: Module, rows: tuple[int, int] | None = None,
@@ -140,19 +141,43 @@ class _MarlinDense(_MarlinBias, _Dense):
             pieces: list[Piece] = []
             for t, sl in self.slices.items():
                 (np_, kp), (c0, c1) = shape[t], sl.cols
-                w = np.concatenate([ctx.array(e)[a:b, c0 // 2:c1 // 2] for e, (a, b) in zip(weights, sl.rows, strict=True)])
                 codes = np.concatenate([x[a:b, c0 // 16:c1 // 16] for x, (a, b) in zip(bs, sl.rows, strict=True)])
-                out = {Role.WEIGHT: marlin.repack(w, np_, kp),
-                       Role.WEIGHT_SCALE: marlin.permute_scales(codes, np_, kp, marlin.scale_table(sf[t]))}
+                scales = marlin.permute_scales(codes, np_, kp, marlin.scale_table(sf[t]))
                 for r in (r for r in self.ranks if self.pc.parallel.tp_rank(r) == t):
-                    pieces += [Piece(self.key(r, role), 0, v) for role, v in out.items()]
-                    pieces.append(Piece(self.key(r, Role.WEIGHT_GLOBAL_SCALE), 0, glob[r]))
+                    pieces += [Piece(self.key(r, Role.WEIGHT_SCALE), 0, scales), Piece(self.key(r, Role.WEIGHT_GLOBAL_SCALE), 0, glob[r])]
                     pieces += [Piece(self.key(r, Role.INPUT_GLOBAL_SCALE), 0, inputs[r])] if w4a4 else []
             return pieces + self._bias(ctx, shape)
 
         self.finish(lambda r: {"padded_n": shape[self.slice_of(r).tp_rank][0], "padded_k": shape[self.slice_of(r).tp_rank][1],
                                "scale_factor": sf[self.slice_of(r).tp_rank], "act_dtype": ACT_DTYPE},
-                    weights + bscales, run)
+                    bscales, run, self._weight_parts(weights, shape))
+
+    def _weight_parts(self, weights: list, shape: dict[int, tuple[int, int]]) -> tuple[Unit, ...]:
+        """The weight repacked in parts of about ``PART_BYTES``, each its rows [kt0, kt1) of every rank's
+        [Kp/16, 8 Np] (the repack of K columns [16 kt0, 16 kt1) alone: Marlin's tiles do not cross kt).
+        One unit for a 14 MB qkv took an H200 host's worker 40-60 ms before anything could be written;
+        in parts the workers share it."""
+        total = sum(e.nbytes for e in weights)
+        parts = max(1, min(-(-total // PART_BYTES), min(kp // 16 for _, kp in shape.values())))
+
+        def part(i: int):
+            def run(ctx: UnitContext) -> list[Piece]:
+                pieces = []
+                for t, sl in self.slices.items():
+                    (np_, kp), (c0, c1) = shape[t], sl.cols
+                    kt0, kt1 = kp // 16 * i // parts, kp // 16 * (i + 1) // parts
+                    a0 = c0 // 2 + 8 * kt0
+                    a1 = max(a0, min(c0 // 2 + 8 * kt1, c1 // 2))  # columns past K are padding
+                    w = np.concatenate([ctx.array(e)[a:b, a0:a1] for e, (a, b) in zip(weights, sl.rows, strict=True)])
+                    out = marlin.repack(w, np_, 16 * (kt1 - kt0))
+                    pieces += [Piece(self.key(r, Role.WEIGHT), kt0 * 8 * np_, out) for r in self.ranks
+                               if self.pc.parallel.tp_rank(r) == t]
+                return pieces
+            return run
+
+        key = [self.key(r, Role.WEIGHT) for r in self.ranks]
+        return tuple(Unit(f"dense:{self.prefix}:w{i}", weights, key, part(i), True, torch_free=True,
+                          reads=total * (i + 1) // parts - total * i // parts) for i in range(parts))
 
 def _on_gpu(ctx: UnitContext) -> bool:
     """The run has a CUDA device (``convert --device cuda``): an expert's weights are repacked there, in

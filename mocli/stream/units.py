@@ -161,10 +161,13 @@ class Unit:
     # made in its slot and written from there, nothing copied (the Marlin repacks and scale moves); what
     # makes workers pay on a machine of few cores (``mocli.stream.job.REMOTE_MIN_BYTES``)
     in_place: bool = False
+    # the bytes it reads where that is a part of its inputs (a Marlin dense weight repacked in parts, each
+    # some K columns of every row): what progress, scheduling and the workers go by
+    reads: int | None = None
 
     @property
     def input_bytes(self) -> int:
-        return sum(e.nbytes for e in self.inputs)
+        return self.reads if self.reads is not None else sum(e.nbytes for e in self.inputs)
 
 
 
