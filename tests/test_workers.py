@@ -17,6 +17,7 @@ import torch
 
 from fixtures.generate import make_checkpoint
 from mocli import workers
+from mocli.io.digests import file_digest
 from mocli.ops import marlin
 from mocli.targets import marlin_decode
 from tests import reference as ref
@@ -157,6 +158,9 @@ def test_units_in_workers_write_the_same_bytes(cli, tmp_path, monkeypatch, targe
             assert r.exit_code == 0, r.stderr
         assert digest_tree(outs[0]) == digest_tree(outs[2])
         assert workers._active is None  # the stream's workers are gone with it
+        # what the manifest records is what was written: pieces are hashed from the workers' slots
+        recorded = json.loads((outs[2] / "mocli-layout.json").read_text())["files"]
+        assert {n: file_digest(outs[2] / n) for n in recorded} == {n: f["blake3"] for n, f in recorded.items()}
     assert workers.STATS["done"] > 0 and workers.STATS["failed"] == 0
 
 
@@ -439,19 +443,34 @@ def _rss_shmem() -> int:
         return next(int(x.split()[1]) << 10 for x in f if x.startswith("RssShmem:"))
 
 
+def _shmem_below(level: int) -> bool:
+    import time
+
+    deadline = time.monotonic() + 5
+    while _rss_shmem() > level and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _rss_shmem() <= level
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
-def test_closing_a_pool_gives_its_slots_pages_back(stats):
-    """The slots' pages are freed when the workers go, not at the process's exit (where the kernel freed
-    them on the run's critical path)."""
+def test_closing_a_pool_gives_its_slots_pages_back_after_the_last_lease(two_workers, stats):
+    """The slots' pages are freed once the workers are gone and every kept output is given back (a unit's
+    pieces are still hashed from its slot after the pool closes), not at the process's exit (where the
+    kernel freed them on the run's critical path)."""
     import time
 
     pool = workers.Workers(2, spare=2)
+    kept: list = []
+    assert pool.call(_kept(7, kept)) and isinstance(kept[1], workers.Lease)
     for slot in pool.slots:
-        slot[:] = 1  # every page of every slot touched
-    before = _rss_shmem()
-    assert before >= 4 * 2 * workers.SLOT
+        slot[SLOT_TAIL:] = 1  # every slot's pages touched, the kept output's 64 bytes left as they are
+    before, touched = _rss_shmem(), 4 * (2 * workers.SLOT - SLOT_TAIL)
+    assert before >= touched
     pool.close()
-    deadline = time.monotonic() + 5
-    while _rss_shmem() > before - 4 * 2 * workers.SLOT and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _rss_shmem() <= before - 4 * 2 * workers.SLOT
+    time.sleep(0.3)  # time enough for a release to have run
+    assert (kept[0] == 7).all() and _rss_shmem() >= before - 4096  # still readable: nothing freed yet
+    kept[1].give()
+    assert _shmem_below(before - touched)
+
+
+SLOT_TAIL = 4096
