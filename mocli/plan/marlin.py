@@ -254,15 +254,16 @@ class _MarlinMoe(_Moe):
         for r in self.ranks:
             (e0, e1), (i0, i1) = self.experts[r], self.inter[r]
             top13 = top2 = 0
-            for e in range(e0, e1):
-                g, u, d = self.mods[e]
+            a, n = e0, 1
+            while a < e1 and not (_settled(top13) and _settled(top2)):  # 1, 2, 4, ... experts at a time
+                b, mods = min(e1, a + n), self.mods[a:min(e1, a + n)]
                 if not _settled(top13):
-                    top13 = max(top13, _rescaled_top(self.pc, g, s2_1[e], w13_s2[e], rows=(i0, i1)),
-                                _rescaled_top(self.pc, u, s2_3[e], w13_s2[e], rows=(i0, i1)))
+                    w1, w3 = (np.array([_top_code(self.pc, m[j], rows=(i0, i1)) for m in mods]) for j in (0, 1))
+                    top13 = max(top13, int(fp8.rescale_codes(w1, s2_1[a:b], w13_s2[a:b]).max()),
+                                int(fp8.rescale_codes(w3, s2_3[a:b], w13_s2[a:b]).max()))
                 if not _settled(top2):
-                    top2 = max(top2, _top_code(self.pc, d, cols=(i0 // 16, i1 // 16)))
-                if _settled(top13) and _settled(top2):
-                    break
+                    top2 = max(top2, *(_top_code(self.pc, m[2], cols=(i0 // 16, i1 // 16)) for m in mods))
+                a, n = b, 2 * n
             sf13[r], sf2[r] = _factor(top13), _factor(top2)
         return sf13, sf2
 
