@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "mocli"
 # Lower layers first; a module may import its own layer and those below (README "Code layout").
 LAYERS: list[list[str]] = [
     ["mocli", "mocli.errors", "mocli.progress", "mocli.trace", "mocli.findings", "mocli.tables", "mocli.io", "mocli.io.*",
-     "mocli.ops", "mocli.ops.*", "mocli.workers", "mocli.parallel", "mocli.stream.dist", "mocli.targets.decode",
+     "mocli.ops", "mocli.ops.*", "mocli.workers", "mocli.worker_loop", "mocli.parallel", "mocli.stream.dist", "mocli.targets.decode",
      "mocli.numerics", "mocli.numerics.*", "mocli.verify.expect", "mocli.verify.html", "mocli.verify.junit"],
     ["mocli.formats", "mocli.devices", "mocli.procenv"],
     ["mocli.quant_config", "mocli.schemes", "mocli.schemes.*", "mocli.kinds", "mocli.module_classes"],
