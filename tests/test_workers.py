@@ -438,6 +438,9 @@ def test_in_place_units_make_every_array_in_the_slot(src, tp):
             assert all(np.array_equal(p.data, w) for p, w in zip(got, want, strict=True)), unit.id
 
 
+SLOT_TAIL = 4096  # bytes at each slot's start a test leaves untouched (a kept output's)
+
+
 def _rss_shmem() -> int:
     with open("/proc/self/status") as f:
         return next(int(x.split()[1]) << 10 for x in f if x.startswith("RssShmem:"))
@@ -472,5 +475,3 @@ def test_closing_a_pool_gives_its_slots_pages_back_after_the_last_lease(two_work
     kept[1].give()
     assert _shmem_below(before - touched)
 
-
-SLOT_TAIL = 4096
