@@ -81,8 +81,9 @@ class _Dense:
                                                         self.pc.parallel.group(r)))
         self._plan_bias()
         self.pc.plan.units += parts
-        self.pc.plan.units.append(Unit(f"dense:{self.prefix}", inputs + self._bias_entries(), self.outputs, run,
-                                       self.compute, torch_free=True))
+        theirs = {k for p in parts for k in p.outputs}
+        self.pc.plan.units.append(Unit(f"dense:{self.prefix}", inputs + self._bias_entries(),
+                                       [k for k in self.outputs if k not in theirs], run, self.compute, torch_free=True))
 
     # A bias is sliced with the rows of a column-parallel layer, whole elsewhere (the engine adds a
     # row-parallel bias once, after the all-reduce).
