@@ -358,9 +358,11 @@ class TensorReader:
         (12.9 GiB verifying a 6.4 GB output before). Views must not have been written to."""
         import mmap
 
+        from mocli.procenv import madvise
+
         with self._lock:
             for mm in self._maps.values():
-                mm.madvise(mmap.MADV_DONTNEED)
+                madvise(mm, mmap.MADV_DONTNEED)  # verify's other threads run meanwhile
 
     def close(self) -> None:
         with self._lock:
