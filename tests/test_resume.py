@@ -141,9 +141,24 @@ def test_units_of_different_files_are_interleaved_in_proportion():
 
     a = [SimpleNamespace(id=f"a{i}", outputs=[("", "A")], input_bytes=10) for i in range(4)]
     b = [SimpleNamespace(id=f"b{i}", outputs=[("", "B")], input_bytes=20) for i in range(2)]
-    order = [u.id for u in stream.job._interleave(a + b, {("", "A"): 0, ("", "B"): 1})]
+    where = {("", "A"): (0, 8), ("", "B"): (1, 8)}
+    order = [u.id for u in stream.job._interleave(a + b, where)]
     assert order == ["a0", "b0", "a1", "a2", "b1", "a3"]
-    assert [u.id for u in stream.job._interleave(a, {("", "A"): 0})] == ["a0", "a1", "a2", "a3"]
+    assert [u.id for u in stream.job._interleave(a, where)] == ["a0", "a1", "a2", "a3"]
+
+
+def test_units_go_in_the_order_of_their_files_bytes():
+    """Planned expert by expert ([w13, w2] per expert) while the file holds every expert's w13 first:
+    the stream takes them in file order (so the output's hash follows the writes), each tensor's
+    units in plan order; a unit with several outputs goes by the first of them in its file."""
+    from types import SimpleNamespace
+
+    u = lambda id_, *outs: SimpleNamespace(id=id_, outputs=[("", o) for o in outs], input_bytes=1)  # noqa: E731
+    units = [u("w13:0", "w13"), u("w2:0", "w2"), u("w13:1", "w13"), u("w2:1", "w2"), u("vec", "s2", "s1"),
+             u("w13:2", "w13"), u("w2:2", "w2")]
+    where = {("", "w13"): (0, 100), ("", "w2"): (0, 400), ("", "s1"): (0, 40), ("", "s2"): (0, 900)}
+    assert [x.id for x in stream.job._interleave(units, where)] == \
+        ["vec", "w13:0", "w13:1", "w13:2", "w2:0", "w2:1", "w2:2"]
 
 
 def test_buffer_pool_keeps_loans_under_its_limit_but_never_blocks_a_unit_on_itself():
@@ -247,3 +262,62 @@ def test_units_side_by_side_give_the_same_bytes_and_stop_at_bad_data(cli, tmp_pa
     r = cli("convert", src, "-o", tmp_path / "nan", *args)
     assert r.exit_code == 1 and name in r.stderr and "NaN" in r.stderr, r.stderr
     assert not (tmp_path / "nan").exists()
+
+
+def test_a_lane_s_part_of_a_unit_is_hashed_without_waiting_for_the_other_lane(tmp_path):
+    """A unit written by two lanes (a tensor in each of two files): the fast lane's part goes to the hasher
+    at once, so the units after it in that file are hashed from memory, not read back; the unit is
+    journalled, and its buffers go back, only once both parts are written and hashed."""
+    import io
+    import threading
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from mocli.io.shard_writer import ShardFile, ShardWriter, TensorSpec
+    from mocli.stream.hashing import OrderedHasher
+    from mocli.stream.pool import BufferPool
+    from mocli.stream.units import Piece
+    from mocli.stream.writer import Writer
+
+    files = []
+    for n in "ab":
+        f = ShardFile(n, [TensorSpec(f"{n}.{t}", "U8", (64,), 64) for t in ("t0", "t1")], header=b"H" * 8, size=136,
+                      offsets={f"{n}.t0": (8, 64), f"{n}.t1": (72, 64)})
+        (tmp_path / n).write_bytes(b"H" * 8)
+        files.append((n, tmp_path / n, f))
+    keys = {("", f"{n}.{t}"): i for i, n in enumerate("ab") for t in ("t0", "t1")}
+    shards = [(p, f) for _, p, f in files]
+    writer = ShardWriter(shards, keys)
+    release_b, real_write = threading.Event(), writer.write
+
+    def write(key, offset, data):
+        if key == ("", "b.t0"):
+            assert release_b.wait(10)
+        return real_write(key, offset, data)
+
+    writer.write = write
+    hasher = OrderedHasher(files, set(), threads=2)
+    fed, real_feed = [], hasher.feed
+    hasher.feed = lambda items, release: (fed.append(sorted({i for i, *_ in items})), real_feed(items, release))
+    given, pool = [], BufferPool()
+    pool.give = given.extend
+    journal = io.StringIO()
+    data = [np.full(64, i, dtype=np.uint8) for i in range(4)]
+    unit = lambda id_: SimpleNamespace(id=id_)  # noqa: E731
+    with Writer(writer, journal, pool, hasher, {}, {0: "a", 1: "b"}, lanes=2) as w:
+        w.put(unit("both"), [Piece(("", "a.t0"), 0, data[0]), Piece(("", "b.t0"), 0, data[1])], ["buf"])
+        w.put(unit("a-next"), [Piece(("", "a.t1"), 0, data[2])], [])
+        for _ in range(1000):
+            if fed == [[0], [0]]:
+                break
+            threading.Event().wait(0.01)
+        assert fed == [[0], [0]]  # file a's part of "both", then "a-next", while b's lane still waits
+        assert "both" not in journal.getvalue() and given == []
+        release_b.set()
+        w.put(unit("b-next"), [Piece(("", "b.t1"), 0, data[3])], [])
+    digests = hasher.digests()
+    assert journal.getvalue().splitlines()[:2] in (["a-next\ta=136", "both\ta=72\tb=72"],)
+    assert given == ["buf"]
+    for i, n in enumerate("ab"):
+        assert digests[i]["blake3"] == blake3.blake3((tmp_path / n).read_bytes()).hexdigest()

@@ -12,9 +12,10 @@ from mocli.io.digests import DIGEST, hash_range, new_hasher
 from mocli.io.paths import open_regular
 from mocli.io.safetensors_file import tensor_bytes_view
 from mocli.io.shard_writer import ShardFile
-from mocli.stream.pool import BufferPool
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
 
@@ -22,23 +23,22 @@ class OrderedHasher:
     """The digest (BLAKE3) of every output file, fed as the writer appends: bytes still in memory are hashed
     from there (no read-back), ranges copied file to file or landing ahead of the hash position are
     read back (``hash_range``: through memory maps, no copy) once the bytes before them are in. Files are spread
-    over ``threads`` hashing threads (the hashers drop the GIL), one per four cores; each unit's pooled
-    buffers go back to the pool when every thread is done with them.
+    over ``threads`` hashing threads (the hashers drop the GIL), one per four cores; a feed is released
+    (its unit's pooled buffers given back) when every thread is done with it.
 
     Files an earlier, interrupted run wrote to (``skip``) are not hashed here: their finished parts are
     not always a prefix (under torchrun another process may have written further in while this one's
     earlier units were lost), so the caller hashes them whole once they are complete."""
 
-    def __init__(self, files: list[tuple[str, Path, ShardFile]], pool: BufferPool, skip: set[int],
-                 threads: int | None = None) -> None:
-        self.files, self.pool = files, pool
+    def __init__(self, files: list[tuple[str, Path, ShardFile]], skip: set[int], threads: int | None = None) -> None:
+        self.files = files
         self.sha = [new_hasher() for _ in files]
         self.pos = [0] * len(files)
         self.ahead: list[dict[int, int]] = [{} for _ in files]  # start -> end, written but not hashed yet
         self.error: BaseException | None = None
         self.fds: dict[int, int] = {}
         self.fd_lock = threading.Lock()
-        self.pending: dict[int, list] = {}  # feed id -> [threads still holding it, borrowed buffers]
+        self.pending: dict[int, list] = {}  # feed id -> [threads still holding it, its release]
         self.pending_lock = threading.Lock()
         self.fed = 0
         self.skip = skip
@@ -51,8 +51,9 @@ class OrderedHasher:
         for t in self.threads:
             t.start()
 
-    def feed(self, items: list[tuple[int, int, int, torch.Tensor | None]], borrowed: list) -> None:
-        """(file index, offset, nbytes, the written CPU tensor or None) of one unit's writes, in order."""
+    def feed(self, items: list[tuple[int, int, int, torch.Tensor | None]], release: Callable[[], None]) -> None:
+        """(file index, offset, nbytes, the written CPU tensor or None) of one unit's writes in a lane's
+        files, in order; ``release()`` once every thread is done with them."""
         if self.error is not None:
             raise self.error
         n = len(self.queues)
@@ -61,12 +62,12 @@ class OrderedHasher:
             if item[0] not in self.skip:
                 parts.setdefault(item[0] % n, []).append(item)
         if not parts:
-            self.pool.give(borrowed)
+            release()
             return
         with self.pending_lock:  # several writer lanes feed at once
             self.fed += 1
             fid = self.fed
-            self.pending[fid] = [len(parts), borrowed]
+            self.pending[fid] = [len(parts), release]
         for q, part in parts.items():
             self.queues[q].put((fid, part))
 
@@ -77,7 +78,7 @@ class OrderedHasher:
             if entry[0]:
                 return
             del self.pending[fid]
-        self.pool.give(entry[1])
+        entry[1]()
 
     def _fd(self, i: int) -> int:
         with self.fd_lock:

@@ -169,20 +169,26 @@ def _same_source(job: Job, partial: Path, done: set[str]) -> bool:
     return recorded is not None and recorded == job.source_digests.result()
 
 
-def _interleave(units: list[Unit], keys: dict[Key, int]) -> list[Unit]:
-    """The same units, each file's still in order, but taken from all files in proportion to their
-    bytes, so that the writer lanes and hashing threads of different files work at the same time
-    (the plan lists them file by file, which would keep one lane busy at a time)."""
-    files: dict[int, list[Unit]] = {}
+def _interleave(units: list[Unit], where: dict[Key, tuple[int, int]]) -> list[Unit]:
+    """The same units, each file's in the order of the file's bytes (the start of a unit's first output;
+    a tensor's units, an expert or a part each, keep their plan order), and taken from all files in
+    proportion to their bytes, so that the writer lanes and hashing threads of different files work at
+    the same time (the plan lists them file by file, which would keep one lane busy at a time).
+
+    File order lets the output's hash follow the writes: a unit landing past the hash position is read
+    back from the page cache once the bytes before it are in. Planned expert by expert ([w13, its scales,
+    w2, its scales] per expert, while the file holds all experts' w13 first), a CT-MXFP4 Marlin output
+    had 1.8 of its 4.1 GiB read back, and a layer's w2 still to hash when its last w13 landed."""
+    files: dict[int, list[tuple[int, Unit]]] = {}
     for u in units:
-        files.setdefault(keys[u.outputs[0]] if u.outputs else -1, []).append(u)
-    if len(files) < 2:
-        return units
+        f, start = where[u.outputs[0]] if u.outputs else (-1, 0)
+        files.setdefault(f, []).append((min(where[k][1] for k in u.outputs if where[k][0] == f) if u.outputs else start, u))
     ranked = []
     for f, us in files.items():
-        total = sum(u.input_bytes for u in us) or 1  # what a unit reads ~ what it writes
+        us.sort(key=lambda su: su[0])  # stable: plan order within a tensor
+        total = sum(u.input_bytes for _, u in us) or 1  # what a unit reads ~ what it writes
         done = 0
-        for u in us:
+        for _, u in us:
             ranked.append((done / total, f, u))
             done += u.input_bytes
     ranked.sort(key=lambda r: (r[0], r[1]))
@@ -316,7 +322,8 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
     keys = {(g, t.name): i for i, (g, _, f) in enumerate(files) for t in f.tensors}
     rel = {i: _relpath(g, f) for i, (g, _, f) in enumerate(files)}
     todo_all = [u for u in plan.units if u.id not in done]
-    mine = _interleave(_share(todo_all, dist.world, dist.rank), keys)
+    mine = _interleave(_share(todo_all, dist.world, dist.rank),
+                       {(g, t.name): (i, f.offsets[t.name][0]) for i, (g, _, f) in enumerate(files) for t in f.tensors})
     # Buffers on loan: a unit's inputs go back as soon as it has run, so what waits for the writer is
     # outputs, about what a unit reads (FP8 quantize: half); room for every writer lane's unit and the
     # one being computed bounds memory by the largest unit.
@@ -325,7 +332,7 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
     # One process writes every file front to back, so the digests are taken as bytes go out; with
     # several processes the files are hashed once all are written.
     resumed = {i for i, r in rel.items() if r in ends}  # files an interrupted run wrote to: hashed whole at the end
-    hasher = OrderedHasher(files, pool, resumed) if dist.world == 1 else None
+    hasher = OrderedHasher(files, resumed) if dist.world == 1 else None
     if dist.world > 1:
         job.progress.start(sum(u.input_bytes for u in mine), len(mine))
     else:
