@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1] / "mocli"
 # Lower layers first; a module may import its own layer and those below (README "Code layout").
 LAYERS: list[list[str]] = [
     ["mocli", "mocli.errors", "mocli.progress", "mocli.trace", "mocli.findings", "mocli.tables", "mocli.io", "mocli.io.*",
-     "mocli.ops", "mocli.ops.*", "mocli.workers", "mocli.worker_loop", "mocli.parallel", "mocli.stream.dist", "mocli.targets.decode",
+     "mocli.ops", "mocli.ops.*", "mocli.workers", "mocli.worker_loop", "mocli.procenv", "mocli.parallel", "mocli.stream.dist", "mocli.targets.decode",
      "mocli.numerics", "mocli.numerics.*", "mocli.verify.expect", "mocli.verify.html", "mocli.verify.junit"],
-    ["mocli.formats", "mocli.devices", "mocli.procenv"],
+    ["mocli.formats", "mocli.devices"],
     ["mocli.quant_config", "mocli.schemes", "mocli.schemes.*", "mocli.kinds", "mocli.module_classes"],
     ["mocli.checkpoint", "mocli.compressed_tensors", "mocli.quark", "mocli.gpt_oss", "mocli.ct_schemes", "mocli.ct_patterns", "mocli.census", "mocli.exclusions", "mocli.engines", "mocli.engines.*", "mocli.scales", "mocli.deep_scan", "mocli.targets",
      "mocli.targets.*", "mocli.formats.*"],
