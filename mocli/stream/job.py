@@ -181,8 +181,9 @@ def _interleave(units: list[Unit], where: dict[Key, tuple[int, int]]) -> list[Un
     had 1.8 of its 4.1 GiB read back, and a layer's w2 still to hash when its last w13 landed."""
     files: dict[int, list[tuple[int, Unit]]] = {}
     for u in units:
-        f, start = where[u.outputs[0]] if u.outputs else (-1, 0)
-        files.setdefault(f, []).append((min(where[k][1] for k in u.outputs if where[k][0] == f) if u.outputs else start, u))
+        f = where[u.outputs[0]][0] if u.outputs else -1
+        start = min((s for i, s in map(where.__getitem__, u.outputs) if i == f), default=0)
+        files.setdefault(f, []).append((start, u))
     ranked = []
     for f, us in files.items():
         us.sort(key=lambda su: su[0])  # stable: plan order within a tensor
@@ -319,11 +320,11 @@ def _execute(job: Job, partial: Path, done: set[str], ends: dict[str, int]) -> J
     """This process's units streamed into the partial directory; then digests, and (process 0) publish."""
     dist, plan = job.dist, job.plan
     files = _files(job, partial)
-    keys = {(g, t.name): i for i, (g, _, f) in enumerate(files) for t in f.tensors}
+    where = {(g, t.name): (i, f.offsets[t.name][0]) for i, (g, _, f) in enumerate(files) for t in f.tensors}
+    keys = {k: i for k, (i, _) in where.items()}
     rel = {i: _relpath(g, f) for i, (g, _, f) in enumerate(files)}
     todo_all = [u for u in plan.units if u.id not in done]
-    mine = _interleave(_share(todo_all, dist.world, dist.rank),
-                       {(g, t.name): (i, f.offsets[t.name][0]) for i, (g, _, f) in enumerate(files) for t in f.tensors})
+    mine = _interleave(_share(todo_all, dist.world, dist.rank), where)
     # Buffers on loan: a unit's inputs go back as soon as it has run, so what waits for the writer is
     # outputs, about what a unit reads (FP8 quantize: half); room for every writer lane's unit and the
     # one being computed bounds memory by the largest unit.

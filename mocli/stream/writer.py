@@ -77,10 +77,10 @@ class Writer:
 
     def _lane_done(self, seq: int, hashed: list, ends: dict[int, int]) -> None:
         """A lane has written its part of unit ``seq``: the part goes to the hasher at once (a file is
-        written by one lane, in order, so its bytes reach the hasher in order; waiting for the unit's
-        other lanes put every later unit of the file ahead of the hash, read back from the page cache:
-        1.8 of a CT-MXFP4 Marlin output's 4.1 GiB, whose lm_head spans two files); the unit is journalled
-        once its last lane is done, and its buffers go back once every part is written and hashed."""
+        written by one lane, in order, so its bytes reach the hasher in order; held until the unit's other
+        lanes were done too, as a unit in two files held them, the file's later units landed ahead of the
+        hash and were read back from the page cache); the unit is journalled once its last lane is done,
+        and its buffers go back once every part is written and hashed."""
         with self.lock:
             entry = self.pending[seq]
             entry[0] -= 1
