@@ -143,7 +143,7 @@ DAMAGES: dict[str, Damage] = {
     "unknown-target": Damage(unknown_target, "llama-fp8", CUTLASS, "target 'tensorrt-llm' is not one this mocli knows",
                              exit_code=2),
     "relabelled-target": Damage(relabelled_target, "qwen3moe-nvfp4", CUTLASS, "not those of flashinfer-trtllm"),
-    "config-edited": Damage(config_edited, "llama-fp8", CUTLASS, "config.json differs from the blake3 digest"),
+    "config-edited": Damage(config_edited, "llama-fp8", CUTLASS, "config.json differs from the xxh3_128 digest"),
     "kind-lie": Damage(kind_lie, "llama-fp8", CUTLASS, "model.layers.0.self_attn.o_proj: a fp8_moe module"),
     "undescribed-tensor": Damage(undescribed_tensor, "llama-fp8", CUTLASS,
                                  f"names tensor {O_PROJ}_gone (weight), which the manifest does not describe"),

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import blake3
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file
 
 from fixtures.generate import make_broken, make_checkpoint
@@ -239,13 +239,13 @@ def test_output_files_index_manifest_provenance(cli, tmp_path):
     assert not (out / "hf_quant_config.json").exists()
     prov = q["mocli"]
     assert prov == manifest["provenance"]
-    assert prov["source_shards"] == {p.name: {"blake3": blake3.blake3(p.read_bytes()).hexdigest()}
+    assert prov["source_shards"] == {p.name: {"xxh3_128": xxhash.xxh3_128(p.read_bytes()).hexdigest()}
                                      for p in sorted(src.glob("*.safetensors"))}
     # every file but the manifest is covered by a digest
     on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"mocli-layout.json"}
     assert set(manifest["files"]) == on_disk
     assert all(manifest["files"][f] == {"size": (out / f).stat().st_size,
-                                        "blake3": blake3.blake3((out / f).read_bytes()).hexdigest()} for f in on_disk)
+                                        "xxh3_128": xxhash.xxh3_128((out / f).read_bytes()).hexdigest()} for f in on_disk)
 
 
 def test_reruns_are_byte_identical_and_input_untouched(cli, tmp_path):
@@ -642,3 +642,35 @@ def test_the_manifest_says_which_engine_rules_it_was_written_for(cli, tmp_path):
     src = make_checkpoint(tmp_path / "nokv", kv_cache=False)
     assert cli("convert", src, "-o", tmp_path / "o2", "-t", "flashinfer-cutlass").exit_code == 0
     assert json.loads((tmp_path / "o2" / "mocli-layout.json").read_text())["serving"]["vllm"]["kv_cache_dtype"] == "auto"
+
+
+def test_mocli_digest_chooses_what_is_recorded_and_any_record_is_read(tmp_path, cli):
+    """``MOCLI_DIGEST=blake3`` records BLAKE3 digests of the outputs and the source shards (checked against
+    the blake3 package itself), which a process at the default (XXH3-128) still verifies, and catches a
+    damaged shard by; a name mocli does not know is a one-line usage error, with nothing written."""
+    import blake3
+
+    def run(out: Path, digest: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "mocli", "-q", "convert", str(REAL_LLAMA), "-o", str(out),
+                               "--target", "flashinfer-cutlass"], capture_output=True, text=True,
+                              env={**os.environ, "MOCLI_DIGEST": digest})
+
+    out = tmp_path / "o"
+    p = run(out, "blake3")
+    assert p.returncode == 0, p.stderr
+    manifest = json.loads((out / "mocli-layout.json").read_text())
+    assert all(info == {"size": (out / f).stat().st_size, "blake3": blake3.blake3((out / f).read_bytes()).hexdigest()}
+               for f, info in manifest["files"].items())
+    assert manifest["provenance"]["source_shards"] == {
+        s.name: {"blake3": blake3.blake3(s.read_bytes()).hexdigest()} for s in sorted(REAL_LLAMA.glob("*.safetensors"))}
+    assert cli("verify", out).exit_code == 0
+    shard = next(out.glob("model-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    r = cli("verify", out)
+    assert r.exit_code == 1 and "blake3 digest differs" in r.stdout + r.stderr
+
+    bad = run(tmp_path / "bad", "md5")
+    assert bad.returncode == 2 and not (tmp_path / "bad").exists()
+    assert bad.stderr.count("\n") == 1 and "MOCLI_DIGEST='md5'" in bad.stderr and "xxh3_128" in bad.stderr

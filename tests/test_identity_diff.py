@@ -20,8 +20,8 @@ def _output(d, version="0.1.0", config_digest="aa", scale=2.0, extra=None):
     save_file({"a.weight": torch.arange(8, dtype=torch.float32), "a.scale": torch.tensor(scale)},
               str(d / "model.safetensors"), metadata={"format": "pt"})
     (d / "config.json").write_text(json.dumps({"quantization_config": {"mocli": {"version": version, "x": 1}}}))
-    layout = {"files": {"config.json": {"size": 10, "blake3": config_digest},
-                        "rank-0/model.safetensors": {"blake3": "cc"}},
+    layout = {"files": {"config.json": {"size": 10, "xxh3_128": config_digest},
+                        "rank-0/model.safetensors": {"xxh3_128": "cc"}},
               "provenance": {"version": version, "source": {"path": "/src"}}}
     (d / "mocli-layout.json").write_text(json.dumps(layout | (extra or {})))
     return d
@@ -44,7 +44,7 @@ def test_version_and_the_digest_of_a_version_only_file_are_tolerated(tmp_path):
     assert got["config.json"].status == VERSION_ONLY
     assert got["config.json"].details == ["/quantization_config/mocli/version"]
     assert got["mocli-layout.json"].status == VERSION_ONLY
-    assert set(got["mocli-layout.json"].details) == {"/files/config.json/blake3", "/provenance/version"}
+    assert set(got["mocli-layout.json"].details) == {"/files/config.json/xxh3_128", "/provenance/version"}
     assert got["model.safetensors"].status == IDENTICAL
 
 
@@ -58,11 +58,11 @@ def test_a_version_other_than_the_two_releases_differs(tmp_path):
 
 def test_the_digest_of_a_file_that_differs_is_a_difference(tmp_path):
     a = _output(tmp_path / "a")
-    b = _output(tmp_path / "b", extra={"files": {"config.json": {"size": 10, "blake3": "aa"},
-                                                  "rank-0/model.safetensors": {"blake3": "dd"}}})
+    b = _output(tmp_path / "b", extra={"files": {"config.json": {"size": 10, "xxh3_128": "aa"},
+                                                  "rank-0/model.safetensors": {"xxh3_128": "dd"}}})
     got = _by_path(compare_dirs(a, b, VERSIONS))
     assert got["mocli-layout.json"].status == DIFFERS
-    assert got["mocli-layout.json"].details == ["/files/rank-0/model.safetensors/blake3: 'cc' -> 'dd'"]
+    assert got["mocli-layout.json"].details == ["/files/rank-0/model.safetensors/xxh3_128: 'cc' -> 'dd'"]
 
 
 def test_one_tensor_byte_is_named(tmp_path):

@@ -362,9 +362,10 @@ def test_junit_records_failures(cli, converted, tmp_path):
     r = cli("verify", out, "--junit-xml", tmp_path / "v.xml")
     assert r.exit_code == 1 and "FAILED" in r.stdout
     failures = ET.parse(tmp_path / "v.xml").getroot().findall(".//failure")
-    # the module's scale check, and the shard whose SHA-256 no longer matches the manifest
+    # the module's scale check, and the shard whose digest no longer matches the manifest
     messages = sorted(f.get("message") for f in failures)
-    assert len(messages) == 2 and messages[0].startswith("blake3 digest differs") and "weight_scale" in messages[1]
+    assert len(messages) == 2 and any(m.startswith("xxh3_128 digest differs") for m in messages) \
+        and any("weight_scale" in m for m in messages)
 
 
 def test_html_report_says_why_a_cell_failed(cli, converted, tmp_path):

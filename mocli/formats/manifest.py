@@ -388,7 +388,7 @@ def _files(files: Any, at: str) -> dict[str, dict[str, Any]] | None:
     _expect(files, dict, at, "files")
     for name, info in files.items():
         if not (isinstance(info, dict) and _is_int(info.get("size")) and as_record(info) is not None):
-            raise _bad(f"{at}: files[{name!r}]", "must be {size, blake3} (or {size, sha256})")
+            raise _bad(f"{at}: files[{name!r}]", "must be {size, xxh3_128} (or {size, blake3}, {size, sha256})")
     return files
 
 

@@ -88,7 +88,7 @@ class Job:
 class JobResult:
     resumed_units: int
     units: int
-    files: dict[str, dict[str, str]]  # relative path -> digest record ({"blake3": hex})
+    files: dict[str, dict[str, str]]  # relative path -> digest record ({"xxh3_128": hex})
     bytes: int
     device: str = "cpu"  # where the units ran: the job's device, or the CPU for a plan with nothing to compute
     requested: str = "cpu"  # the job's device, resolved (auto -> cuda:0 or cpu)

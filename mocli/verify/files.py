@@ -18,8 +18,8 @@ from mocli.verify.results import VerifyOptions
 class Hashes:
     """Output files against their recorded digests and source shards against provenance, hashed in the
     background while the module checks run (the hashers drop the GIL; BLAKE3 spreads one large file
-    over every core). A digest is recorded with its algorithm (``{"blake3": hex}``; outputs written
-    before that recorded a bare SHA-256), and checked with that algorithm."""
+    over every core). A digest is recorded with its algorithm (``{"xxh3_128": hex}``, ``{"blake3": hex}``;
+    outputs written before records recorded a bare SHA-256), and checked with that algorithm."""
 
     def __init__(self, out: Path, wanted: dict[str, Any] | None, recorded: dict[str, Any], src: Checkpoint,
                  opts: VerifyOptions, record_name: str = "mocli-layout.json") -> None:

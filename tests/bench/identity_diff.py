@@ -16,7 +16,7 @@ from pathlib import Path
 
 IDENTICAL, VERSION_ONLY, DIFFERS = "identical", "version-only", "differs"
 RANK = {IDENTICAL: 0, VERSION_ONLY: 1, DIFFERS: 2}
-DIGEST_KEYS = {"blake3", "sha256", "size", "digest", "bytes"}
+DIGEST_KEYS = {"xxh3_128", "blake3", "sha256", "size", "digest", "bytes"}
 SHOWN = 6  # differing paths / tensors named per file
 
 
