@@ -79,3 +79,24 @@ def test_another_field_a_missing_key_and_an_extra_file_differ(tmp_path):
     assert got["mocli-layout.json"].details == ["/target: '<absent>' -> 'marlin'"]
     assert got["generation_config.json"].status == DIFFERS and got["generation_config.json"].details == ["only in head"]
     assert worst(list(got.values())) == DIFFERS
+
+
+def test_a_record_whose_digest_algorithm_changed_is_tolerated_a_lost_record_is_not(tmp_path):
+    """8ca1961 records XXH3-128 where the base recorded BLAKE3: the same source and outputs, records that cannot
+    be compared; one difference each, tolerated. A record that loses its digest with none in its place differs."""
+    def records(algo: str, value: str) -> dict:
+        return {"files": {"config.json": {"size": 10, algo: value}, "rank-0/model.safetensors": {algo: value}},
+                "provenance": {"version": "0.1.0", "source": {"path": "/src"}, "source_shards": {"s": {algo: value}}}}
+
+    a = _output(tmp_path / "a", extra=records("blake3", "aa"))
+    b = _output(tmp_path / "b", extra=records("xxh3_128", "bb"))
+    got = _by_path(compare_dirs(a, b, VERSIONS))
+    assert got["mocli-layout.json"].status == VERSION_ONLY
+    assert set(got["mocli-layout.json"].details) == {f"{p}/<digest algorithm>" for p in (
+        "/files/config.json", "/files/rank-0/model.safetensors", "/provenance/source_shards/s")}
+    lost = records("xxh3_128", "bb")
+    del lost["provenance"]["source_shards"]["s"]["xxh3_128"]
+    c = _output(tmp_path / "c", extra=lost)
+    got = _by_path(compare_dirs(a, c, VERSIONS))
+    assert got["mocli-layout.json"].status == DIFFERS
+    assert got["mocli-layout.json"].details == ["/provenance/source_shards/s/blake3: 'aa' -> '<absent>'"]

@@ -17,6 +17,8 @@ from pathlib import Path
 IDENTICAL, VERSION_ONLY, DIFFERS = "identical", "version-only", "differs"
 RANK = {IDENTICAL: 0, VERSION_ONLY: 1, DIFFERS: 2}
 DIGEST_KEYS = {"xxh3_128", "blake3", "sha256", "size", "digest", "bytes"}
+ALGORITHMS = ("xxh3_128", "blake3", "sha256")  # the keys of a digest record (mocli.io.digests)
+SWAPPED = "<digest algorithm>"  # the one difference a record whose algorithm changed makes
 SHOWN = 6  # differing paths / tensors named per file
 
 
@@ -49,13 +51,27 @@ def json_paths(a, b, path: tuple = ()) -> list[tuple[tuple, object, object]]:
     return [] if a == b and type(a) is type(b) else [(path, a, b)]
 
 
+def algorithm_swaps(diffs: list[tuple[tuple, object, object]]) -> list[tuple[tuple, object, object]]:
+    """A digest record whose algorithm the producer changed (``{"blake3": x}`` -> ``{"xxh3_128": y}``: one key
+    gone, another come, in the same record) as one difference at ``.../<digest algorithm>``, the two
+    algorithms its values; a record lost or added whole stays what it is."""
+    def ends(side: int) -> dict:
+        return {d[0][:-1]: d[0][-1] for d in diffs if d[0] and d[0][-1] in ALGORITHMS and d[side] == "<absent>"}
+
+    gone, came = ends(2), ends(1)
+    both = gone.keys() & came.keys()
+    kept = [d for d in diffs if not (d[0] and d[0][-1] in ALGORITHMS and d[0][:-1] in both)]
+    return kept + [((*p, SWAPPED), gone[p], came[p]) for p in sorted(both, key=str)]
+
+
 def show(path: tuple) -> str:
     return "/" + "/".join(map(str, path))
 
 
 def _tolerated(path: tuple, a, b, versions: tuple[str, str], settled: set[str]) -> bool:
-    """A producer-version field, or the size/digest recorded for a file that differs only so."""
-    if path and path[-1] == "version" and {a, b} == set(versions):
+    """A producer-version field, a digest record whose algorithm changed (``algorithm_swaps``), or the
+    size/digest recorded for a file that differs only so."""
+    if path and (path[-1] == "version" and {a, b} == set(versions) or path[-1] == SWAPPED):
         return True
     return bool(path) and path[-1] in DIGEST_KEYS and any(p in settled for p in path[:-1])
 
@@ -100,7 +116,8 @@ def compare_dirs(base: Path, head: Path, versions: tuple[str, str]) -> list[File
             result[p] = FileDiff(p, IDENTICAL)
         elif p.endswith(".json"):
             try:
-                pending[p] = json_paths(json.loads((base / p).read_text()), json.loads((head / p).read_text()))
+                pending[p] = algorithm_swaps(json_paths(json.loads((base / p).read_text()),
+                                                        json.loads((head / p).read_text())))
             except ValueError as e:
                 result[p] = FileDiff(p, DIFFERS, [f"not JSON: {e}"])
         elif p.endswith(".safetensors"):
