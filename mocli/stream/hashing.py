@@ -20,10 +20,10 @@ if TYPE_CHECKING:
 
 
 class OrderedHasher:
-    """The digest (``DIGEST``: XXH3-128 unless ``MOCLI_DIGEST`` asks) of every output file, fed as the writer appends: bytes still in memory are hashed
-    from there (no read-back), ranges copied file to file or landing ahead of the hash position are
-    read back (``hash_range``: through memory maps, no copy) once the bytes before them are in. Files are spread
-    over ``threads`` hashing threads (the hashers drop the GIL), one per four cores; a feed is released
+    """The digest (``DIGEST``: XXH3-128 unless ``MOCLI_DIGEST`` asks) of every output file, fed as the
+    writer appends: bytes still in memory are hashed from there (no read-back), ranges copied file to file
+    or landing ahead of the hash position are read back (``hash_range``: through memory maps, no copy) once
+    the bytes before them are in. Files are spread over ``threads`` hashing threads (the hashers drop the GIL), one per four cores; a feed is released
     (its unit's pooled buffers given back) when every thread is done with it.
 
     Files an earlier, interrupted run wrote to (``skip``) are not hashed here: their finished parts are

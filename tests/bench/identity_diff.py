@@ -3,8 +3,9 @@ previous release's).
 
 A file is ``identical`` (same bytes), ``version-only`` (a JSON file whose only differences are the fields
 that record the producer's version, or the size/digest that another file lists for a file that is itself
-identical or version-only: ``mocli-layout.json`` lists ``config.json``'s BLAKE3, and ``config.json`` carries
-the version) or ``differs``, with the JSON paths or tensor names that differ.
+identical or version-only: ``mocli-layout.json`` lists ``config.json``'s digest, and ``config.json`` carries
+the version; or a digest record whose algorithm the producer changed, ``algorithm_swaps``) or ``differs``,
+with the JSON paths or tensor names that differ.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mocli.io.digests import ALGORITHMS  # the keys of a digest record
+
 IDENTICAL, VERSION_ONLY, DIFFERS = "identical", "version-only", "differs"
 RANK = {IDENTICAL: 0, VERSION_ONLY: 1, DIFFERS: 2}
-DIGEST_KEYS = {"xxh3_128", "blake3", "sha256", "size", "digest", "bytes"}
-ALGORITHMS = ("xxh3_128", "blake3", "sha256")  # the keys of a digest record (mocli.io.digests)
+DIGEST_KEYS = {*ALGORITHMS, "size", "digest", "bytes"}
 SWAPPED = "<digest algorithm>"  # the one difference a record whose algorithm changed makes
 SHOWN = 6  # differing paths / tensors named per file
 
