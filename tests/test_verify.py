@@ -755,3 +755,39 @@ def test_nvfp4_fused_moe_reference_against_an_independent_decoder(converted, tar
         assert got[0] == "flashinfer.cutlass_fused_moe" and got[3][0] < 0.01, got
         kernel.swap = True
         assert case.fused(kernel, ck, mod)[3][0] > got[3][1], "a kernel with w1 and w3 swapped passed"
+
+
+def test_compare_bytes_finds_each_difference_and_a_short_file(tmp_path, monkeypatch):
+    """Verbatim tensors in chunks smaller than the tensors (so a tensor spans several), lengths that are no
+    multiple of 8 (the byte-by-byte tail): each difference is reported with the chunk it is in, counted by
+    hand; an output shorter than its header says is a difference, not an error."""
+    from types import SimpleNamespace
+
+    from mocli.io.safetensors_file import TensorReader, read_header
+    from mocli.verify import files
+
+    monkeypatch.setattr(files, "COMPARE_CHUNK", 64)
+    rng = torch.Generator().manual_seed(0)
+    tensors = {n: torch.randint(0, 256, (k,), dtype=torch.uint8, generator=rng)
+               for n, k in (("a", 150), ("b", 150), ("c", 7), ("same", 133))}
+    save_file(tensors, tmp_path / "src.safetensors")
+    edited = {n: t.clone() for n, t in tensors.items()}
+    edited["a"][149] ^= 1  # last chunk [128, 150): in its 22-byte tail past 16 whole words
+    edited["b"][70] ^= 0x80  # second chunk [64, 128)
+    edited["c"][0] ^= 1  # a tensor shorter than one word
+    save_file(edited, tmp_path / "out.safetensors")
+    src = SimpleNamespace(tensors=read_header(tmp_path / "src.safetensors").tensors)
+    out = read_header(tmp_path / "out.safetensors").tensors
+    with TensorReader() as ro, TensorReader() as rs:
+        found = files.compare_bytes(out, src, ro, rs)
+    assert found == [{"tensor": "a", "problem": "differs from the source (bytes 128..150)"},
+                     {"tensor": "b", "problem": "differs from the source (bytes 64..128)"},
+                     {"tensor": "c", "problem": "differs from the source (bytes 0..7)"}]
+    short = tmp_path / "short.safetensors"
+    save_file(tensors, short)
+    last = max(read_header(short).tensors.values(), key=lambda e: e.start)
+    with open(short, "r+b") as f:
+        f.truncate(last.start + 10)
+    with TensorReader() as ro, TensorReader() as rs:  # the header still promises the bytes the file lost
+        found = files.compare_bytes({last.name: last}, src, ro, rs)
+    assert found == [{"tensor": last.name, "problem": "differs from the source (bytes 0..64)"}]

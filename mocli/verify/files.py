@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mocli.checkpoint import Checkpoint
-from mocli.errors import InputError
+from mocli.errors import InputError, read_error
 from mocli.formats.manifest import Layout
 from mocli.io.digests import BackgroundDigests, as_record
 from mocli.verify.results import VerifyOptions
@@ -74,23 +74,56 @@ class Hashes:
         return self.problems
 
 
+COMPARE_CHUNK = 16 << 20
+
+
 def compare_bytes(entries: dict, src: Checkpoint, out_reader, src_reader) -> list[dict[str, str]]:
     """Each output entry equals the source tensor of the same name, byte for byte (chunked reads). Two
     readers, two link rules: a mocli output holds no link, a source may be a Hugging Face cache snapshot
-    of links into ``../../blobs``."""
-    problems, chunk = [], 16 << 20
+    of links into ``../../blobs``. Each chunk is read into the same two buffers and compared 8 bytes at a
+    time in numpy, which drops the GIL (a fresh ``bytes`` per read faulted in new memory every time: the
+    0.5 GB of pass-through tensors took 0.33 s of a 2.1 s verify on the H200); a file shorter than its
+    header says reads as a difference."""
+    import numpy as np
+
+    problems = []
+    bufs, same = np.empty((2, COMPARE_CHUNK), dtype=np.uint8), np.empty(COMPARE_CHUNK // 8, dtype=bool)
     for name, e_out in entries.items():
         e_src = src.tensors.get(name)
         if e_src is None or (e_out.dtype, e_out.shape) != (e_src.dtype, e_src.shape):
             problems.append({"tensor": name, "problem": "has no source tensor of that name, dtype and shape"})
             continue
-        fo, fs = out_reader.fd(e_out.file), src_reader.fd(e_src.file)
-        for a in range(0, e_out.nbytes, chunk):
-            n = min(chunk, e_out.nbytes - a)
-            if os.pread(fo, n, e_out.start + a) != os.pread(fs, n, e_src.start + a):
+        for a in range(0, e_out.nbytes, COMPARE_CHUNK):
+            n = min(COMPARE_CHUNK, e_out.nbytes - a)
+            x, y = bufs[0, :n], bufs[1, :n]
+            if not (_read_fully(out_reader, e_out, a, x) and _read_fully(src_reader, e_src, a, y) and _equal(x, y, same)):
                 problems.append({"tensor": name, "problem": f"differs from the source (bytes {a}..{a + n})"})
                 break
     return problems
+
+
+def _read_fully(reader, entry, start: int, into) -> bool:
+    """``into`` = the entry's bytes from ``start``; False where the file ends first."""
+    fd, view, done = reader.fd(entry.file), memoryview(into), 0
+    try:
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], entry.start + start + done)
+            if got <= 0:
+                return False
+            done += got
+    except OSError as e:
+        raise read_error(entry.file, e) from None
+    return True
+
+
+def _equal(x, y, same) -> bool:
+    """Two uint8 arrays alike, as 64-bit words into the scratch ``same`` and the tail byte by byte."""
+    import numpy as np
+
+    w = len(x) // 8
+    if w and not np.equal(x[:8 * w].view(np.uint64), y[:8 * w].view(np.uint64), out=same[:w]).all():
+        return False
+    return bytes(x[8 * w:]) == bytes(y[8 * w:])
 
 
 def open_source(out: Path, provenance: dict, opts) -> Checkpoint:
