@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 from typing import Any
 
@@ -69,10 +70,41 @@ def _inspect_moe(info: dict[str, Any]) -> Table:
     moe = Table(title="MoE layers", title_justify="left")
     for col in ("layer", "naming", "experts", "I", "H", "schemes"):
         moe.add_column(col)
-    for m in info["moe_layers"]:
-        moe.add_row(escape(m["name"]), m["naming"], str(m["experts"]), str(m["intermediate"]),
-                    str(m["hidden"]), ", ".join(m["schemes"]))
+    rows = [(m["name"], (m["naming"], str(m["experts"]), str(m["intermediate"]), str(m["hidden"]),
+                         ", ".join(m["schemes"]))) for m in info["moe_layers"]]
+    for name, cells in by_layer_runs(rows, "layers"):
+        moe.add_row(escape(name), *cells)
     return moe
+
+
+_LAYER_INDEX = re.compile(r"(?<=layers\.)\d+(?=\.|$)")
+SELF = "(itself)"  # an exclusions row's matches: each pattern of the row matches exactly its own name
+
+
+def by_layer_runs(rows: list[tuple[str, tuple[str, ...]]], unit: str) -> list[tuple[str, tuple[str, ...]]]:
+    """Consecutive rows alike in all but their name's layer index as one: ``model.layers.{0..60}.mlp.experts
+    (61 layers)``. A 61-row table of one line repeated hid what differs; --json keeps every row."""
+    runs: list[list] = []  # [the name around its index, indices, cells, name]
+    for name, cells in rows:
+        hit = _LAYER_INDEX.search(name)
+        around = (name[:hit.start()], name[hit.end():]) if hit else None
+        if hit and runs and runs[-1][0] == around and runs[-1][2] == cells:
+            runs[-1][1].append(int(hit.group()))
+        else:
+            runs.append([around, [int(hit.group())] if hit else [], cells, name])
+    return [(f"{around[0]}{{{_spans(indices)}}}{around[1]} ({len(indices)} {unit})" if len(indices) > 1 else name,
+             cells) for around, indices, cells, name in runs]
+
+
+def _spans(indices: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0..2,5,7..8'."""
+    spans: list[list[int]] = []
+    for i in indices:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}..{b}" for a, b in spans)
 
 
 def _inspect_exclusions(info: dict[str, Any]) -> Table:
@@ -80,6 +112,7 @@ def _inspect_exclusions(info: dict[str, Any]) -> Table:
     excl.add_column("pattern")
     excl.add_column("matches")
     excl.add_column("notes")
+    rows = []
     for r in info["exclusions"]:
         notes = []
         if r["partial_fused"]:
@@ -92,7 +125,9 @@ def _inspect_exclusions(info: dict[str, Any]) -> Table:
             notes.append(f"engine rewrite loses {len(r['lost_after_engine_rewrite'])}")
         matches = r["matches"]
         shown = ", ".join(matches[:3]) + (f" (+{len(matches) - 3})" if len(matches) > 3 else "")
-        excl.add_row(escape(r["pattern"]), escape(shown or "[nothing]"), escape("; ".join(notes)))
+        rows.append((r["pattern"], (SELF if matches == [r["pattern"]] else shown or "[nothing]", "; ".join(notes))))
+    for pattern, (shown, notes) in by_layer_runs(rows, "patterns"):
+        excl.add_row(escape(pattern), escape(shown), escape(notes))
     if not info["exclusions"]:
         excl.add_row("(none)", "", "")
     return excl

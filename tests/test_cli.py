@@ -55,8 +55,32 @@ def test_json_flag_after_the_command(cli):
 def test_inspect_human(cli):
     r = cli("inspect", REAL_QWEN)
     assert r.exit_code == 0
-    for s in ("Qwen3MoeForCausalLM", "NVFP4", "MoE layers", "model.layers.0.mlp.experts", "exclusions"):
+    for s in ("Qwen3MoeForCausalLM", "NVFP4", "MoE layers", "exclusions"):
         assert s in r.stdout
+    # its two MoE layers alike, one row; its exclude_modules names each layer's router, one row
+    assert "model.layers.{0..1}.mlp.experts (2 layers)" in r.stdout
+    assert "model.layers.0.mlp.experts" not in r.stdout
+    assert "model.layers.{0..1}.mlp.gate (2 patterns)" in r.stdout
+
+
+def test_inspect_tables_fold_layers_alike():
+    from mocli.render import SELF, by_layer_runs
+
+    same, other = ("qwen", "128"), ("qwen", "64")
+    rows = [("model.layers.0.mlp.experts", same), ("model.layers.1.mlp.experts", same),
+            ("model.layers.2.mlp.experts", same), ("model.layers.4.mlp.experts", same),  # 3 is dense
+            ("model.layers.5.mlp.experts", other),  # another shape: a row of its own
+            ("model.layers.6.mlp.experts", same),  # alike again, but not next to the first run
+            ("model.layers.7.block_sparse_moe", same),  # another name around the index
+            ("model.layers.8.block_sparse_moe", same),
+            ("lm_head", (SELF, "")), ("model.embed_tokens", (SELF, ""))]  # no index: never folded
+    assert by_layer_runs(rows, "layers") == [
+        ("model.layers.{0..2,4}.mlp.experts (4 layers)", same), ("model.layers.5.mlp.experts", other),
+        ("model.layers.6.mlp.experts", same), ("model.layers.{7..8}.block_sparse_moe (2 layers)", same),
+        ("lm_head", (SELF, "")), ("model.embed_tokens", (SELF, ""))]
+    # a pattern that names a layer and nothing after it (ModelOpt's exclude_modules can)
+    assert by_layer_runs([("model.layers.3", ("x",)), ("model.layers.9", ("x",))], "patterns") == [
+        ("model.layers.{3,9} (2 patterns)", ("x",))]
 
 
 def test_inspect_sharded_and_config_style(cli, tmp_path):
