@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mocli import trace
 from mocli.checkpoint import Checkpoint
 from mocli.errors import InputError, Refused
 from mocli.formats import provenance_block
@@ -47,9 +48,11 @@ def convert(ckpt: Checkpoint, out: Path, target: Target, device: str = "auto", o
     progress.phase("planning")
     census = ckpt.census()
     scales = read_scales(census)
+    trace.mark("census taken, scales read")
     report = validate(ckpt, target, census, scales, parallel=parallel, mxfp4_experts=mxfp4_experts)
     if report.findings.errors:
         raise Refused(report.findings)
+    trace.mark("validated and planned")
 
     # validate planned it to judge what it computes (SCL006): the same census, scales, target and ranks
     plan = report.plan or build_plan(census, scales, target, parallel, Heads.from_config(ckpt.config), mxfp4_experts)

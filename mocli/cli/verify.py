@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from mocli import trace
 from mocli.cli.app import command, run
 from mocli.devices import Device, Kernels, warm_cuda
 from mocli.errors import EXIT_FINDINGS
@@ -51,11 +52,14 @@ def verify_cmd(
         layout = read_layout(output) if kind is DirKind.LAYOUT else None
         early = start_digests(layout, source, rank)  # hashing overlaps the torch import below
         warm_cuda(device.value)  # and so does CUDA's start-up
+        trace.mark("manifest read, hashing started")
         try:
             from mocli.render import render_verify
             from mocli.verify import VerifyOptions, verify
             from mocli.verify.html import write_html
             from mocli.verify.junit import write_junit
+
+            trace.mark("verify's modules imported")
 
             opts = VerifyOptions(source=source, device=device.value, kernels=kernels, layers=layers,
                                  tokens=tokens, seed=seed, rank=rank, early_digests=early)

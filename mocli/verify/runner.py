@@ -79,6 +79,7 @@ def verify_layout(layout: Layout, opts: VerifyOptions, progress: Progress) -> di
     inv = inventory(layout, ranks)
     provenance = layout.provenance or {}
     src = open_source(out, provenance, opts)
+    trace.mark("source headers read")
     hashes = Hashes(out, inv.wanted, provenance.get("source_shards") or {}, src, opts, record_name="")
     census = src.census()
     found: dict[str, Any] = {"completeness": completeness(layout, census, ranks)}
@@ -88,6 +89,7 @@ def verify_layout(layout: Layout, opts: VerifyOptions, progress: Progress) -> di
         found["layout"] = _layout_problems(layout, cks)
         names = _names(cks, opts, skip=bool(found["layout"]))
         kinds = {ck.module_entry(n).kind for ck in cks.values() for n in names if ck.holds(n)}
+        trace.mark("census taken, outputs opened")
         rt = torch_runtime(kinds, layout_of(layout.target), opts)
         progress.start(len(names) * len(cks))
         # pass-through tensors compared on a thread beside the module checks (reads and numpy compares drop
