@@ -60,7 +60,6 @@ def verify_cmd(
             from mocli.verify.junit import write_junit
 
             trace.mark("verify's modules imported")
-
             opts = VerifyOptions(source=source, device=device.value, kernels=kernels, layers=layers,
                                  tokens=tokens, seed=seed, rank=rank, early_digests=early)
             with out.module_progress("verifying") as progress:
