@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mocli.checkpoint import Checkpoint
-from mocli.errors import InputError, read_error
+from mocli.errors import InputError
 from mocli.formats.manifest import Layout
 from mocli.io.digests import BackgroundDigests, as_record
 from mocli.verify.results import VerifyOptions
@@ -96,24 +96,11 @@ def compare_bytes(entries: dict, src: Checkpoint, out_reader, src_reader) -> lis
         for a in range(0, e_out.nbytes, COMPARE_CHUNK):
             n = min(COMPARE_CHUNK, e_out.nbytes - a)
             x, y = bufs[0, :n], bufs[1, :n]
-            if not (_read_fully(out_reader, e_out, a, x) and _read_fully(src_reader, e_src, a, y) and _equal(x, y, same)):
+            if not (out_reader.read_range(e_out, a, memoryview(x), short_ok=True)
+                    and src_reader.read_range(e_src, a, memoryview(y), short_ok=True) and _equal(x, y, same)):
                 problems.append({"tensor": name, "problem": f"differs from the source (bytes {a}..{a + n})"})
                 break
     return problems
-
-
-def _read_fully(reader, entry, start: int, into) -> bool:
-    """``into`` = the entry's bytes from ``start``; False where the file ends first."""
-    fd, view, done = reader.fd(entry.file), memoryview(into), 0
-    try:
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], entry.start + start + done)
-            if got <= 0:
-                return False
-            done += got
-    except OSError as e:
-        raise read_error(entry.file, e) from None
-    return True
 
 
 def _equal(x, y, same) -> bool:
