@@ -316,6 +316,19 @@ def test_header_only_commands_never_import_torch():
     assert r.returncode == 0, r.stderr
 
 
+def test_a_command_starts_without_pydantic(tmp_path):
+    """The CLI's start-up is part of every header command's second: typer 0.29 coerces each parameter through
+    pydantic, whose import alone costs ~0.15-0.3 s on 2 cores (pyproject caps typer below it). A real command
+    runs, its arguments parsed and coerced, and pydantic must not have been imported."""
+    model = ROOT.parent / "fixtures" / "real" / "llama-ct-fp8"
+    code = ("import sys; from mocli.cli import main\n"
+            f"try:\n    main(['-q', '--json', 'inspect', {str(model)!r}])\nexcept SystemExit as e:\n    assert not e.code, e\n"
+            "assert 'pydantic' not in sys.modules, 'pydantic imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert '"num_tensors"' in r.stdout
+
+
 # Where each of a card's code parts must live: the package that builds its table resolves it, so verify
 # never loads the converter's or serving's code and planning never loads torch
 PART_HOMES = {"planner": "mocli.plan.", "stored": "mocli.module_classes", "kernel": "mocli.serve.",

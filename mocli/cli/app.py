@@ -3,6 +3,7 @@
 ``run``."""
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import os
@@ -48,7 +49,10 @@ def _no_type(param):
     """typer writes a type after each name (``<str>``, ``<bool>``): an option's metavar, or nothing, reads
     better (an argument's name is already its metavar)."""
     is_option = isinstance(param, typer.core.TyperOption)
-    param.display_type_rich = lambda ctx: (param.metavar or None) if is_option else None
+    param.display_type_rich = lambda ctx: (param.metavar or None) if is_option else None  # typer 0.29
+    if not is_option:  # typer <= 0.28 asks the argument's type (shared: a copy is given its own answer)
+        param.type = copy.copy(param.type)
+        param.type.get_metavar = lambda *args, **kwargs: ""
     return param
 
 
