@@ -155,8 +155,8 @@ class Census:
 
     def moe_units(self) -> list[tuple[MoELayer, Scheme]]:
         """Every MoE layer whose experts share one stored scheme, with it."""
-        return [(layer, next(iter(layer.schemes))) for layer in self.moe
-                if len(layer.schemes) == 1 and None not in layer.schemes]
+        return [(layer, next(iter(schemes))) for layer, schemes in ((m, m.schemes) for m in self.moe)
+                if len(schemes) == 1 and None not in schemes]
 
     def kind_table(self) -> list[dict]:
         """Rows of (kind, modules, quantized, by scheme) for inspect."""

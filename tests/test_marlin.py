@@ -254,3 +254,43 @@ def test_dense_weights_repacked_in_parts_are_the_same_bytes(cli, converted, tmp_
     r = cli("-q", "convert", src, "-o", tmp_path / "parts", "--target", MARLIN, "--tp", tp)
     assert r.exit_code == 0, r.stderr
     assert digest_tree(tmp_path / "parts") == digest_tree(whole)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_negative_and_nan_block_scales_do_not_set_the_scale_factor(tmp_path, ep):
+    """Plan time takes an MoE layer's block-scale maxima per file in one pass; a code at or above 0x7F (NaN,
+    or a negative scale) is no maximum, as in vLLM's computation over the scales' values (NaN and negative
+    values never exceed a positive one). Layer 0's codes 24 lower (factor 8), then expert 1's w1 and expert
+    2's w2 given a NaN (0x7F) and a negative (0xFE, -448) code each: the factors are computed here from the
+    rest."""
+    from mocli.checkpoint import open_checkpoint
+    from mocli.parallel import Heads, ParallelLayout
+    from mocli.plan import build_plan
+    from mocli.scales import read_scales
+    from mocli.targets import Target
+
+    src = make_checkpoint(tmp_path / "src", arch="mixtral", algo="NVFP4")
+    t = load_file(str(src / "model.safetensors"))
+    ep_name = "model.layers.0.block_sparse_moe.experts"
+    for n in [n for n in t if n.startswith(ep_name) and n.endswith(".weight_scale")]:
+        codes = (t[n].view(torch.uint8).int() - 24).clamp(min=0).to(torch.uint8)
+        if n in (f"{ep_name}.1.w1.weight_scale", f"{ep_name}.2.w2.weight_scale"):
+            codes[0, 0], codes[-1, -1] = 0x7F, 0xFE
+        t[n] = codes.view(FP8)
+    save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = open_checkpoint(str(src))
+    census = ckpt.census()
+    plan = build_plan(census, read_scales(census), Target(MARLIN), ParallelLayout(ep, ep), Heads.from_config(ckpt.config))
+
+    def factor(names: list[str]) -> float:
+        values = torch.cat([t[n].float().reshape(-1) for n in names])
+        top = float(values[values.isfinite() & (values >= 0)].max())
+        return 2.0 ** int(torch.floor(torch.log2(torch.tensor(448.0 / top))))
+
+    metas = {m.group: m.meta for m in plan.modules if m.name == ep_name}
+    per_rank = 4 // ep
+    for rank in range(ep):
+        experts = range(rank * per_rank, (rank + 1) * per_rank)
+        meta = metas[ParallelLayout(ep, ep).group(rank)]
+        for key, projs in (("scale_factor_w13", ("w1", "w3")), ("scale_factor_w2", ("w2",))):
+            assert meta[key] == factor([f"{ep_name}.{e}.{p}.weight_scale" for e in experts for p in projs]), (rank, key)

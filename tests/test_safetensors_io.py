@@ -174,6 +174,25 @@ def test_gather_array_from_one_file_or_two(tmp_path):
             assert np.array_equal(ctx.gather_array(parts, idx), as_bytes(want)[idx])
 
 
+def test_byte_maxima_of_spans_in_one_file_or_two(tmp_path):
+    """Each span's largest byte, against numpy on the tensors' own bytes: spans given out of file order, one
+    ending where its file ends (reduceat's last span), an empty one (0), spans of two files; overlapping
+    spans are refused and a file truncated under its spans is a named error."""
+    a, b, one, two = _two_files(tmp_path)
+    fa, fb = a.reshape(-1).numpy(), b.reshape(-1).numpy()
+    spans = [(two["b"], 0, 20), (one["b"], 5, 15), (one["pad"], 0, 3), (one["a"], 0, 0), (one["a"], 10, 30),
+             (one["a"], 0, 1)]
+    want = [fb.max(), fb[5:15].max(), 0, 0, fa[10:30].max(), fa[0]]
+    with TensorReader() as reader:
+        assert reader.byte_maxima(spans).tolist() == [int(x) for x in want]
+        with pytest.raises(ValueError, match="overlapping"):
+            reader.byte_maxima([(one["a"], 0, 10), (one["a"], 5, 20)])
+    with open(tmp_path / "two.safetensors", "r+b") as fh:
+        fh.truncate(two["b"].start + 10)
+    with TensorReader() as reader, pytest.raises(CorruptFileError, match="unexpected end of file reading 'b'"):
+        reader.byte_maxima([(two["b"], 0, 20)])
+
+
 def test_mapped_bytes_are_private_and_a_truncated_file_is_a_named_error(tmp_path):
     a, _, one, _ = _two_files(tmp_path)
     f = tmp_path / "one.safetensors"

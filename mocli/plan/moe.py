@@ -8,6 +8,7 @@ vectors follow their experts; a1/a2 are the max over all experts on every rank.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,9 +34,7 @@ class _Moe:
     def __init__(self, pc: PlanContext, kind: ModuleKind, name: str, layer: MoELayer) -> None:
         self.pc, self.layer, self.kind = pc, layer, kind
         self.mods = [(layer.experts[e].gate, layer.experts[e].up, layer.experts[e].down) for e in sorted(layer.experts)]
-        for trio in self.mods:
-            for m in trio:
-                pc.consumed.update(e.name for s, e in m.tensors.items() if s in QUANT_SUFFIXES)
+        pc.consumed.update(e.name for trio in self.mods for m in trio for s, e in m.tensors.items() if s in QUANT_SUFFIXES)
         self.e_count, self.i, self.h = len(self.mods), layer.intermediate, layer.hidden
         self.p = layer.name
         par = pc.parallel
@@ -73,11 +72,21 @@ class _Moe:
 
     def src(self, proj: str, suffix: str, r: int | None = None) -> list[str]:
         e0, e1 = self.experts[r] if r is not None else (0, self.e_count)
-        return [getattr(self.layer.experts[e], proj).tensors[suffix].name for e in sorted(self.layer.experts)[e0:e1]]
+        names = self._names.get((proj, suffix))
+        if names is None:  # once per layer, not per rank and role
+            experts = self.layer.experts
+            names = self._names[proj, suffix] = [getattr(experts[e], proj).tensors[suffix].name for e in sorted(experts)]
+        return names[e0:e1]
+
+    @cached_property
+    def _names(self) -> dict[tuple[str, str], list[str]]:
+        return {}
 
     def per_expert(self, suffix: str) -> tuple[np.ndarray, ...]:
         """([E] gate, [E] up, [E] down) float32 values of one scale suffix."""
-        return tuple(np.stack([self.pc.scale(trio[j], suffix) for trio in self.mods]) for j in range(3))
+        scales = self.pc.scales
+        return tuple(np.array([scales[trio[j].tensors[suffix].name].reshape(()) for trio in self.mods], dtype=F32)
+                     for j in range(3))
 
     def input_scales(self) -> tuple[np.float32, np.float32]:
         """(a13, a2): max input scale over all experts' w1/w3, and over their w2 (SEMANTICS §4, §7.3)."""
@@ -85,7 +94,28 @@ class _Moe:
         return np.maximum(g, u).max(), d.max()
 
     def holders(self, e: int) -> list[int]:
+        if self._everyone is not None:
+            return self._everyone
         return [r for r in self.ranks if self.experts[r][0] <= e < self.experts[r][1]]
+
+    @cached_property
+    def _everyone(self) -> list[int] | None:
+        """Every rank, where each holds every expert (no EP): one list for all (``holders``)."""
+        full = (0, self.e_count)
+        return list(self.ranks) if all(self.experts[r] == full for r in self.ranks) else None
+
+    @cached_property
+    def _slots(self) -> dict[Role, tuple[dict[int, tuple[str, str]], dict[int, int]]]:
+        return {}
+
+    def _role_slots(self, role: Role) -> tuple[dict[int, tuple[str, str]], dict[int, int]]:
+        """Per rank, the key of ``role``'s stacked tensor and one expert's bytes in it (looked up once per
+        layer and role, not per expert: a layer plans ~500 expert units)."""
+        got = self._slots.get(role)
+        if got is None:
+            keys = {r: self.key(r, role) for r in self.ranks}
+            got = self._slots[role] = keys, {r: self.pc.plan.tensors[keys[r]].nbytes // self.local(r) for r in self.ranks}
+        return got
 
     def expert_unit(self, kind: str, e: int, role: Role, inputs: list[TensorEntry], emit: Callable,
                     prepare: Callable = lambda ctx: None, compute: bool = False, gpu: bool = False,
@@ -97,8 +127,9 @@ class _Moe:
         the context's CUDA device where the run has one (``Unit.gpu``); ``in_place``: its arrays made by
         ``UnitContext.empty`` (``Unit.in_place``)."""
         holders = self.holders(e)
-        keys = {r: self.key(r, role) for r in holders}
-        slots = {r: self.pc.plan.tensors[keys[r]].nbytes // self.local(r) * (e - self.experts[r][0]) for r in holders}
+        every_key, stride = self._role_slots(role)
+        keys = every_key if holders is self._everyone else {r: every_key[r] for r in holders}
+        slots = {r: stride[r] * (e - self.experts[r][0]) for r in holders}
 
         def run(ctx: UnitContext) -> list[Piece]:
             prepared = prepare(ctx)
@@ -126,6 +157,11 @@ class _Moe:
     def _expert_of(self, name: str) -> int:
         return int(name[len(self.layer.name) + 1:].split(".", 1)[0])
 
+    @cached_property
+    def scheme_name(self) -> str:
+        """The layer's stored scheme (once per layer: ``MoELayer.schemes`` walks every expert)."""
+        return str(next(iter(self.layer.schemes)))
+
     def module(self, r: int, meta: dict) -> None:
         e0, e1 = self.experts[r]
         meta = {"experts": self.local(r), "intermediate": self.i_r(r), "hidden": self.h,
@@ -133,7 +169,7 @@ class _Moe:
         if not self.pc.parallel.single:
             meta |= {"expert_offset": e0, "experts_total": self.e_count, "intermediate_slice": list(self.inter[r]),
                      "intermediate_total": self.i}
-        self.pc.plan.modules.append(ConvertedModule(self.p, str(self.kind), str(next(iter(self.layer.schemes))), self.tensors[r],
+        self.pc.plan.modules.append(ConvertedModule(self.p, str(self.kind), self.scheme_name, self.tensors[r],
                                                     [self.layer.name], meta, self.group(r)))
 
 
