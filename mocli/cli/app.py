@@ -50,7 +50,7 @@ def _no_type(param):
     better (an argument's name is already its metavar)."""
     is_option = isinstance(param, typer.core.TyperOption)
     param.display_type_rich = lambda ctx: (param.metavar or None) if is_option else None  # typer 0.29
-    if not is_option:  # typer <= 0.28 asks the argument's type (shared: a copy is given its own answer)
+    if not is_option and hasattr(param, "type"):  # typer <= 0.28 asks the argument's type (shared: a copy answers)
         param.type = copy.copy(param.type)
         param.type.get_metavar = lambda *args, **kwargs: ""
     return param
