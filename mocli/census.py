@@ -160,11 +160,14 @@ class Census:
 
     def kind_table(self) -> list[dict]:
         """Rows of (kind, modules, quantized, by scheme) for inspect."""
+        # counted in C by (kind, scheme identity): a Scheme hashes by walking its fields, and str() of each of
+        # ~24k modules' schemes cost more than the count
+        schemes = {id(m.scheme): m.scheme for m in self.modules.values()}
         rows: dict[Kind, Counter] = {}
-        for m in self.modules.values():
-            c = rows.setdefault(m.kind, Counter())
-            c["modules"] += 1
-            c[str(m.scheme) if m.scheme else "unquantized"] += 1
+        for (kind, scheme), n in Counter((m.kind, id(m.scheme)) for m in self.modules.values()).items():
+            c = rows.setdefault(kind, Counter())
+            c["modules"] += n
+            c[str(schemes[scheme]) if schemes[scheme] else "unquantized"] += n
         return [{"kind": str(k), **dict(c)} for k, c in sorted(rows.items(), key=lambda kv: list(Kind).index(kv[0]))]
 
 

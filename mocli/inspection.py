@@ -17,7 +17,7 @@ def inspect_checkpoint(ckpt: Checkpoint, census: Census | None = None) -> dict[s
     dtype_bytes = Counter()
     for t in ckpt.tensors.values():
         dtype_bytes[t.dtype] += t.nbytes
-    schemes = sorted({str(m.scheme) for m in census.modules.values() if m.scheme is not None})
+    schemes = sorted({str(s) for s in {id(m.scheme): m.scheme for m in census.modules.values()}.values() if s is not None})
     return {
         "path": str(ckpt.path),
         "source": ckpt.source.describe(),
