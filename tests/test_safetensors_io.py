@@ -176,7 +176,8 @@ def test_gather_array_from_one_file_or_two(tmp_path):
 
 def test_byte_maxima_of_spans_in_one_file_or_two(tmp_path):
     """Each span's largest byte, against numpy on the tensors' own bytes: spans given out of file order, one
-    ending where its file ends (reduceat's last span), an empty one (0), spans of two files; overlapping
+    ending where its file ends, an empty one (0), spans of two files, small ones gathered and large ones
+    alone; overlapping
     spans are refused and a file truncated under its spans is a named error."""
     a, b, one, two = _two_files(tmp_path)
     fa, fb = a.reshape(-1).numpy(), b.reshape(-1).numpy()
@@ -184,6 +185,8 @@ def test_byte_maxima_of_spans_in_one_file_or_two(tmp_path):
              (one["a"], 0, 1)]
     want = [fb.max(), fb[5:15].max(), 0, 0, fa[10:30].max(), fa[0]]
     with TensorReader() as reader:
+        assert reader.byte_maxima(spans).tolist() == [int(x) for x in want]
+        reader.ALONE = 8  # spans of 8 bytes and more reduced one by one, the rest gathered
         assert reader.byte_maxima(spans).tolist() == [int(x) for x in want]
         with pytest.raises(ValueError, match="overlapping"):
             reader.byte_maxima([(one["a"], 0, 10), (one["a"], 5, 20)])

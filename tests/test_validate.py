@@ -238,3 +238,24 @@ def test_vll001_whenever_vllm_is_judged(cli, target):
 def test_convert_leaves_vll001_out_of_its_warnings(cli, tmp_path):
     r = cli("--json", "convert", REAL / "llama-nvfp4_awq", "-o", tmp_path / "o", "--target", "flashinfer-cutlass")
     assert r.exit_code == 0 and not [w for w in r.json["warnings"] if w["code"] == "VLL001"]
+
+
+def test_each_wrong_expert_scale_is_named_among_alike_experts(cli, tmp_path):
+    """validate checks a module's scale tensors once per kind of module (scheme, kind, suffixes, dtypes,
+    shapes); a module found wrong is never taken for a checked one. Experts 1 and 3's w2 block scales stored
+    BF16 among experts alike: each of the two is named, and no other expert is."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = make_checkpoint(tmp_path / "src", arch="mixtral", algo="NVFP4")
+    t = load_file(str(src / "model.safetensors"))
+    ep = "model.layers.0.block_sparse_moe.experts"
+    for e in (1, 3):
+        t[f"{ep}.{e}.w2.weight_scale"] = t[f"{ep}.{e}.w2.weight_scale"].to(torch.bfloat16)
+    save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
+    r = cli("--json", "validate", src)
+    assert r.exit_code == 1
+    named = sorted(f["location"] for f in json.loads(r.stdout)["findings"] if f["code"] == "TNS002")
+    assert named == [f"{ep}.1.w2.weight_scale", f"{ep}.3.w2.weight_scale"]

@@ -202,6 +202,7 @@ class TensorReader:
     ``follow``: whether files may be symbolic links (see io.paths; mocli's own outputs may not)."""
 
     MAX_OPEN = 8
+    ALONE = 1 << 16  # ``byte_maxima``: spans this large are reduced one by one, smaller ones gathered first
 
     def __init__(self, follow: bool = True) -> None:
         self._files: dict[Path, int] = {}  # in order of last use
@@ -303,9 +304,9 @@ class TensorReader:
 
     def byte_maxima(self, spans: list[tuple[TensorEntry, int, int]]) -> np.ndarray:
         """The largest byte of each span ``(entry, a, b)``: bytes [a, b) into the entry, 0 for an empty one
-        (uint8, in the spans' order). A file's spans are reduced in one ``np.maximum.reduceat`` over its map
-        (plan-time maxima of ~20k small block-scale tensors, where a call per tensor costs more than its look).
-        Spans of a file must not overlap."""
+        (uint8, in the spans' order), over each file's map: its small spans gathered and reduced in one
+        ``np.maximum.reduceat`` (plan-time maxima of ~20k small block-scale tensors, where a call per tensor
+        costs more than its look), its large ones one by one. Spans of a file must not overlap."""
         import numpy as np
 
         out = np.zeros(len(spans), dtype=np.uint8)
@@ -315,13 +316,16 @@ class TensorReader:
                 by_file.setdefault(entry.file, []).append((entry.start + a, entry.start + b, i))
         for file, got in by_file.items():
             got.sort()
-            buf = self._mapped_file(file, got[-1][1], spans[got[-1][2]][0])
-            bounds = [x for start, end, _ in got for x in (start, end)]
-            if bounds[-1] == len(buf):
-                bounds.pop()  # reduceat's last span runs to the end of the array
             if any(got[k + 1][0] < got[k][1] for k in range(len(got) - 1)):
                 raise ValueError(f"{file}: overlapping spans")
-            out[[i for *_, i in got]] = np.maximum.reduceat(buf, bounds)[::2]
+            buf = self._mapped_file(file, got[-1][1], spans[got[-1][2]][0])
+            small = [g for g in got if g[1] - g[0] < self.ALONE]
+            for start, end, i in (g for g in got if g[1] - g[0] >= self.ALONE):
+                out[i] = buf[start:end].max()
+            if small:  # gathered first: the bytes between spans (an MoE file's weights) are never looked at
+                joined = np.concatenate([buf[start:end] for start, end, _ in small])
+                firsts = np.cumsum([0] + [end - start for start, end, _ in small[:-1]])
+                out[[i for *_, i in small]] = np.maximum.reduceat(joined, firsts)
         return out
 
     def _mapped_file(self, file: Path, end: int, entry: TensorEntry) -> np.ndarray:

@@ -16,6 +16,7 @@ from mocli.tables import INPUT_SCALE, SCALE_SUFFIXES, WEIGHT
 
 def check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool | None], findings: Findings) -> None:
     no_input_scale: dict[str, list[Module]] = {}  # MoE layer -> experts' projections without one
+    clean = _CleanScaleTensors()
     static_under_dynamic: list[str] = []
     for m in census.modules.values():
         if m.scheme is None:
@@ -35,8 +36,7 @@ def check_tensors(quant: QuantConfig, census: Census, declared: dict[str, bool |
         if declared.get(m.engine_name) and configured is not None and by_algo(configured) is not m.scheme:
             findings.add("TNS005", m.name, f"stored as {m.scheme} but the config says {configured}",
                          hint="the engine will build the wrong kernel for it")
-        missing = _check_scale_tensors(m, census.spelling, m.scheme.logical(w.shape), quant.dynamic_activations,
-                                       findings)
+        missing = clean.check(m, w, census.spelling, quant.dynamic_activations, findings)
         if INPUT_SCALE in missing and m.kind is Kind.EXPERT:
             no_input_scale.setdefault(m.engine_name, []).append(m)
     for g in census.fused:
@@ -107,6 +107,26 @@ def _checked_weight(m: Module, findings: Findings) -> TensorEntry | None:
     return w
 
 
+class _CleanScaleTensors:
+    """``_check_scale_tensors`` once per kind of module: a module whose scheme, kind and tensors' suffixes,
+    dtypes and shapes are those of one already checked without a finding gets that one's outcome (its missing
+    suffixes) without the check. The ~24k modules of a large MoE checkpoint are a handful of kinds; a module
+    with a finding is never remembered, so each one found wrong is reported by name."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple, set[str]] = {}
+
+    def check(self, m: Module, w: TensorEntry, spelling: Spelling, dynamic: bool, findings: Findings) -> set[str]:
+        key = (id(m.scheme), m.kind, *((s, t.dtype, t.shape) for s, t in m.tensors.items()))
+        missing = self.seen.get(key)
+        if missing is None:
+            before = len(findings)
+            missing = _check_scale_tensors(m, spelling, m.scheme.logical(w.shape), dynamic, findings)
+            if len(findings) == before:
+                self.seen[key] = missing
+        return missing
+
+
 def _check_scale_tensors(m: Module, spelling: Spelling, nk: tuple[int, int], dynamic: bool,
                          findings: Findings) -> set[str]:
     """The scheme's scale tensors' dtypes and shapes for a module of logical [N, K], in the source's
@@ -169,8 +189,8 @@ def _check_moe_layer(layer: MoELayer, findings: Findings) -> None:
                 name = getattr(layer.naming, proj)
                 findings.add("TNS006", f"{layer.name}.{e}", f"expert has no {name} projection",
                              hint="the export is incomplete; re-export the checkpoint")
-            elif m.out_in:
-                shapes[proj].setdefault(m.out_in, []).append(e)
+            elif nk := m.out_in:
+                shapes[proj].setdefault(nk, []).append(e)
     for proj, by_shape in shapes.items():
         if len(by_shape) > 1:
             common = max(by_shape, key=lambda s: len(by_shape[s]))

@@ -154,7 +154,8 @@ VERIFIED = {("NVFP4", "flashinfer-trtllm"), ("NVFP4", "marlin"), ("CT-MXFP4", "m
 CP_GOAL = 1.25  # convert / cp of the same source bytes (the physical anchor beside the floor)
 
 
-def bench_convert(scratch: Path, rounds: int, device: str, results: list, algos: set[str]) -> None:
+def bench_convert(scratch: Path, rounds: int, device: str, results: list, algos: set[str],
+                  targets: set[str] | None = None) -> None:
     cases = [("NVFP4", lambda: make("moe-nvfp4", scratch / "nvfp4"), 1.0),
              ("FP8", lambda: make("moe-fp8", scratch / "fp8", "--layers", "4"), 1.15),
              ("CT-NVFP4", lambda: make_ct(scratch), 1.0),  # compressed-tensors' spelling of the NVFP4 one
@@ -165,7 +166,7 @@ def bench_convert(scratch: Path, rounds: int, device: str, results: list, algos:
         src = made().resolve()  # cp -r of a symlinked source would copy the link, not the files
         warm(src)
         gib = size_gib(src)
-        for target in CONVERT_TARGETS[algo]:
+        for target in [t for t in CONVERT_TARGETS[algo] if targets is None or t in targets]:
             a, b, c, v = convert_rounds(src, scratch, rounds, device, target, (algo, target) in VERIFIED)
             what = f"convert {algo} MoE {gib:.2f} GiB {target} --device {device}"
             results.append(line(f"{what} / I/O floor", a, b, goal))
@@ -326,6 +327,7 @@ def main() -> None:
     ap.add_argument("--only", default="headers,convert,rss,quantize")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--algos", default="nvfp4,fp8,ct-nvfp4,ct-mxfp4", help="convert cases to run")
+    ap.add_argument("--targets", help="convert targets to run (default: each algorithm's all)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
     if not (SHARED / "floor.py").exists():
@@ -341,7 +343,8 @@ def main() -> None:
     if "headers" in only:
         bench_headers(a.scratch, max(a.rounds, 3), results)
     if "convert" in only:
-        bench_convert(a.scratch, a.rounds, a.device, results, set(a.algos.lower().split(",")))
+        bench_convert(a.scratch, a.rounds, a.device, results, set(a.algos.lower().split(",")),
+                      set(a.targets.split(",")) if a.targets else None)
     if "rss" in only:
         bench_rss(a.scratch, results)
     if "quantize" in only:
