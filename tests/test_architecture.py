@@ -160,21 +160,26 @@ def test_serving_stands_on_no_part_of_verify(graph):
 
 def _callers_of_manifest_json(monkeypatch) -> list[str]:
     """Record the mocli module that turns ``mocli-layout.json``'s bytes into a dict, each time (``json.loads``
-    is what every JSON reader ends in: ``io.jsonfile``, ``json.load``)."""
+    or ``orjson.loads`` is what every JSON reader ends in: ``io.jsonfile``, ``json.load``)."""
     import inspect
     import json
 
+    import orjson
+
     callers: list[str] = []
-    loads = json.loads
 
-    def recording(*args, **kwargs):
-        data = loads(*args, **kwargs)
-        if isinstance(data, dict) and data.get("format") == "mocli-layout":
-            frames = [f.filename for f in inspect.stack()[1:]]
-            callers.append(next((f for f in frames if f.startswith(f"{ROOT}/") and not f.endswith("/io/jsonfile.py")), "?"))
-        return data
+    def recording(loads):
+        def parse(*args, **kwargs):
+            data = loads(*args, **kwargs)
+            if isinstance(data, dict) and data.get("format") == "mocli-layout":
+                frames = [f.filename for f in inspect.stack()[1:]]
+                callers.append(next((f for f in frames if f.startswith(f"{ROOT}/") and not f.endswith("/io/jsonfile.py")),
+                                    "?"))
+            return data
+        return parse
 
-    monkeypatch.setattr(json, "loads", recording)
+    monkeypatch.setattr(json, "loads", recording(json.loads))
+    monkeypatch.setattr(orjson, "loads", recording(orjson.loads))
     return callers
 
 

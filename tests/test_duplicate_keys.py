@@ -96,3 +96,16 @@ def test_colons_inside_strings_are_not_duplicates(tmp_path):
     assert parse_json_bytes(raw, tmp_path / "c.json", walk=False, keys=two_level_keys) == json.loads(raw)
     with pytest.raises(CorruptFileError, match="'k' appears twice"):
         parse_json_bytes(b'{"a": [{"k": 1, "k": 2}]}', tmp_path / "c.json", walk=False, keys=two_level_keys)
+
+
+@pytest.mark.parametrize("raw", [b'{"a": NaN, "b": -Infinity}', b'{"big": [1e400, 18446744073709551616]}',
+                                 b'\xef\xbb\xbf{"bom": 1}', '{"utf16": 1}'.encode("utf-16"),
+                                 b'{"w": 1.0000000000000002, "n": -0, "s": "\\u00e9\\n"}'])
+def test_what_the_fast_parser_refuses_reads_as_json_reads_it(tmp_path, raw):
+    """JSON is parsed by orjson, and what it refuses (NaN and Infinity, numbers past 64 bits or float range, a
+    byte-order mark, another encoding) by json: every input reads as json.loads reads it (NaN compared as
+    its text)."""
+    got = parse_json_bytes(raw, tmp_path / "c.json")
+    assert repr(got) == repr(json.loads(raw))
+    with pytest.raises(CorruptFileError, match="is not valid JSON"):
+        parse_json_bytes(b'{"a": 1,}', tmp_path / "c.json")

@@ -8,11 +8,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from mocli.errors import CorruptFileError
 
 # No checkpoint file nests anywhere near this deep; deeper input is hostile or broken, and would
 # otherwise surface later as a RecursionError in whatever walks it.
 MAX_DEPTH = 64
+_NOT_READ = object()
 # A lone UTF-16 surrogate can only enter through a \uD800-\uDFFF escape (raw UTF-8 cannot encode one).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -32,7 +35,12 @@ def parse_json_bytes(raw: bytes, path: Path, what: str = "file", walk: bool = Tr
     counts the parsed keys without the walk (a caller that knows its structure); it may count
     fewer, never more, than there are."""
     try:
-        data = json.loads(raw)
+        data = orjson.loads(raw)  # 1.5-2x json's speed (a large checkpoint's headers and index: ~0.1 s of 2 cores)
+    except orjson.JSONDecodeError:  # what orjson refuses (NaN, a lone surrogate, 1e400, deep nesting, another
+        data = _NOT_READ              # encoding, or plain bad JSON), json's own reading decides and explains
+    try:
+        if data is _NOT_READ:
+            data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptFileError(f"{path}: {what} is not valid JSON ({e})",
                                hint="the file is corrupt or truncated; re-export or download it again") from None
