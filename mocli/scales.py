@@ -24,12 +24,16 @@ FLOAT_SCALES = ("F32", "BF16", "F16")  # compressed-tensors stores FP8 and KV sc
 
 def scale_entries(census: Census) -> list[TensorEntry]:
     """Every float scale of a quantized module and every float KV-cache scale."""
-    return _module_scales(census) + [t for t in census.kv_scales if t.dtype in FLOAT_SCALES]
+    return _module_scales(census) + _kv_scales(census)
 
 
 def _module_scales(census: Census) -> list[TensorEntry]:
     return [t for m in census.modules.values() if m.scheme is not None
             for s, t in m.tensors.items() if s in SCALE_SUFFIXES and t.dtype in FLOAT_SCALES]
+
+
+def _kv_scales(census: Census) -> list[TensorEntry]:
+    return [t for t in census.kv_scales if t.dtype in FLOAT_SCALES]
 
 
 def read_f32(entries: list[TensorEntry]) -> dict[str, np.ndarray]:
@@ -94,7 +98,7 @@ def read_scales(census: Census) -> Scales:
     dequant-direction value, so a spelling's divisors (compressed-tensors' global scales) come back as
     their float32 reciprocal, as vLLM computes it (SEMANTICS §17.1, §17.3)."""
     modules = _module_scales(census)
-    out = Scales(read_f32(modules + [t for t in census.kv_scales if t.dtype in FLOAT_SCALES]))
+    out = Scales(read_f32(modules + _kv_scales(census)))
     if census.spelling.divisors:  # (a module's scales only: a KV-cache scale is never a divisor)
         for name in [e.name for e in modules if census.spelling.is_divisor(e.name)]:
             out.divisors[name] = out[name].astype(np.float32)

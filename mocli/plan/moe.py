@@ -78,8 +78,10 @@ class _Moe:
             names = self._names[proj, suffix] = [getattr(experts[e], proj).tensors[suffix].name for e in sorted(experts)]
         return names[e0:e1]
 
+    # (the per-layer lookups below are made lazily: _Mxfp4TrtllmMoe builds its layer without this __init__)
     @cached_property
     def _names(self) -> dict[tuple[str, str], list[str]]:
+        """(projection, suffix) -> every expert's source tensor name (``src``)."""
         return {}
 
     def per_expert(self, suffix: str) -> tuple[np.ndarray, ...]:
@@ -106,6 +108,7 @@ class _Moe:
 
     @cached_property
     def _slots(self) -> dict[Role, tuple[dict[int, tuple[str, str]], dict[int, int]]]:
+        """role -> ``_role_slots``' answer."""
         return {}
 
     def _role_slots(self, role: Role) -> tuple[dict[int, tuple[str, str]], dict[int, int]]:
