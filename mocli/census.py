@@ -14,7 +14,7 @@ from enum import StrEnum
 from mocli.io.bulk import paused_gc
 from mocli.io.safetensors_file import TensorEntry
 from mocli.quant_config import Algo
-from mocli.schemes import MODELOPT, Scheme, Spelling, bind, detect
+from mocli.schemes import MODELOPT, Scheme, Spelling, bind, detect, distinct
 from mocli.tables import (
     EXPERT_NAMINGS,
     FUSED_GROUPS,
@@ -125,9 +125,8 @@ class MoELayer:
 
     @property
     def schemes(self) -> set[Scheme | None]:
-        # distinct objects first: a Scheme's hash walks all its fields, and a layer holds ~400 modules of one or two
-        return set({id(m.scheme): m.scheme for e in self.experts.values() for _, m in e.projections()
-                    if m is not None}.values())
+        # distinct objects first (``distinct``): a layer holds ~400 modules of one or two
+        return set(distinct(m.scheme for e in self.experts.values() for _, m in e.projections() if m is not None))
 
 
 @dataclass

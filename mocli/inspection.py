@@ -8,6 +8,7 @@ from typing import Any
 from mocli.census import Census
 from mocli.checkpoint import Checkpoint
 from mocli.exclusions import pattern_reports
+from mocli.schemes import distinct
 
 
 def inspect_checkpoint(ckpt: Checkpoint, census: Census | None = None) -> dict[str, Any]:
@@ -17,7 +18,7 @@ def inspect_checkpoint(ckpt: Checkpoint, census: Census | None = None) -> dict[s
     dtype_bytes = Counter()
     for t in ckpt.tensors.values():
         dtype_bytes[t.dtype] += t.nbytes
-    schemes = sorted({str(s) for s in {id(m.scheme): m.scheme for m in census.modules.values()}.values() if s is not None})
+    schemes = sorted({str(s) for s in distinct(m.scheme for m in census.modules.values()) if s is not None})
     return {
         "path": str(ckpt.path),
         "source": ckpt.source.describe(),

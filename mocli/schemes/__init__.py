@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mocli.quant_config import Algo
-from mocli.schemes.base import Merge, ScaleSpec, Scheme
+from mocli.schemes.base import Merge, ScaleSpec, Scheme, distinct
 from mocli.schemes.fp8 import FP8
 from mocli.schemes.fp8_block import FP8_BLOCK
 from mocli.schemes.fp8_channel import FP8_CHANNEL
@@ -48,5 +48,5 @@ def by_algo(algo: Algo | None) -> Scheme | None:
     return _BY_ALGO.get(algo) if algo is not None else None
 
 
-__all__ = ["COMPRESSED_TENSORS", "FP8", "FP8_BLOCK", "FP8_CHANNEL", "MODELOPT", "MXFP4", "MXFP8", "NVFP4", "NVFP4_AWQ", "SCHEMES",
+__all__ = ["COMPRESSED_TENSORS", "distinct", "FP8", "FP8_BLOCK", "FP8_CHANNEL", "MODELOPT", "MXFP4", "MXFP8", "NVFP4", "NVFP4_AWQ", "SCHEMES",
            "W4A16_NVFP4", "Merge", "ScaleSpec", "Scheme", "Spelling", "bind", "by_algo", "detect"]

@@ -10,7 +10,7 @@ tensor suffixes, ``mocli.tables``); an input format that spells them otherwise i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -113,6 +113,12 @@ class Scheme:
 
     def nan_codes_of(self, suffix: str) -> tuple[int, ...]:
         return dict(self.nan_codes).get(suffix, ())
+
+
+def distinct(schemes: Iterable[Scheme | None]) -> list[Scheme | None]:
+    """The schemes once each, in first-seen order, told apart by identity: a Scheme hashes by walking all its
+    fields, and a large checkpoint holds ~24k modules of a handful of scheme objects."""
+    return list({id(s): s for s in schemes}.values())
 
 
 def scalar(n: int, k: int) -> Shape:

@@ -12,7 +12,7 @@ import numpy as np
 
 from mocli.census import Census, Module
 from mocli.findings import Findings
-from mocli.schemes import Merge
+from mocli.schemes import Merge, distinct
 
 # Requantizing an FP8 shard to a max scale this many times larger pushes its small values three
 # binades down, into e4m3's subnormal range, where they lose mantissa bits (SEMANTICS §3).
@@ -73,8 +73,8 @@ def _check_merged_scales(values: dict[str, np.ndarray], census: Census, findings
     spread: dict[str, list[tuple[str, float]]] = {}
     mismatch: dict[str, list[tuple[str, float]]] = {}
     for name, kind, mods in merged_groups(census):
-        schemes = {id(m.scheme): m.scheme for m in mods if m is not None}  # (a Scheme hashes by its fields)
-        scheme = schemes.popitem()[1] if len(schemes) == 1 else None
+        schemes = distinct(m.scheme for m in mods if m is not None)
+        scheme = schemes[0] if len(schemes) == 1 else None
         if scheme is None or scheme.merge is Merge.NONE:
             continue
         vals = [_scalar(values, m, scheme.merged_scale) for m in mods]
