@@ -60,7 +60,7 @@ def validate_cmd(
         ckpt = open_checkpoint(model)
         with out.progress_bar("scanning") as progress:
             report = validate(ckpt, target, parallel=ParallelLayout(tp, ep), deep=deep, progress=progress,
-                              engine=engine, mxfp4_experts=mxfp4_experts)
+                              engine=engine, mxfp4_experts=mxfp4_experts, keep_plan=False)
         report.filter(select or [], ignore or [])
         report.warnings_as_errors = warnings_as_errors
         out.emit(report.to_dict(), render_validation_concise if output_format is OutputFormat.CONCISE

@@ -8,7 +8,7 @@ from mocli.errors import CorruptFileError, InputError
 from mocli.formats import INDEX_NAME
 from mocli.io.jsonfile import read_json, two_level_keys
 from mocli.io.paths import entry_path
-from mocli.io.safetensors_file import SafetensorsHeader, TensorEntry, read_header
+from mocli.io.safetensors_file import SafetensorsHeader, TensorEntry, read_headers
 
 
 def read_index(root: Path, follow: bool = True) -> tuple[list[SafetensorsHeader], dict[str, TensorEntry]]:
@@ -20,10 +20,10 @@ def read_index(root: Path, follow: bool = True) -> tuple[list[SafetensorsHeader]
     # fixed structure: weight_map is checked here
     index = read_json(index_path, walk=False, follow=follow, keys=two_level_keys)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+    if not isinstance(weight_map, dict) or set(map(type, weight_map.values())) - {str}:
         raise CorruptFileError(f"{index_path}: no \"weight_map\" object of tensor -> file name",
                                hint="the index is corrupt; download it again or delete it for a single-file checkpoint")
-    headers: dict[str, SafetensorsHeader] = {}
+    paths: dict[str, Path] = {}
     for fname in sorted(set(weight_map.values())):
         # Containment is judged on the names, not on where links point: a Hugging Face cache
         # snapshot is made of symlinks into ../../blobs/, and those are fine.
@@ -36,7 +36,8 @@ def read_index(root: Path, follow: bool = True) -> tuple[list[SafetensorsHeader]
             why = "is a dangling or looping link" if fpath.is_symlink() else "does not exist"
             raise InputError(f"{index_path}: shard {fname!r} {why}",
                              hint="the download is incomplete; fetch the missing shard again")
-        headers[fname] = read_header(fpath, follow)
+        paths[fname] = fpath
+    headers = dict(zip(paths, read_headers(list(paths.values()), follow), strict=True))
     # Fast path: the shards' own name -> file map equals the index's (built and compared in C, no loop
     # over the 94,858 names of a large checkpoint); only a disagreement walks name by name to say which
     # tensor is wrong.

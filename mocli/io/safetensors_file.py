@@ -1,33 +1,28 @@
-"""Safetensors headers and tensor bytes, read without loading the file.
-
-We parse the header ourselves instead of ``safetensors.safe_open``: safe_open reports a corrupt file
-as one opaque error, and we need to name the tensor and the fault (overlap, truncation, shape/size
-mismatch) in a one-line message. It is also faster for 90k-tensor checkpoints (one ``json.loads``).
-"""
+"""Safetensors tensor bytes, read without loading the file; the headers are ``mocli.io.header``'s
+(re-exported here)."""
 
 from __future__ import annotations
 
-import hashlib
-import math
 import os
-import struct
 import threading
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from mocli.errors import CorruptFileError, read_error
-from mocli.io.jsonfile import parse_json_bytes, two_level_keys
+from mocli.io.header import (
+    DTYPE_SIZES,
+    MAX_HEADER_BYTES,
+    SafetensorsHeader,
+    TensorEntry,
+    read_header,
+    read_headers,
+)
 from mocli.io.paths import open_regular
 
-# Bytes per element for every safetensors dtype string (safetensors `Dtype`).
-DTYPE_SIZES: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
+__all__ = ["DTYPE_SIZES", "MAX_HEADER_BYTES", "SafetensorsHeader", "TensorEntry", "TensorReader", "np_dtypes",
+           "read_header", "read_headers", "tensor_bytes_view", "torch_dtypes"]
+
 
 if TYPE_CHECKING:  # header-only commands (inspect, validate) never import torch
     import numpy as np
@@ -56,123 +51,6 @@ def np_dtypes() -> dict[str, np.dtype]:
         "F8_E8M0": np.uint8, "I16": np.int16, "U16": np.uint16, "F16": np.float16, "BF16": np.uint16,
         "I32": np.int32, "U32": np.uint32, "F32": np.float32, "I64": np.int64, "U64": np.uint64,
         "F64": np.float64}.items()}  # fmt: skip
-
-
-# A header larger than this is not a real checkpoint (safetensors itself caps it at 100 MB).
-MAX_HEADER_BYTES = 100_000_000
-
-
-class TensorEntry(NamedTuple):
-    """One tensor of a safetensors file: where its bytes are, not the bytes.
-
-    A NamedTuple rather than a frozen dataclass: a 95,000-tensor checkpoint builds one per tensor
-    at every start, and tuple construction is several times cheaper."""
-
-    name: str
-    file: Path
-    dtype: str
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    nbytes: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True, slots=True)
-class SafetensorsHeader:
-    path: Path
-    size: int
-    data_start: int
-    tensors: dict[str, TensorEntry]
-    metadata: dict[str, str]
-    header_sha256: str  # of the raw JSON header: identifies layout and offsets without rereading
-
-
-def read_header(path: Path, follow: bool = True) -> SafetensorsHeader:
-    """Parse and check one safetensors header; raise CorruptFileError naming the fault. ``follow``:
-    whether ``path`` may be a symbolic link (a source in the Hugging Face cache), see io.paths."""
-    size, raw = _raw_header(path, follow)
-    header = parse_json_bytes(raw, path, "header", walk=False, keys=two_level_keys)  # a tensor named twice: refused
-    if not isinstance(header, dict):
-        raise CorruptFileError(f"{path}: header is not a JSON object", hint="the file is not a safetensors file")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise CorruptFileError(f"{path}: __metadata__ is not an object", hint="the header is corrupt")
-    data_start = 8 + len(raw)
-    tensors = _entries(path, header, data_start, size - data_start)
-    return SafetensorsHeader(path, size, data_start, tensors, dict(metadata), hashlib.sha256(raw).hexdigest())
-
-
-def _raw_header(path: Path, follow: bool) -> tuple[int, bytes]:
-    """The file's size and its header's JSON bytes."""
-    fd = open_regular(path, follow)
-    try:
-        size = os.fstat(fd).st_size
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CorruptFileError(f"{path}: file is {size} bytes, too short for a safetensors header",
-                                       hint="the file is truncated; download it again")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise CorruptFileError(
-                    f"{path}: header length {n} is larger than the file ({size} bytes)",
-                    hint="the file is truncated or not a safetensors file")
-            raw = f.read(n)
-    except OSError as e:
-        raise read_error(path, e) from None
-    finally:
-        os.close(fd)
-    return size, raw
-
-
-def _entries(path: Path, header: dict, data_start: int, data_size: int) -> dict[str, TensorEntry]:
-    """Each tensor's entry, checked: dtype, shape, offsets inside the data and no two overlapping."""
-    tensors: dict[str, TensorEntry] = {}
-    spans: list[tuple[int, int, str]] = []
-    sizes = DTYPE_SIZES
-    prod = math.prod
-    for name, info in header.items():
-        # Runs once per tensor of every shard at every start: checks done by C builtins where possible.
-        try:
-            dtype, dims, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-            count = prod(dims) if type(dims) is list else None
-            ok = (type(count) is int and type(begin) is int and type(end) is int and begin >= 0
-                  and (not dims or min(dims) >= 0))
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise CorruptFileError(f"{path}: tensor '{name}' has a malformed header entry (needs dtype, "
-                                   "shape and data_offsets [begin, end])", hint="the header is corrupt; "
-                                   "re-export or download the file again")
-        width = sizes.get(dtype) if type(dtype) is str else None
-        if width is None:
-            raise CorruptFileError(f"{path}: tensor '{name}' has unknown dtype {dtype!r}",
-                                   hint="safetensors dtypes are " + ", ".join(DTYPE_SIZES) +
-                                   "; the file is corrupt or from a newer format")
-        if end < begin:
-            raise CorruptFileError(f"{path}: tensor '{name}' has reversed offsets [{begin}, {end}]",
-                                   hint="the header is corrupt; re-export or download the file again")
-        expected = count * width
-        if end - begin != expected:
-            raise CorruptFileError(
-                f"{path}: tensor '{name}' {dtype}{dims} needs {expected} bytes but its offsets "
-                f"span {end - begin}", hint="the header is corrupt")
-        if end > data_size:
-            raise CorruptFileError(
-                f"{path}: tensor '{name}' ends at byte {end} of the data but the file holds {data_size}",
-                hint="the file is truncated; download it again")
-        shape = tuple(dims)
-        spans.append((begin, end, name))
-        tensors[name] = TensorEntry(name, path, dtype, shape, data_start + begin, end - begin)
-    spans.sort()
-    for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:], strict=False):
-        if b1 < e0:
-            raise CorruptFileError(f"{path}: tensors '{n0}' and '{n1}' overlap (bytes {b1}..{e0})",
-                                   hint="the header is corrupt")
-    return tensors
 
 
 def tensor_bytes_view(t: torch.Tensor | np.ndarray) -> memoryview:

@@ -34,11 +34,13 @@ __all__ = ["PLANNERS", "ConvertPlan", "ConvertedModule", "build_plan"]
 
 def build_plan(census: Census, scales: dict[str, np.ndarray], target: Target,
                parallel: ParallelLayout | None = None, heads: Heads | None = None,
-               mxfp4_experts: str = "native") -> ConvertPlan:
+               mxfp4_experts: str = "native", units: bool = True) -> ConvertPlan:
     """The whole conversion: quantized dense modules and MoE layers through their kind's planner,
     everything else passed through unchanged at the top level (SEMANTICS §10: not sliced).
-    ``mxfp4_experts``: how MXFP4 experts are written (``mocli.targets.experts``)."""
-    pc = PlanContext(census, scales, layout_of(target, mxfp4_experts), parallel or ParallelLayout(), heads)
+    ``mxfp4_experts``: how MXFP4 experts are written (``mocli.targets.experts``). ``units=False``: a plan
+    to judge, not to run (``PlanContext.units``)."""
+    pc = PlanContext(census, scales, layout_of(target, mxfp4_experts), parallel or ParallelLayout(), heads,
+                     units=units)
     # a value that overflows is not a warning here: every computed one is judged (``ConvertPlan.computed``)
     with pc.reader, np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         for name, shards, scheme in census.dense_units():

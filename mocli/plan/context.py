@@ -24,6 +24,9 @@ class PlanContext:
     consumed: set[str] = field(default_factory=set)
     # tensors a planner must look into (the marlin target's block-scale maxima); closed after planning
     reader: TensorReader = field(default_factory=TensorReader)
+    # False: the plan is only judged (validate's SCL006 in ``computed_aside``), never run: the expert units, a
+    # ~30k-unit MoE checkpoint's bulk, are not made (``_Moe.expert_unit``)
+    units: bool = True
 
     def scale(self, m: Module, suffix: str) -> np.ndarray:
         return self.scales[m.tensors[suffix].name].reshape(())

@@ -128,7 +128,9 @@ class _Moe:
         (parts laid end to end in its slot of the stacked tensor; ``(i0, i1)``: the rank's rows of I):
         source ranges or numpy arrays, made without torch (``Unit.torch_free``); ``gpu``: or torch tensors on
         the context's CUDA device where the run has one (``Unit.gpu``); ``in_place``: its arrays made by
-        ``UnitContext.empty`` (``Unit.in_place``)."""
+        ``UnitContext.empty`` (``Unit.in_place``). Nothing where the plan is only judged (``PlanContext.units``)."""
+        if not self.pc.units:
+            return
         holders = self.holders(e)
         every_key, stride = self._role_slots(role)
         keys = every_key if holders is self._everyone else {r: every_key[r] for r in holders}

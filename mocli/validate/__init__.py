@@ -24,7 +24,7 @@ from mocli.parallel import Heads, ParallelLayout
 from mocli.scales import read_scales
 from mocli.targets import Target
 from mocli.validate.awq import check_awq
-from mocli.validate.computed import check_computed
+from mocli.validate.computed import aside_findings, check_computed, computed_aside
 from mocli.validate.exclusion import check_exclusions, check_mixed_layers, declared_quantized
 from mocli.validate.grouping import group_findings
 from mocli.validate.mxfp4 import check_mxfp4
@@ -96,17 +96,19 @@ class ValidationReport:
 def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | None = None,
              scales: dict[str, np.ndarray] | None = None, parallel: ParallelLayout | None = None,
              deep: bool = False, progress: Any = None, engine: Engine = Engine.VLLM,
-             mxfp4_experts: str = "native") -> ValidationReport:
+             mxfp4_experts: str = "native", keep_plan: bool = True) -> ValidationReport:
     """All checks; ``census``/``scales`` may be passed in when the caller already has them. ``engine``:
     whose reading of exclusions and algorithms is checked (``mocli.engines``; vLLM's by default).
     ``mxfp4_experts``: how the target would write MXFP4 experts (``mocli.targets.experts``; fp8-block reads
-    every MXFP4 expert's bytes to judge its blocks, TGT004)."""
+    every MXFP4 expert's bytes to judge its blocks, TGT004). ``keep_plan``: the report keeps the target's
+    conversion plan (``ValidationReport.plan``, which convert goes on with); without it, the plan may be made
+    and judged in a forked child beside the other checks (``mocli.validate.computed.computed_aside``)."""
     if mxfp4_experts != "native":
         from mocli.targets.experts import check_choice
 
         check_choice(target, mxfp4_experts)
     with paused_gc():  # ~100k findings, scale arrays and plan objects, none cyclic (see paused_gc)
-        report = _header_checks(ckpt, target, census, scales, parallel, deep, engine, str(mxfp4_experts))
+        report = _header_checks(ckpt, target, census, scales, parallel, deep, engine, str(mxfp4_experts), keep_plan)
     if deep and "scale_names" in report.stats:  # not where the checks stopped early (no quantization config)
         from mocli.deep_scan import scan
 
@@ -116,7 +118,8 @@ def validate(ckpt: Checkpoint, target: Target | None = None, census: Census | No
 
 
 def _header_checks(ckpt: Checkpoint, target: Target | None, census: Census | None, scales: dict[str, np.ndarray] | None,
-                   parallel: ParallelLayout | None, deep: bool, engine: Engine, experts: str) -> ValidationReport:
+                   parallel: ParallelLayout | None, deep: bool, engine: Engine, experts: str,
+                   keep_plan: bool) -> ValidationReport:
     """Every check but the deep scan: headers, configs, the scales and (``target``) the conversion's plan."""
     findings = Findings(ckpt.config_findings)
     census = census or ckpt.census()
@@ -136,29 +139,45 @@ def _header_checks(ckpt: Checkpoint, target: Target | None, census: Census | Non
     if target is None:
         report.not_judged.append({"what": "target", "name": None, "label": "target constraints",
                                   "why": f"no --target given ({', '.join(t.value for t in Target)})"})
-    # vLLM's exclusion reading also tells the tensor checks which modules an engine quantizes
-    declared = declared_quantized(quant, census, findings if "vllm" in engines else Findings(), ckpt.architecture)
-    if "vllm" in engines:
-        check_mixed_layers(quant, census, findings)
-        check_exclusions(quant, census, declared, findings)
-    if "sglang" in report.judged["engines"]:
-        from mocli.engines import sglang
-
-        sglang.check(sglang_config(ckpt), census, ckpt.architecture, findings)
-    check_tensors(quant, census, declared, findings)
-    check_kv_cache(quant, ckpt.tensors, findings)
-    check_awq(quant, census, frozenset(report.judged["engines"]), findings)
-    check_mxfp4(quant, census, frozenset(report.judged["engines"]), findings)
+    heads = Heads.from_config(ckpt.config)
+    # read before the checks that do not need them, so that a child judging the target's plan has them too
     scales = scales if scales is not None else read_scales(census)
+    with computed_aside(target, parallel, heads, census, scales, experts, keep_plan) as job:
+        # vLLM's exclusion reading also tells the tensor checks which modules an engine quantizes
+        declared = declared_quantized(quant, census, findings if "vllm" in engines else Findings(), ckpt.architecture)
+        if "vllm" in engines:
+            check_mixed_layers(quant, census, findings)
+            check_exclusions(quant, census, declared, findings)
+        if "sglang" in report.judged["engines"]:
+            from mocli.engines import sglang
+
+            sglang.check(sglang_config(ckpt), census, ckpt.architecture, findings)
+        check_tensors(quant, census, declared, findings)
+        check_kv_cache(quant, ckpt.tensors, findings)
+        check_awq(quant, census, frozenset(report.judged["engines"]), findings)
+        check_mxfp4(quant, census, frozenset(report.judged["engines"]), findings)
+        _scales_and_target(report, target, parallel, heads, scales, deep, experts, job)
+    if not keep_plan:
+        report.plan = None
+    return report
+
+
+def _scales_and_target(report: ValidationReport, target: Target | None, parallel: ParallelLayout, heads: Heads | None,
+                       scales: dict[str, np.ndarray], deep: bool, experts: str, job) -> None:
+    """Scale health, the TP/EP layout, and the target's constraints and computed scales (SCL006: from
+    ``job``, the forked child's findings, where one was started and finished)."""
+    census, findings = report.census, report.findings
     report.stats["scales"] = check_scales(scales, census, findings)
     report.stats["scale_names"] = list(scales) if deep else []
-    heads = Heads.from_config(ckpt.config)
     sliceable = check_parallel(parallel, heads, census, findings)
     if target is not None:
         check_target(target, parallel, heads, census, sliceable, findings, experts)
         check_reencoded(target, census, findings, experts)
-        report.plan = check_computed(target, parallel, heads, census, scales, findings, experts)
-    return report
+        computed = aside_findings(job) if job is not None and not findings.errors else None
+        if computed is not None:
+            findings.extend(computed)
+        else:
+            report.plan = check_computed(target, parallel, heads, census, scales, findings, experts)
 
 
 def _judged_engines(report: ValidationReport, ckpt: Checkpoint, engines: frozenset[str]) -> None:
