@@ -31,6 +31,8 @@ _EXPERT = {
     n.style: re.compile(rf"^(?P<layer>.*\.{re.escape(n.container)})\.(?P<e>\d+)\.(?P<proj>[^.]+)$")
     for n in EXPERT_NAMINGS
 }
+# per naming, its projection names -> Expert's slots
+_PROJ = {n.style: {n.gate: "gate", n.up: "up", n.down: "down", n.gate_up or "-": "gate_up"} for n in EXPERT_NAMINGS}
 
 
 class Kind(StrEnum):
@@ -280,8 +282,7 @@ def _match_expert(name: str) -> tuple[ExpertNaming, str, int, str] | None:
         m = _EXPERT[naming.style].match(name)
         if m is None:
             continue
-        proj = {naming.gate: "gate", naming.up: "up", naming.down: "down", naming.gate_up or "-": "gate_up"}.get(
-            m.group("proj"))
+        proj = _PROJ[naming.style].get(m.group("proj"))
         if proj is not None:
             return naming, m.group("layer"), int(m.group("e")), proj
     return None

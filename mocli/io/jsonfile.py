@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from itertools import compress, repeat
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +62,8 @@ def two_level_keys(data: dict) -> int:
     """The keys of an object and of its object values, at C speed: all of them in a safetensors header
     (names, each entry's fields, ``__metadata__``'s) or an index (``weight_map``'s names); deeper
     objects go uncounted, which only costs the slow check."""
-    return len(data) + sum(map(len, filter(_is_dict, data.values())))
-
-
-def _is_dict(v: object) -> bool:
-    return type(v) is dict
+    values = data.values()
+    return len(data) + sum(map(len, compress(values, map(isinstance, values, repeat(dict)))))
 
 
 def _count_keys(data: Any, keys: Callable[[Any], int] | None) -> int:

@@ -341,8 +341,8 @@ class _MarlinMoe(_Moe):
             e0, e1 = self.experts[r]
             for role, (v, factors, how, sources) in vectors.items():
                 part = v[e0:e1].astype(F32)
-                if factors is not None:
-                    part = np.array([marlin.global_scale(x, factors[r], ACT_DTYPE) for x in part], dtype=F32)
+                if factors is not None:  # elementwise: the same float32 products and quotients as one by one
+                    part = np.asarray(marlin.global_scale(part, factors[r], ACT_DTYPE), dtype=F32)
                 self.add(r, role, "F32", tuple(part.shape), sources if self.pc.parallel.single else
                          [s for s in sources if self._expert_of(s) in range(e0, e1)], [how])
                 values[self.key(r, role)] = self.pc.plan.computed_value(self.key(r, role), part)

@@ -87,8 +87,15 @@ class _Moe:
     def per_expert(self, suffix: str) -> tuple[np.ndarray, ...]:
         """([E] gate, [E] up, [E] down) float32 values of one scale suffix."""
         scales = self.pc.scales
-        return tuple(np.array([scales[trio[j].tensors[suffix].name].reshape(()) for trio in self.mods], dtype=F32)
-                     for j in range(3))
+        out = []
+        for j in range(3):
+            values = [scales[trio[j].tensors[suffix].name] for trio in self.mods]
+            try:  # one value each, all () or all [1]: stacked at once (a layer's 384 of them, twice per layer)
+                v = np.array(values, dtype=F32).reshape(len(values))
+            except ValueError:  # shapes that differ, or more than one value: each reshaped (and refused) alone
+                v = np.array([x.reshape(()) for x in values], dtype=F32)
+            out.append(v)
+        return tuple(out)
 
     def input_scales(self) -> tuple[np.float32, np.float32]:
         """(a13, a2): max input scale over all experts' w1/w3, and over their w2 (SEMANTICS §4, §7.3)."""
