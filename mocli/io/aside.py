@@ -22,6 +22,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from mocli.trace import mark
+
 ENABLED = not os.environ.get("MOCLI_SERIAL")
 
 
@@ -98,4 +100,5 @@ def _fork(work: Callable[[], bytes]) -> Child | None:
         finally:
             os._exit(code)
     os.close(write)
+    mark(f"aside: child {pid} forked")
     return Child(pid, read)
