@@ -240,6 +240,15 @@ def bench_headers(scratch: Path, rounds: int, results: list) -> None:
                               env={**os.environ, "PYTHONPATH": PYTHONPATH}).stdout.strip().splitlines()[-1]
     print(f"validate imports torch: {imported} | goal False | {'meets' if imported == 'False' else 'MISSES'}")
     results.append({"what": "validate imports torch", "meets": imported == "False"})
+    # on two cores or more, half the headers and the target's plan go to forked children (mocli.io.aside): a
+    # thread or an import that quietly turned that off would show here first
+    cores = len(os.sched_getaffinity(0))
+    trace = subprocess.run(mocli("validate", str(src), "--target", "marlin"), capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": PYTHONPATH, "MOCLI_TRACE": "1"}).stderr
+    children, want = trace.count("aside: child"), 2 if cores > 1 else 0
+    print(f"validate --target marlin children forked: {children} | goal {want} ({cores} cores) | "
+          f"{'meets' if children == want else 'MISSES'}")
+    results.append({"what": "validate forks its children", "meets": children == want})
 
 
 def bench_rss(scratch: Path, results: list) -> None:
