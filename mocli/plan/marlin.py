@@ -46,13 +46,12 @@ def _top_code(pc: PlanContext, m: Module, rows: tuple[int, int] | None = None,
     return top if top < 0x7F else int(np.where(a < 0x7F, a, 0).max())
 
 
-def _top_codes(pc: PlanContext, mods: list[Module], rows: tuple[int, int] | None = None,
-               cols: tuple[int, int] | None = None) -> np.ndarray:
-    """``_top_code`` of each module's block scales, at once: their rows' byte maxima in one pass over each
-    file (``TensorReader.byte_maxima``), each one at or above 0x7F (a NaN or negative code) and each column
-    slice (w2 under TP) looked at alone."""
+def _top_codes(pc: PlanContext, asks: list[tuple[Module, tuple[int, int] | None, tuple[int, int] | None]]) -> np.ndarray:
+    """``_top_code`` of each (module, rows, cols) at once: their rows' byte maxima in one pass over each file
+    (``TensorReader.byte_maxima``), each one at or above 0x7F (a NaN or negative code) and each column slice
+    (w2 under TP) looked at alone."""
     spans, alone = [], []
-    for k, m in enumerate(mods):
+    for k, (m, rows, cols) in enumerate(asks):
         entry = m.tensors[WEIGHT_SCALE]
         width = entry.shape[-1]
         if cols and cols != (0, width):
@@ -60,7 +59,7 @@ def _top_codes(pc: PlanContext, mods: list[Module], rows: tuple[int, int] | None
         spans.append((entry, rows[0] * width, rows[1] * width) if rows else (entry, 0, entry.nbytes))
     tops = pc.reader.byte_maxima(spans).astype(np.int64)
     for k in [*alone, *np.flatnonzero(tops >= 0x7F).tolist()]:
-        tops[k] = _top_code(pc, mods[k], rows, cols)
+        tops[k] = _top_code(pc, *asks[k])
     return tops
 
 
@@ -268,7 +267,7 @@ class _MarlinMoe(_Moe):
         exports in fixtures/real reaches 256-448, so a layer settles at its first expert and the rest of its
         block scales is not read at plan time (the units read them anyway). The benchmark's synthetic MoE
         (scales in [20, 220], factor 2) reads all 0.44 GB, 30 ms on the build VM and 60 on an H200 host.
-        Each batch of experts is one pass per file (``_top_codes``); batches grow eightfold, so a layer of
+        Each batch of experts is one pass per file for w1, w3 and w2 together (``_top_codes``); batches grow eightfold, so a layer of
         128 experts that never settles takes 4 passes."""
         sf13, sf2 = {}, {}
         for r in self.ranks:
@@ -277,12 +276,15 @@ class _MarlinMoe(_Moe):
             a, n = e0, 1
             while a < e1 and not (_settled(top13) and _settled(top2)):  # 1, 8, 64, ... experts at a time
                 b, mods = min(e1, a + n), self.mods[a:min(e1, a + n)]
-                if not _settled(top13):
-                    w1, w3 = (_top_codes(self.pc, [m[j] for m in mods], rows=(i0, i1)) for j in (0, 1))
-                    top13 = max(top13, int(fp8.rescale_codes(w1, s2_1[a:b], w13_s2[a:b]).max()),
-                                int(fp8.rescale_codes(w3, s2_3[a:b], w13_s2[a:b]).max()))
-                if not _settled(top2):
-                    top2 = max(top2, int(_top_codes(self.pc, [m[2] for m in mods], cols=(i0 // 16, i1 // 16)).max()))
+                w13, w2 = not _settled(top13), not _settled(top2)
+                asks = [(m[j], (i0, i1), None) for j in (0, 1) for m in mods] if w13 else []
+                asks += [(m[2], None, (i0 // 16, i1 // 16)) for m in mods] if w2 else []
+                tops, k = _top_codes(self.pc, asks), len(mods)  # w1's, w3's, then w2's: one pass per file
+                if w13:
+                    top13 = max(top13, int(fp8.rescale_codes(tops[:k], s2_1[a:b], w13_s2[a:b]).max()),
+                                int(fp8.rescale_codes(tops[k:2 * k], s2_3[a:b], w13_s2[a:b]).max()))
+                if w2:
+                    top2 = max(top2, int(tops[2 * k if w13 else 0:].max()))
                 a, n = b, 8 * n
             sf13[r], sf2[r] = _factor(top13), _factor(top2)
         return sf13, sf2
