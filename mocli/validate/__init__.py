@@ -19,6 +19,7 @@ from mocli.census import Census
 from mocli.checkpoint import Checkpoint
 from mocli.engines import ENGINES, Engine
 from mocli.findings import Findings
+from mocli.io.aside import Child
 from mocli.io.bulk import paused_gc
 from mocli.parallel import Heads, ParallelLayout
 from mocli.scales import read_scales
@@ -163,7 +164,7 @@ def _header_checks(ckpt: Checkpoint, target: Target | None, census: Census | Non
 
 
 def _scales_and_target(report: ValidationReport, target: Target | None, parallel: ParallelLayout, heads: Heads | None,
-                       scales: dict[str, np.ndarray], deep: bool, experts: str, job) -> None:
+                       scales: dict[str, np.ndarray], deep: bool, experts: str, job: Child | None) -> None:
     """Scale health, the TP/EP layout, and the target's constraints and computed scales (SCL006: from
     ``job``, the forked child's findings, where one was started and finished)."""
     census, findings = report.census, report.findings
