@@ -70,10 +70,7 @@ def read_header(path: Path, follow: bool = True) -> SafetensorsHeader:
     whether ``path`` may be a symbolic link (a source in the Hugging Face cache), see io.paths."""
     size, raw, header, metadata = _parsed(path, follow)
     data_start = 8 + len(raw)
-    try:
-        columns = _clean_columns(header, data_start, size - data_start)
-    except (TypeError, KeyError, ValueError):
-        columns = None
+    columns = _columns(header, data_start, size - data_start)
     tensors = _checked_entries(path, header, data_start, size - data_start) if columns is None else \
         _entries(path, list(header), *columns)
     return SafetensorsHeader(path, size, data_start, tensors, metadata, hashlib.sha256(raw).hexdigest())
@@ -116,10 +113,10 @@ def _columns_or_none(path: Path, follow: bool) -> tuple | None:
     where anything is off (the parent reads the file itself and names the fault)."""
     try:
         size, raw, header, metadata = _parsed(path, follow)
-        data_start = 8 + len(raw)
-        columns = _clean_columns(header, data_start, size - data_start)
-    except (MocliError, TypeError, KeyError, ValueError):
+    except MocliError:
         return None
+    data_start = 8 + len(raw)
+    columns = _columns(header, data_start, size - data_start)
     if columns is None:
         return None
     return size, data_start, list(header), *columns, metadata, hashlib.sha256(raw).hexdigest()
@@ -171,6 +168,14 @@ def _entries(path: Path, names: list[str], dtypes: list[str], shapes: list[tuple
     """Entries from checked columns, built in C (``tuple.__new__`` of the NamedTuple: no Python ``__new__``)."""
     entries = map(tuple.__new__, repeat(TensorEntry), zip(names, repeat(path), dtypes, shapes, starts, nbytes, strict=False))
     return dict(zip(names, entries, strict=True))
+
+
+def _columns(header: dict, data_start: int, data_size: int) -> tuple | None:
+    """``_clean_columns``, None for any header it does not take."""
+    try:
+        return _clean_columns(header, data_start, data_size)
+    except (TypeError, KeyError, ValueError):
+        return None
 
 
 def _clean_columns(header: dict, data_start: int, data_size: int) -> tuple | None:
