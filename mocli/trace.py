@@ -6,33 +6,30 @@ from __future__ import annotations
 
 import atexit
 import os
-import sys
-import threading
 import time
 
 ON = bool(os.environ.get("MOCLI_TRACE"))
 
 
-def _since_exec() -> float:
+def _exec_time() -> float:
+    """CLOCK_BOOTTIME at this process's start (a forked worker keeps its parent's: one time line)."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
-        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
-        return time.perf_counter()
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - time.perf_counter()
 
 
-_LOCK = threading.Lock()
+_START = _exec_time() if ON else 0.0
 
 
 def mark(label: str) -> None:
-    """One whole line in one write: ``print`` writes the text and its newline apart, so marks from the
-    threads that hash, convert and verify in parallel ran together on one line."""
+    """One whole line in one ``write(2)``: ``print`` writes the text and its newline apart, so marks from the
+    threads that hash, convert and verify in parallel ran together on one line; and no lock, which a worker
+    forked while another thread held it would wait on for ever."""
     if ON:
-        line = f"[trace] {_since_exec():7.3f} s  {label}\n"
-        with _LOCK:
-            sys.stderr.write(line)
-            sys.stderr.flush()
+        os.write(2, f"[trace] {time.clock_gettime(time.CLOCK_BOOTTIME) - _START:7.3f} s  {label}\n".encode())
 
 
 _ONCE: set[str] = set()

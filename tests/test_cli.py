@@ -355,23 +355,24 @@ def test_piped_output_has_no_trailing_whitespace(cli):
 
 
 def test_trace_writes_each_mark_as_one_line(monkeypatch):
-    """MOCLI_TRACE marks from threads ran together: each is now one write of a whole line."""
-    import sys
+    """MOCLI_TRACE marks from threads ran together: each is now one write(2) of a whole line, with no lock
+    (a worker forked while another thread held one waited on it for ever)."""
+    import os
     import threading
 
     from mocli import trace
 
     writes: list[str] = []
+    real = os.write
 
-    class Recorder:
-        def write(self, s):
-            writes.append(s)
-
-        def flush(self):
-            pass
+    def write(fd, data):
+        if fd != 2:
+            return real(fd, data)
+        writes.append(data.decode())
+        return len(data)
 
     monkeypatch.setattr(trace, "ON", True)
-    monkeypatch.setattr(sys, "stderr", Recorder())
+    monkeypatch.setattr(os, "write", write)
     threads = [threading.Thread(target=lambda i=i: [trace.mark(f"t{i} m{j}") for j in range(50)]) for i in range(4)]
     for t in threads:
         t.start()
@@ -379,6 +380,7 @@ def test_trace_writes_each_mark_as_one_line(monkeypatch):
         t.join()
     assert len(writes) == 200
     assert all(w.startswith("[trace] ") and w.endswith("\n") and w.count("\n") == 1 for w in writes)
+    assert not any(isinstance(v, type(threading.Lock())) for v in vars(trace).values())
 
 
 def _readme_table(header: str) -> dict[str, list[str]]:
