@@ -2,7 +2,9 @@
 where they run (numpy, or torch where a check needs it), how many at once, in which order.
 
 NVFP4 checks run in numpy (torch only for FlashInfer's sm_100 kernels), up to ``kinds.WORKERS``
-modules at once, largest first, results in manifest order; FP8 checks in torch, one at a time. When a
+modules at once (in worker processes: as many as there are workers), largest first, results in manifest
+order; FP8 checks in torch, one at a time. Where the workers outnumber the large MoE layers at least
+twice, an MoE layer's expert bytes and numerics go to them in pieces (``mocli.verify.pieces``). When a
 module is done the mapped pages go back (all maps': the modules still running fault theirs back in
 from the page cache).
 """
@@ -18,9 +20,9 @@ from mocli import trace
 from mocli import workers as wk
 from mocli.checkpoint import Checkpoint
 from mocli.devices import Kernels, capability, check_device
-from mocli.kinds import ModuleKind
+from mocli.kinds import KINDS, ModuleKind
 from mocli.progress import ModuleProgress as Progress
-from mocli.verify import kinds as check_kinds
+from mocli.verify import pieces
 from mocli.verify.expect import heads_of
 from mocli.verify.kinds import CHECKS, WORKERS
 from mocli.verify.kinds.context import CheckContext
@@ -97,8 +99,8 @@ def check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout, 
                 for ck in cks.values():
                     ck.drop_pages()
 
-        remote = _RemoteChecks(names, check, [_module_bytes(cks, n) for n in names]) if rt is None and \
-            wk.enabled() and len(names) > 1 and wk.PROCS // wk.local_world() >= 2 else None
+        remote = _RemoteChecks(names, check, ctx, _moe_sizes(cks, names)) if rt is None and wk.enabled() and \
+            len(names) > 1 and wk.PROCS // wk.local_world() >= 2 else None
         workers = (remote.procs if remote and remote.pool else WORKERS) if rt is None else 1  # numpy checks at once
         run = remote.run if remote else check
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mocli-verify") if workers > 1 else None
@@ -115,8 +117,14 @@ def check_modules(names: list[str], cks: dict, src: Checkpoint, census, layout, 
             if pool:
                 pool.shutdown(wait=True, cancel_futures=True)
             if remote:
-                remote.close()
+                remote.close(ctx)
     return results, cross
+
+
+def _moe_sizes(cks: dict, names: list[str]) -> dict[str, int]:
+    """The MoE layers among ``names`` and their bytes on the checked ranks."""
+    moe = {n for n in names for ck in cks.values() if ck.holds(n) and KINDS[ck.module_entry(n).kind].moe}
+    return {n: _module_bytes(cks, n) for n in names if n in moe}
 
 
 # The run's modules and their check, as the worker processes inherit them (``_RemoteChecks``)
@@ -128,19 +136,29 @@ class _RemoteChecks:
     """Numpy checks in worker processes (``mocli.workers``), where a machine has cores that one process's
     threads cannot keep busy (the byte checks hold the GIL between short numpy passes). Forked once the
     run's context exists, a worker runs a module's check as this process would and sends its results
-    back; a check that fails there (an error, the worker gone) runs again here, where its error shows."""
+    back; a check that fails there (an error, the worker gone) runs again here, where its error shows.
+    Where the workers outnumber the large MoE layers (at least half the largest's bytes) at least twice,
+    each MoE layer is checked here, its heavy parts sent out in pieces (``mocli.verify.pieces``)."""
 
-    def __init__(self, names: list[str], check: Callable, sizes: list[int]) -> None:
+    def __init__(self, names: list[str], check: Callable, ctx: CheckContext, moe: dict[str, int]) -> None:
         global _NAMES, _CHECK
         _NAMES, _CHECK = list(names), check
         self.index = {n: i for i, n in enumerate(_NAMES)}
         self.procs = wk.PROCS // wk.local_world()
-        check_kinds.EXPERT_THREADS = expert_threads(self.procs, sizes)  # the children inherit it
-        self.pool = wk.fresh(self.procs)
         self.check = check
         self.here = threading.Semaphore(WORKERS)  # checks run here (a worker failed): as many as without workers
+        large = sum(1 for b in moe.values() if 2 * b >= max(moe.values(), default=0))
+        parts = pieces.parts_for(self.procs, large) if moe else 1
+        pieces.inherit(ctx, lambda: _drop(ctx))  # before the fork: the workers run pieces in this context
+        for kind in {ck.module_entry(n).kind for ck in ctx.cks.values() for n in names if ck.holds(n)}:
+            CHECKS[kind].check  # noqa: B018 - imported before the fork, not by every worker (~0.1 s each on the H200 host)
+        self.pool = wk.fresh(self.procs)
+        self.split = set(moe) if parts > 1 and self.pool is not None else set()
+        ctx.pieces = pieces.Pieces(self.pool, self.procs, parts, self.here) if self.split else None
 
     def run(self, name: str):
+        if name in self.split:  # here, its pieces in the workers
+            return self.check(name)
         got: list = []
         task = wk.Task(remote_check, (self.index[name],), 0, 0, None, lambda _, reply: got.append(pickle.loads(reply)))
         if self.pool is not None and self.pool.call(task):
@@ -148,19 +166,22 @@ class _RemoteChecks:
         with self.here:
             return self.check(name)
 
-    def close(self) -> None:
+    def close(self, ctx: CheckContext) -> None:
         global _NAMES, _CHECK
+        if ctx.pieces is not None:
+            ctx.pieces.close()
+            ctx.pieces = None
         if self.pool is not None:
             self.pool.close()
         _NAMES, _CHECK = [], None
-        check_kinds.EXPERT_THREADS = 1
+        pieces.inherit(None, None)
 
 
-def expert_threads(procs: int, sizes: list[int]) -> int:
-    """Threads for each MoE check's expert bytes in a worker: the workers that the large modules (at
-    least half the largest's bytes) leave idle, shared among them, up to four each."""
-    large = sum(1 for b in sizes if 2 * b >= max(sizes, default=0)) or 1
-    return max(1, min(4, procs // large))
+def _drop(ctx: CheckContext) -> None:
+    """A worker's mapped pages of the source and the outputs given back (a piece done)."""
+    ctx.src.reader.drop_pages()
+    for ck in ctx.cks.values():
+        ck.drop_pages()
 
 
 def remote_check(src, dst, args: tuple[int, ...]) -> bytes:

@@ -48,39 +48,27 @@ def byte_checks(name: str, threads: int = WORKERS) -> ThreadPoolExecutor:
     return wk.executor(name, threads)
 
 
-# Threads one MoE check's expert bytes are shared out to, in a worker process: set before the workers are
-# forked (``mocli.verify.modules``) where they outnumber the large modules; one elsewhere. On the H200 host
-# 14 workers verified the bench's six MoE layers, each worker's byte thread the long pole (its GEMMs waited
-# for it 80% of the time) and eight workers idle.
-EXPERT_THREADS = 1
-
-
-def each_expert(name: str, experts: list, check: Callable[[int, Any, Problems], Any],
-                errors: tuple[type[Exception], ...]) -> tuple[Problems, Exception | None, list]:
-    """``check(local, expert, found)`` for every expert, as one loop over them would run it: the
-    differences in expert order, the first of ``errors`` raised (those before it kept, none after), and
-    what each call returned up to it. With ``EXPERT_THREADS`` > 1 the experts go in that many runs of
-    consecutive ones to threads of their own (the calling thread takes the first), merged in order."""
+def each_expert(experts: list, check: Callable[[int, Any, Problems], Any], errors: tuple[type[Exception], ...],
+                first: int = 0) -> tuple[Problems, Exception | None, list]:
+    """``check(local, expert, found)`` for every expert (``local`` counted from ``first``): the differences in
+    expert order, the first of ``errors`` raised (those before it kept, none after), and what each call
+    returned up to it."""
     from mocli.verify.results import Problems
 
-    def run(part: list[tuple[int, Any]]) -> tuple[Problems, Exception | None, list]:
-        found, got = Problems(), []
-        try:
-            for local, ex in part:
-                got.append(check(local, ex, found))
-        except errors as e:
-            return found, e, got
-        return found, None, got
+    found, got = Problems(), []
+    try:
+        for local, ex in enumerate(experts, first):
+            got.append(check(local, ex, found))
+    except errors as e:
+        return found, e, got
+    return found, None, got
 
-    items = list(enumerate(experts))
-    n = max(1, min(EXPERT_THREADS, len(items)))
-    if n == 1:
-        return run(items)
-    per = -(-len(items) // n)
-    parts = [items[i:i + per] for i in range(0, len(items), per)]
-    pool = wk.executor(f"{name}-split", n - 1, in_workers=True)
-    rest = [pool.submit(run, part) for part in parts[1:]]
-    runs = [run(parts[0])] + [f.result() for f in rest]
+
+def merged(runs: list[tuple[Problems, Exception | None, list]]) -> tuple[Problems, Exception | None, list]:
+    """Runs of consecutive experts (``each_expert``'s answers, in expert order) as one loop over all of them
+    would have answered: a run's fault ends it, the runs after it dropped."""
+    from mocli.verify.results import Problems
+
     found, got = Problems(), []
     for part_found, fault, part_got in runs:
         found += part_found
@@ -90,4 +78,4 @@ def each_expert(name: str, experts: list, check: Callable[[int, Any, Problems], 
     return found, None, got
 
 
-__all__ = ["CHECKS", "EXPERT_THREADS", "WORKERS", "KindCheck", "byte_checks", "each_expert"]
+__all__ = ["CHECKS", "WORKERS", "KindCheck", "byte_checks", "each_expert", "merged"]

@@ -21,3 +21,4 @@ class CheckContext:
     heads: tuple[int, int] | None  # (kv heads, head dim) from the source's config.json
     rt: Any = None  # mocli.verify.common.Runtime where a check needs torch, else None
     fp4: Any = None  # mocli.verify.kinds.nvfp4_linear.Fp4Kernels where FlashInfer's NVFP4 kernels run
+    pieces: Any = None  # mocli.verify.pieces.Pieces where an MoE layer's check goes to worker processes in pieces

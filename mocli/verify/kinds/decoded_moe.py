@@ -13,7 +13,6 @@ import numpy as np
 from mocli.errors import CorruptFileError
 from mocli.numerics.in_numpy import silu
 from mocli.targets.decode import LayoutError
-from mocli.verify.kinds import byte_checks, each_expert
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.moe import MoeCase
 from mocli.verify.results import CPU_SAMPLE_EXPERTS, Problems, Stages, pick_experts, rel_error, rng
@@ -21,6 +20,8 @@ from mocli.verify.results import CPU_SAMPLE_EXPERTS, Problems, Stages, pick_expe
 
 class DecodedMoe(MoeCase):
     label: str  # the kernel column of the report
+    errors = (LayoutError, CorruptFileError, ValueError)
+    bytes_threads = "mocli-verify-moe-bytes"
 
     def __init__(self, name: str, ctx: CheckContext) -> None:
         super().__init__(name, ctx)
@@ -48,17 +49,14 @@ class DecodedMoe(MoeCase):
     def load(self, ck):
         return ck.module_arrays(self.name)
 
-    def all_bytes(self, mod, experts, i_slice):
-        return byte_checks("mocli-verify-moe-bytes").submit(self._all_bytes, mod, experts, i_slice)
-
-    def _all_bytes(self, mod, experts, i_slice) -> tuple[Problems, Exception | None]:
+    def expert_bytes(self, mod, i_slice):
         def one(local: int, ex, found: Problems) -> None:
             got = self.decoded(mod, local)
             for role, parts in self.expected(ex, i_slice).items():
                 found.expect_parts(f"{role} (expert {ex.index})", np.ascontiguousarray(got[role]).view(np.uint8),
                                    [np.ascontiguousarray(p).view(np.uint8) for p in parts])
 
-        return each_expert("mocli-verify-moe-bytes", experts, one, (LayoutError, CorruptFileError, ValueError))[:2]
+        return one
 
     def reference(self, gid: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ex = self.layer.experts[gid]

@@ -31,13 +31,13 @@ EMULATED = "emulated Marlin W4A16 (decoded layout, exact products)"
 def expected_factor(codes: list[np.ndarray], act_dtype: str) -> float:
     """vLLM's ``_nvfp4_compute_scale_factor`` over these block-scale codes: 2^floor(log2(448 / largest
     nonzero scale)) when that scale is under 448, else 1; always 1 for fp16 activations."""
-    top = max((float(E4M3[_top_code(c)]) for c in codes if c.size), default=0.0)
+    top = max((float(E4M3[top_code(c)]) for c in codes if c.size), default=0.0)
     if act_dtype == "float16" or not 0 < top < FP8_MAX:
         return 1.0
     return 2.0 ** math.floor(math.log2(float(FP8_MAX) / top))
 
 
-def _top_code(c: np.ndarray) -> int:
+def top_code(c: np.ndarray) -> int:
     """The largest code of finite positive value: e4m3 codes 0..0x7E order as their values (0x7F is NaN,
     0x80.. negative, both ignored as vLLM's ``> 0`` ignores them)."""
     top = int(c.max())

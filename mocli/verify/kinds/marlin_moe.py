@@ -6,21 +6,19 @@ sampled experts against the source, as ``nvfp4_moe``'s stages."""
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from mocli.errors import CorruptFileError
 from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind, Role
 from mocli.numerics.in_numpy import bf16_round, scaled_matmul, silu
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.targets import marlin_decode as lay
-from mocli.targets.decode import LayoutError
 from mocli.verify.expect import apply_table
-from mocli.verify.kinds import byte_checks, each_expert
 from mocli.verify.kinds.context import CheckContext
-from mocli.verify.kinds.marlin_linear import expected_factor, expected_global
+from mocli.verify.kinds.marlin_linear import expected_factor, expected_global, top_code
 from mocli.verify.kinds.moe import check_moe
 from mocli.verify.kinds.nvfp4_moe import Nvfp4Moe
 from mocli.verify.results import Problems, rng
@@ -33,12 +31,20 @@ class MarlinMoe(Nvfp4Moe):
 
     kind = ModuleKind.NVFP4_MARLIN_MOE
     label = EMULATED_MOE
+    bytes_threads = "mocli-verify-marlin"
 
     def __init__(self, name: str, ctx: CheckContext) -> None:  # noqa: D107 - no input scales to read
         super(Nvfp4Moe, self).__init__(name, ctx)
         self.layout, self.opts = ctx.layout, ctx.opts
-        self.x = rng(ctx.opts.seed, name).standard_normal((ctx.opts.tokens, self.layer.hidden), dtype=np.float32)
-        self.ref_in = bf16_round(self.x)
+
+    @cached_property
+    def x(self) -> np.ndarray:
+        """The reference input, drawn where the numerics need it (a run of expert bytes does not)."""
+        return rng(self.opts.seed, self.name).standard_normal((self.opts.tokens, self.layer.hidden), dtype=np.float32)
+
+    @cached_property
+    def ref_in(self) -> np.ndarray:
+        return bf16_round(self.x)
 
     def numbers(self, ck, mod, off, i_slice):
         return self.stages(mod, off, i_slice)
@@ -88,31 +94,31 @@ class MarlinMoe(Nvfp4Moe):
                                      apply_table("rescale", arr(ex.up)[i0:i1], s3, big)],
                 "w2_weight_scale": [arr(ex.down)[:, i0 // 16:i1 // 16]]}
 
-    def _all_bytes(self, mod, experts, i_slice):
-        """Every expert's bytes, and (all of them read) the rank's two scale factors as vLLM computes them."""
+    def expert_bytes(self, mod, i_slice):
+        """One expert's bytes; it returns, per scale role, the largest code of each of its source parts
+        (``marlin_linear.top_code``), from which ``bytes_found`` computes the rank's scale factors."""
         (i0, i1), i, src = i_slice, i_slice[1] - i_slice[0], self.src
         sf = {"w13_weight_scale": mod.scale_factor_w13, "w2_weight_scale": mod.scale_factor_w2}
 
-        def one(local: int, ex, found: Problems) -> dict[str, list[np.ndarray]]:
+        def one(local: int, ex, found: Problems) -> dict[str, np.ndarray]:
             got, scales = self.decoded(mod, local, i), self.source_codes(ex, i_slice)
             want = {"w13_weight": [src.arr(ex.gate.tensors[WEIGHT].name)[i0:i1], src.arr(ex.up.tensors[WEIGHT].name)[i0:i1]],
                     "w2_weight": [src.arr(ex.down.tensors[WEIGHT].name)[:, i0 // 2:i1 // 2]]}
             want |= {role: [lay.flushed(c, sf[role]) for c in parts] for role, parts in scales.items()}
             for role, parts in want.items():
                 found.expect_parts(f"{role} (expert {ex.index})", got[role](), parts)
-            return scales
+            return {role: np.array([top_code(c) for c in parts if c.size], dtype=np.uint8) for role, parts in scales.items()}
 
-        found, fault, scales = each_expert("mocli-verify-marlin", experts, one, (LayoutError, CorruptFileError))
+        return one
+
+    def bytes_found(self, mod, found, fault, got):
+        """All experts read (no fault): the rank's two scale factors as vLLM computes them over them."""
         if fault is not None:
             return found, fault
-        for role, stored in sf.items():
-            codes = [c for per in scales for c in per[role]]
-            if stored != (vllm := expected_factor(codes, mod.act_dtype)):
+        for role, stored in {"w13_weight_scale": mod.scale_factor_w13, "w2_weight_scale": mod.scale_factor_w2}.items():
+            if stored != (vllm := expected_factor([per[role] for per in got], mod.act_dtype)):
                 found.insert(0, f"{role}: scale factor {stored}, vLLM computes {vllm} over the rank's experts")
         return found, None
-
-    def all_bytes(self, mod, experts, i_slice):
-        return byte_checks("mocli-verify-marlin").submit(self._all_bytes, mod, experts, i_slice)
 
     def expert_gemms(self, mod, local: int, i: int):
         """One expert as Marlin computes it from the decoded layout: [w1; w3] rows, silu(first) * second,

@@ -18,7 +18,6 @@ from mocli.tables import WEIGHT, WEIGHT_SCALE
 from mocli.targets import mxfp4_decode as dec
 from mocli.targets.decode import LayoutError
 from mocli.verify.expect import bit_equal
-from mocli.verify.kinds import byte_checks, each_expert
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.moe import MoeCase, check_moe
 from mocli.verify.results import CPU_SAMPLE_EXPERTS, Problems, Stages, pick_experts, rel_error, rng
@@ -62,10 +61,10 @@ class Mxfp4Moe(MoeCase):
 
     # --- bytes ---------------------------------------------------------------------------------------
 
-    def all_bytes(self, mod, experts, i_slice):
-        return byte_checks("mocli-verify-mxfp4-bytes").submit(self._all_bytes, mod, experts, i_slice)
+    errors = (LayoutError, CorruptFileError, ValueError)
+    bytes_threads = "mocli-verify-mxfp4-bytes"
 
-    def _all_bytes(self, mod, experts, i_slice) -> tuple[Problems, Exception | None]:
+    def expert_bytes(self, mod, i_slice):
         def one(local: int, ex, found: Problems) -> None:
             got, want = self.decoded_parts(mod, local), self.expected_parts(ex, i_slice, mod)
             for role, parts in want.items():
@@ -73,7 +72,7 @@ class Mxfp4Moe(MoeCase):
                                                            for g, w in zip(got[role], parts, strict=True)):
                     found.append(f"{role} (expert {ex.index}) differs from the source")
 
-        return each_expert("mocli-verify-mxfp4-bytes", experts, one, (LayoutError, CorruptFileError, ValueError))[:2]
+        return one
 
     def decoded(self, mod, local: int) -> dict[str, np.ndarray]:
         """Expert ``local``'s stored tensors in logical order, padding checked and cut: ``w13_*`` as [up; gate]."""

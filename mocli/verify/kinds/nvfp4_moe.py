@@ -8,16 +8,13 @@ from typing import Any
 
 import numpy as np
 
-from mocli import trace
-from mocli.errors import CorruptFileError
 from mocli.formats.manifest import ModuleEntry
 from mocli.kinds import ModuleKind, Role
 from mocli.numerics import E2M1_MAX, FP8_MAX
 from mocli.numerics.in_numpy import bf16_round, nvfp4_quant, scaled_matmul, silu
 from mocli.tables import INPUT_SCALE, PRE_QUANT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
-from mocli.targets.decode import LayoutError, unswizzle
+from mocli.targets.decode import unswizzle
 from mocli.verify.expect import apply_table
-from mocli.verify.kinds import byte_checks, each_expert
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.moe import MoeCase, check_moe
 from mocli.verify.results import (
@@ -62,9 +59,6 @@ class Nvfp4Moe(MoeCase):
 
     def load(self, ck):
         return ck.module_arrays(self.name)
-
-    def all_bytes(self, mod, experts, i_slice):
-        return byte_checks("mocli-verify-bytes").submit(self._all_bytes, mod, experts, i_slice)
 
     def numbers(self, ck, mod, off, i_slice):
         fp4 = self.ctx.fp4
@@ -140,11 +134,8 @@ class Nvfp4Moe(MoeCase):
                 "w2_weight": [part(ex.down, WEIGHT)[:, i0 // 2:i1 // 2]],
                 "w2_weight_scale": [part(ex.down, WEIGHT_SCALE)[:, i0 // 16:i1 // 16]]}
 
-    def _all_bytes(self, mod, experts, i_slice: tuple[int, int]) -> tuple[Problems, Exception | None]:
-        """Every expert's bytes of one rank: the differences in expert order, and the layout fault that
-        stopped the check, if one did (the differences found before it are kept)."""
+    def expert_bytes(self, mod, i_slice: tuple[int, int]):
         i = i_slice[1] - i_slice[0]
-        trace.mark(f"{mod.name}: expert bytes started")
 
         def one(local: int, ex, found: Problems) -> None:
             got = self.decoded(mod, local, i)
@@ -155,10 +146,7 @@ class Nvfp4Moe(MoeCase):
                 else:
                     found.expect_parts(what, got[role](), parts)
 
-        found, fault, _ = each_expert("mocli-verify-bytes", experts, one, (LayoutError, CorruptFileError))
-        if fault is None:
-            trace.mark(f"{mod.name}: expert bytes done")
-        return found, fault
+        return one
 
     def expert_gemms(self, mod, local: int, i: int):
         """One expert through the emulated kernel: GEMM1 out, GEMM2 out, the kernel's intermediate
