@@ -791,3 +791,21 @@ def test_compare_bytes_finds_each_difference_and_a_short_file(tmp_path, monkeypa
     with TensorReader() as ro, TensorReader() as rs:  # the header still promises the bytes the file lost
         found = files.compare_bytes({last.name: last}, src, ro, rs)
     assert found == [{"tensor": last.name, "problem": "differs from the source (bytes 0..64)"}]
+
+
+@pytest.mark.parametrize("src, target, kernels, wanted", [
+    (REAL_QWEN, "marlin", "auto", False),  # every check in numpy, no FlashInfer layout
+    (REAL_QWEN, "marlin", "flashinfer", True),  # asked for: the runtime says why not, with torch
+    (REAL_QWEN, "flashinfer-cutlass", "auto", True),  # FlashInfer's NVFP4 kernels read it (sm_100+)
+    (REAL_LLAMA, "flashinfer-cutlass", "auto", True),  # FP8: checked in torch
+])
+def test_verify_starts_a_cuda_context_only_where_it_may_use_one(cli, tmp_path, src, target, kernels, wanted):
+    """``verify.early.gpu_context_wanted``, which decides whether ``warm_cuda`` makes the device's primary
+    context while verify starts: never where no check can use torch on the GPU."""
+    from mocli.formats.layout import read_layout
+    from mocli.verify.early import gpu_context_wanted
+
+    out = tmp_path / "o"
+    assert cli("convert", src, "-o", out, "--target", target).exit_code == 0
+    assert gpu_context_wanted(read_layout(out), kernels) is wanted
+    assert gpu_context_wanted(None, "auto") is True  # a quantized or repaired output: FP8 in torch

@@ -43,7 +43,7 @@ def verify_cmd(
         from mocli.formats import DirKind, detect
         from mocli.formats.layout import read_layout
         from mocli.procenv import passive_omp, reuse_freed_memory, single_thread_blas
-        from mocli.verify.early import start_digests
+        from mocli.verify.early import gpu_context_wanted, start_digests
 
         passive_omp()
         single_thread_blas()
@@ -51,7 +51,7 @@ def verify_cmd(
         kind = detect(output)  # what the directory is, and its manifest, found once for both
         layout = read_layout(output) if kind is DirKind.LAYOUT else None
         early = start_digests(layout, source, rank)  # hashing overlaps the torch import below
-        warm_cuda(device.value)  # and so does CUDA's start-up
+        warm_cuda(device.value, context=gpu_context_wanted(layout, kernels))  # and so does CUDA's start-up
         trace.mark("manifest read, hashing started")
         try:
             from mocli.render import render_verify

@@ -41,3 +41,18 @@ def start_digests(layout: Layout | None, source: str | None, rank: int | None) -
         return BackgroundDigests(jobs) if jobs else None
     except (MocliError, OSError, ValueError, TypeError, AttributeError):
         return None
+
+
+def gpu_context_wanted(layout: Layout | None, kernels) -> bool:
+    """Whether this verify may run torch on the GPU, so that the device's CUDA context is worth starting
+    now (``devices.warm_cuda``): not for a converted directory whose every module check runs in numpy and
+    whose layout FlashInfer's NVFP4 kernels do not read (nor asked for). Made anyway, the context took a
+    core for ~0.3 s on the H200 host (py-spy) while the checks were bound by the cores."""
+    if layout is None:  # a quantized or repaired output: FP8 checks in torch
+        return True
+    from mocli.devices import Kernels
+    from mocli.targets import layout_of
+    from mocli.verify.kinds import CHECKS
+
+    return Kernels(kernels) is Kernels.FLASHINFER or layout_of(layout.target).fp4_kernels or \
+        any(CHECKS[m.kind].torch for m in layout.modules)
