@@ -536,3 +536,38 @@ def test_closing_a_pool_gives_its_slots_pages_back_after_the_last_lease(two_work
     kept[1].give()
     assert _shmem_below(before - touched)
 
+
+
+def test_verify_in_pieces_takes_marlin_scale_factors_from_every_run(cli, tmp_path, monkeypatch):
+    """Every expert's block scales 8x smaller (e4m3 code - 24) but the last's: the rank's Marlin scale factors
+    (vLLM's, over all its experts) are 1 only because of the last expert, which the pieces check in their
+    last run. A clean output passes in pieces as in one process; a scale factor planted as 8 is named by both."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from mocli.numerics.in_torch import FP8
+    from tests.test_marlin import _meta
+
+    src = make_checkpoint(tmp_path / "src", arch="qwen3_moe", algo="NVFP4")
+    t = load_file(str(src / "model.safetensors"))
+    experts = max(int(m.group(1)) for n in t if (m := re.search(r"\.experts\.(\d+)\.", n)))
+    for n in [n for n in t if ".experts." in n and n.endswith(".weight_scale") and t[n].dtype == FP8]:
+        if f".experts.{experts}." not in n:
+            t[n] = (t[n].view(torch.uint8).int() - 24).clamp(min=0).to(torch.uint8).view(FP8)
+    save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "o"
+    assert cli("convert", src, "-o", out, "--target", "marlin").exit_code == 0
+    c0, r0 = _verified(cli, out, monkeypatch, 0)
+    ran = _in_pieces(monkeypatch, 3)
+    c2, r2 = _verified(cli, out, monkeypatch, 2)
+    assert c0 == c2 == 0 and ("expert_run", True) in ran
+    _same_results(r0, r2, least=2)
+    _meta(out, "model.layers.0.mlp.experts", "scale_factor_w13", 8.0)
+    c0, r0 = _verified(cli, out, monkeypatch, 0)
+    c2, r2 = _verified(cli, out, monkeypatch, 2)
+    assert c0 == c2 == 1
+    bad = [m for m in r0 if not m["passed"]]
+    assert [m["module"] for m in bad] == ["model.layers.0.mlp.experts"]
+    assert "w13_weight_scale: scale factor 8.0, vLLM computes 1.0 over the rank's experts" in bad[0]["message"]
+    _same_results([m for m in r2 if not m["passed"]], bad, least=1)
