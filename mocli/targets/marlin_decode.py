@@ -118,11 +118,12 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def _swap_nibbles(words: np.ndarray, out: np.ndarray, t: np.ndarray) -> None:
-    """``out`` (``words`` itself, or another array) = ``words`` (uint64, two Marlin words each) with the codes of each word's byte pairs
-    regrouped: byte (l, blk) (l = 0: bytes 0-1, l = 1: bytes 2-3) holds codes h = 0 (low) and h = 1 (high);
-    after, byte (h, blk) holds codes l = 0 (low) and l = 1 (high), NVFP4's packing, low nibble first along
-    k. That exchanges the high nibble of byte blk with the low nibble of byte 2 + blk, 12 bits up: one
-    masked delta swap of 64-bit words (``t``: scratch of ``out``'s shape)."""
+    """``out`` (``words`` itself, or another array) = ``words`` (uint64, two Marlin words each) with the
+    codes of each word's byte pairs regrouped: byte (l, blk) (l = 0: bytes 0-1, l = 1: bytes 2-3) holds
+    codes h = 0 (low) and h = 1 (high); after, byte (h, blk) holds codes l = 0 (low) and l = 1 (high),
+    NVFP4's packing, low nibble first along k. That exchanges the high nibble of byte blk with the low
+    nibble of byte 2 + blk, 12 bits up: one masked delta swap of 64-bit words (``t``: scratch of ``out``'s
+    shape)."""
     np.right_shift(words, _TWELVE, out=t)
     np.bitwise_xor(t, words, out=t)
     np.bitwise_and(t, _PAIR_NIBBLES, out=t)  # bits that differ between the two nibbles of each exchange

@@ -40,7 +40,8 @@ class MarlinMoe(Nvfp4Moe):
     @cached_property
     def x(self) -> np.ndarray:
         """The reference input, drawn where the numerics need it (a run of expert bytes does not)."""
-        return rng(self.opts.seed, self.name).standard_normal((self.opts.tokens, self.layer.hidden), dtype=np.float32)
+        shape = (self.opts.tokens, self.layer.hidden)
+        return rng(self.opts.seed, self.name).standard_normal(shape, dtype=np.float32)
 
     @cached_property
     def ref_in(self) -> np.ndarray:
@@ -97,8 +98,7 @@ class MarlinMoe(Nvfp4Moe):
     def expert_bytes(self, mod, i_slice):
         """One expert's bytes; it returns, per scale role, the largest code of each of its source parts
         (``marlin_linear.top_code``), from which ``bytes_found`` computes the rank's scale factors."""
-        (i0, i1), i, src = i_slice, i_slice[1] - i_slice[0], self.src
-        sf = {"w13_weight_scale": mod.scale_factor_w13, "w2_weight_scale": mod.scale_factor_w2}
+        (i0, i1), i, src, sf = i_slice, i_slice[1] - i_slice[0], self.src, _factors(mod)
 
         def one(local: int, ex, found: Problems) -> dict[str, np.ndarray]:
             got, scales = self.decoded(mod, local, i), self.source_codes(ex, i_slice)
@@ -107,7 +107,8 @@ class MarlinMoe(Nvfp4Moe):
             want |= {role: [lay.flushed(c, sf[role]) for c in parts] for role, parts in scales.items()}
             for role, parts in want.items():
                 found.expect_parts(f"{role} (expert {ex.index})", got[role](), parts)
-            return {role: np.array([top_code(c) for c in parts if c.size], dtype=np.uint8) for role, parts in scales.items()}
+            return {role: np.array([top_code(c) for c in parts if c.size], dtype=np.uint8)
+                    for role, parts in scales.items()}
 
         return one
 
@@ -115,7 +116,7 @@ class MarlinMoe(Nvfp4Moe):
         """All experts read (no fault): the rank's two scale factors as vLLM computes them over them."""
         if fault is not None:
             return found, fault
-        for role, stored in {"w13_weight_scale": mod.scale_factor_w13, "w2_weight_scale": mod.scale_factor_w2}.items():
+        for role, stored in _factors(mod).items():
             if stored != (vllm := expected_factor([per[role] for per in got], mod.act_dtype)):
                 found.insert(0, f"{role}: scale factor {stored}, vLLM computes {vllm} over the rank's experts")
         return found, None
@@ -133,6 +134,11 @@ class MarlinMoe(Nvfp4Moe):
         rescaled = self.src.scalar(ex.gate, WEIGHT_SCALE_2) != self.src.scalar(ex.up, WEIGHT_SCALE_2)
         return (np.concatenate([o1[:, i:], o1[:, :i]], axis=1), o2, h,
                 self.limits.unified if rescaled else self.limits.kept)
+
+
+def _factors(mod) -> dict[str, float]:
+    """The rank's stored scale factors, by the block-scale role each scales."""
+    return {"w13_weight_scale": mod.scale_factor_w13, "w2_weight_scale": mod.scale_factor_w2}
 
 
 def check(name: str, infos: dict[int, ModuleEntry], ctx: CheckContext):

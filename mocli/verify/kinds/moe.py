@@ -58,7 +58,8 @@ class MoeCase:
         ``found``, a layout fault raised (one of ``errors``); what it returns goes to ``bytes_found``."""
         raise NotImplementedError
 
-    def bytes_found(self, mod, found: Problems, fault: Exception | None, got: list) -> tuple[Problems, Exception | None]:
+    def bytes_found(self, mod, found: Problems, fault: Exception | None,
+                    got: list) -> tuple[Problems, Exception | None]:
         """Every expert's bytes checked (``got``: what each ``one`` returned, up to a fault): the rank's findings."""
         return found, fault
 
