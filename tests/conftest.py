@@ -129,6 +129,22 @@ def splice_every_write(monkeypatch):
     monkeypatch.setattr("mocli.io.splice.MIN_BYTES", 1)
 
 
+@pytest.fixture(params=["c", "numpy"])
+def byte_moves(request, monkeypatch):
+    """Marlin's NVFP4 weight repack and its inverse both ways: in C (``mocli.ops.marlin_native``,
+    ``mocli.targets.marlin_decode.NATIVE``; skipped where no compiler built them, and test_marlin_native
+    fails where one would have) and in numpy, the path without them."""
+    from mocli.ops import marlin_native
+    from mocli.targets import marlin_decode
+
+    if request.param == "numpy":
+        monkeypatch.setattr(marlin_native, "OK", False)
+        monkeypatch.setattr(marlin_decode, "NATIVE", False)
+    elif not (marlin_native.OK and marlin_decode.NATIVE):
+        pytest.skip("the C byte moves are not built here (no C compiler at install)")
+    return request.param
+
+
 @dataclass
 class Result:
     exit_code: int

@@ -15,7 +15,7 @@ from tests import reference as ref
 
 
 @pytest.mark.parametrize("n,k", [(128, 256), (192, 192), (256, 64 * 3), (64, 128), (100, 48), (512, 1024), (320, 96)])
-def test_repack_is_vllms_reference(n, k):
+def test_repack_is_vllms_reference(n, k, byte_moves):
     g = torch.Generator().manual_seed(n * 7 + k)
     w = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
     np_, kp = marlin.padded_nk(n, k)
@@ -25,7 +25,7 @@ def test_repack_is_vllms_reference(n, k):
 
 
 @pytest.mark.parametrize("n,k", [(128, 256), (192, 192), (100, 48), (320, 96), (1024, 4096)])
-def test_decode_undoes_vllms_reference(n, k):
+def test_decode_undoes_vllms_reference(n, k, byte_moves):
     """verify's and serving's inverse (targets.marlin_decode) against vLLM's python repack restated, not
     against mocli's forward: a decode that shared the forward's mistake could not pass here."""
     from mocli.targets import marlin_decode
@@ -83,7 +83,7 @@ def test_bias_permutation():
 
 
 @pytest.mark.parametrize("n,k", [(128, 256), (192, 192), (100, 48), (512, 1024), (320, 96)])
-def test_the_independent_inverses_undo_the_forward(n, k):
+def test_the_independent_inverses_undo_the_forward(n, k, byte_moves):
     """targets.marlin_decode (written from the perm list, not from ops.marlin's factoring) give back the
     source bytes; a nonzero padding code and a swapped pair of words are caught or change the result."""
     from mocli.targets import marlin_decode as target
@@ -136,7 +136,7 @@ def test_torch_repack_is_the_numpy_one_on_the_cpu(n, k):
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-def test_repack_shared_out_to_threads_gives_the_same_bytes(monkeypatch, threads):
+def test_repack_shared_out_to_threads_gives_the_same_bytes(monkeypatch, threads, byte_moves):
     """A many-core CPU run repacks one weight's blocks in several threads (REPACK_THREADS): the bytes of
     vLLM's python reference, padding included, as with one."""
     monkeypatch.setattr(marlin, "REPACK_THREADS", threads)
@@ -148,7 +148,7 @@ def test_repack_shared_out_to_threads_gives_the_same_bytes(monkeypatch, threads)
         assert np.array_equal(marlin.repack(w.numpy(), np_, kp).view(np.int32), ref.marlin_repack(w, np_, kp).numpy())
 
 
-def test_decode_shared_out_to_threads_undoes_vllms_reference(monkeypatch):
+def test_decode_shared_out_to_threads_undoes_vllms_reference(monkeypatch, byte_moves):
     """verify's inverse in several threads (DECODE_THREADS on a many-core machine): vLLM's python repack
     restated, undone byte for byte, padding included."""
     from mocli.targets import marlin_decode
@@ -192,17 +192,20 @@ def test_guided_blocks_cover_every_group_once(groups, per, threads):
 
 
 @pytest.mark.parametrize("where", ["caller", "helper"])
-def test_a_failing_block_stops_the_other_threads(monkeypatch, where):
+def test_a_failing_block_stops_the_other_threads(monkeypatch, where, byte_moves):
     """An error in a block, on the calling thread or on a helper, is raised to the caller, and no thread
     takes a block after it."""
     import threading
     import time
 
+    from mocli.ops import marlin_native
+
     monkeypatch.setattr(marlin, "REPACK_THREADS", 2)
     monkeypatch.setattr(marlin, "BLOCK_BYTES", 1 << 14)
-    taken, real = [], marlin._repack_rows
+    owner, name = (marlin_native, "repack") if byte_moves == "c" else (marlin, "_repack_rows")
+    taken, real = [], getattr(owner, name)
 
-    def flaky(rows, kp, words, tiles, scratch):
+    def flaky(*args):
         caller = threading.current_thread() is threading.main_thread()
         failing = (where == "caller") == caller
         if not failing:
@@ -211,9 +214,9 @@ def test_a_failing_block_stops_the_other_threads(monkeypatch, where):
             taken.append("failed")
             raise MemoryError("planted")
         taken.append(caller)
-        real(rows, kp, words, tiles, scratch)
+        real(*args)
 
-    monkeypatch.setattr(marlin, "_repack_rows", flaky)
+    monkeypatch.setattr(owner, name, flaky)
     w = np.zeros((4096, 256), dtype=np.uint8)  # 64 groups, a block of one each
     with pytest.raises(MemoryError, match="planted"):
         marlin.repack(w, *marlin.padded_nk(4096, 512))

@@ -26,6 +26,7 @@ import numpy as np
 
 from mocli import workers as wk
 from mocli.numerics.lookup import byte_lookup
+from mocli.ops import marlin_native as native
 from mocli.ops import roundup
 from mocli.ops.fp8 import FP8_MAX, decode_fp8
 
@@ -152,9 +153,13 @@ def repack_kernel(src: np.ndarray, dst: np.ndarray, args: tuple[int, ...]) -> No
     """A worker's part (``mocli.workers``): ``src`` the rows of ``g`` 64-row groups, zero-padded, as bytes
     [64 g, Kp/2]; ``dst`` their words [Kp/16, 128 g]."""
     g, kp = args
+    rows, out = src.reshape(64 * g, kp // 2), dst.reshape(kp // 16, 512 * g)
+    if native.takes(rows, out):
+        native.repack(rows, kp, out, 0, g)
+        return
     per = max(1, min(g, BLOCK_BYTES // (32 * kp)))
     tiles, scratch = _scratch(per, kp)
-    rows, words = src.reshape(64 * g, kp // 2), dst.view(np.uint32).reshape(kp // 16, 128 * g)
+    words = out.view(np.uint32)
     for c0 in range(0, g, per):
         c1 = min(g, c0 + per)
         _repack_rows(rows[64 * c0:64 * c1], kp, words[:, 128 * c0:128 * c1], tiles, scratch)
@@ -166,7 +171,12 @@ def _scratch(per: int, kp: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _repack_blocks(w: np.ndarray, kp: int, res: np.ndarray, blocks: Iterable[tuple[int, int]], per: int) -> None:
-    """``repack``'s passes over the 64-row groups [c0, c1) of each block, with scratch of this call's own."""
+    """``repack``'s passes over the 64-row groups [c0, c1) of each block, with scratch of this call's own;
+    in C where it is built (``mocli.ops.marlin_native``: one pass, straight from the source's rows)."""
+    if native.takes(w, res):
+        for c0, c1 in blocks:
+            native.repack(w, kp, res, c0, c1)
+        return
     words = res.view(np.uint32)  # [kt, 2 Np]
     tiles, scratch = _scratch(per, kp)
     local = np.empty((64 * per, kp // 2), dtype=np.uint8)

@@ -4,6 +4,8 @@ Written from SEMANTICS §13.5's description of the layout (which code sits in wh
 word, the scale permutations, the E5M3 form), without ``mocli.ops.marlin``'s code; tests hold them to
 ``tests/reference.py``'s restatement of vLLM's python reference (the perm list of ``get_weight_perm(4)``,
 16x16 tiles), so neither a wrong forward nor a wrong inverse of ours can pass by cancelling the other.
+The weight's inverse runs in C where ``pip install`` built it (csrc/marlin_decode.c, written apart from
+the repack's C as well; ``NATIVE``; ``MOCLI_NATIVE=0`` keeps numpy: the same bytes).
 """
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ from mocli import workers as wk
 from mocli.numerics import FP8_MAX
 from mocli.numerics.lookup import byte_lookup
 from mocli.targets.decode import LayoutError
+
+try:
+    if os.environ.get("MOCLI_NATIVE", "1") == "0":
+        raise ImportError("MOCLI_NATIVE=0")
+    from mocli.targets import _marlin_decode as _c
+except ImportError:  # the numpy passes serve
+    _c = None
+NATIVE = _c is not None  # the weight's inverse in C (``_c_decoded``)
 
 # 64-row groups decoded at a time: about this many bytes, so the passes run in the core's cache
 BLOCK_BYTES = 1 << 19
@@ -94,7 +104,10 @@ def decode_kernel(src: np.ndarray, dst: np.ndarray, args: tuple[int, ...]) -> No
 def _decode_blocks(pairs: np.ndarray, out: np.ndarray, blocks: list[tuple[int, int]], per: int) -> None:
     """``decode_weight``'s passes over the 64-row groups [c0, c1) of each block, with scratch of its own:
     the words to rows first (reading the stored bytes once), the nibbles exchanged there, in cache, then
-    each byte to its place in ``out`` (9.1 -> 7.5 ms for a 3072 x 4096 weight, build VM)."""
+    each byte to its place in ``out`` (9.1 -> 7.5 ms for a 3072 x 4096 weight, build VM). In C where it is
+    built (``_c_decoded``: one pass)."""
+    if NATIVE and _c_decoded(pairs.view(np.uint8), out, blocks):
+        return
     kt = pairs.shape[0]
     byrow = np.empty((64 * per, kt), dtype=np.uint64)
     t = np.empty(byrow.size, dtype=np.uint64)
@@ -110,6 +123,20 @@ def _decode_blocks(pairs: np.ndarray, out: np.ndarray, blocks: list[tuple[int, i
             for blk in range(2):
                 for b in range(4):  # [c, a, jp, kt, j2] -> [c, jp, j2, a, kt]
                     dst[:, :, :, blk, :, :, h, b] = src[:, :, b, :, :, :, h, blk].transpose(0, 2, 4, 1, 3)
+
+
+def _c_decoded(raw: np.ndarray, out: np.ndarray, blocks: list[tuple[int, int]]) -> bool:
+    """The blocks decoded in C (csrc/marlin_decode.c) where the arrays are as it reads them (uint8, rows
+    contiguous, the words' Kp/2 columns and 64 rows per group in ``out``); False where they are not."""
+    ok = all(a.dtype == np.uint8 and a.ndim == 2 and a.strides[1] == 1 and a.strides[0] >= a.shape[1]
+             for a in (raw, out))
+    end = max((c1 for _, c1 in blocks), default=0)
+    if not ok or not out.flags.writeable or out.shape[1] != 8 * raw.shape[0] or out.shape[0] < 64 * end \
+            or raw.shape[1] < 512 * end or any(not 0 <= c0 <= c1 for c0, c1 in blocks):
+        return False
+    for c0, c1 in blocks:
+        _c.decode(raw.ctypes.data, raw.strides[0], 16 * raw.shape[0], out.ctypes.data, out.strides[0], c0, c1)
+    return True
 
 
 def _pool() -> ThreadPoolExecutor:

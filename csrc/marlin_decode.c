@@ -1,0 +1,71 @@
+/* The inverse of Marlin's NVFP4 weight layout, in C: what verify and serving's CPU kernels read a stored
+   Marlin weight back with (mocli/targets/marlin_decode.py; its numpy passes write the same bytes).
+   Written from SEMANTICS §13.5's description, apart from the repack (csrc/marlin_repack.c): the tests hold
+   each to vLLM's python reference on its own, so a fault they shared could not cancel out.
+
+   Code (k, n), k = 16 kt + 8 h + 2 b + l and n = 64 c + 16 j + 8 blk + a, is nibble 4 l + 2 blk + h of
+   word (c, a, b, j) of row kt, and goes to nibble l of byte 8 kt + 4 h + b of row n. So byte 2 l + blk of
+   word (c, a, b, j) holds the codes (h = 0 low, h = 1 high) of row (c, j, blk, a), and the two nibbles of
+   each destination byte come from bytes blk (l = 0) and 2 + blk (l = 1) of one word. One (c, a, kt) reads
+   the 64 bytes of words (b, j), the four j as the lanes of a vector (GCC/Clang vector extensions), and
+   writes 8 bytes to each of the 8 rows (j, blk). A little-endian host is assumed. No Python object is touched while the GIL is released; the caller checks every shape, stride
+   and bound before passing raw addresses. */
+
+#define Py_LIMITED_API 0x030B0000
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint32_t lanes4 __attribute__((vector_size(16))); /* lane j: word (b, j) of one line */
+
+static inline void store_word(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+
+static void decode(const uint8_t *src, Py_ssize_t src_stride, Py_ssize_t kp, uint8_t *dst,
+                   Py_ssize_t dst_stride, Py_ssize_t c0, Py_ssize_t c1) {
+    for (Py_ssize_t c = c0; c < c1; c++) {
+        for (int a = 0; a < 8; a++) {
+            for (Py_ssize_t kt = 0; kt < kp / 16; kt++) {
+                lanes4 word[4]; /* [b], lanes j */
+                memcpy(word, src + kt * src_stride + 512 * c + 64 * a, 64);
+                for (int blk = 0; blk < 2; blk++) {
+                    lanes4 low = {0, 0, 0, 0}, high = {0, 0, 0, 0}; /* bytes b of h = 0 and of h = 1 */
+                    for (int b = 0; b < 4; b++) {
+                        /* byte blk (codes l = 0) at bits 0-7, byte 2 + blk (l = 1) at bits 16-23 */
+                        lanes4 pair = (word[b] >> (8 * blk)) & 0x00FF00FFu;
+                        lanes4 h0 = (pair & 0x0Fu) | ((pair >> 12) & 0xF0u);
+                        lanes4 h1 = ((pair >> 4) & 0x0Fu) | ((pair >> 16) & 0xF0u);
+                        low |= h0 << (8 * b);
+                        high |= h1 << (8 * b);
+                    }
+                    for (int j = 0; j < 4; j++) {
+                        uint8_t *row = dst + (64 * c + 16 * j + 8 * blk + a) * dst_stride + 8 * kt;
+                        store_word(row, low[j]);
+                        store_word(row + 4, high[j]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+static PyObject *py_decode(PyObject *self, PyObject *args) {
+    unsigned long long src, dst;
+    Py_ssize_t src_stride, kp, dst_stride, c0, c1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KnnKnnn", &src, &src_stride, &kp, &dst, &dst_stride, &c0, &c1))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    decode((const uint8_t *)(uintptr_t)src, src_stride, kp, (uint8_t *)(uintptr_t)dst, dst_stride, c0, c1);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"decode", py_decode, METH_VARARGS, "decode(src, src_stride, kp, dst, dst_stride, c0, c1)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_marlin_decode", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__marlin_decode(void) { return PyModule_Create(&module); }

@@ -1,0 +1,51 @@
+"""Marlin's NVFP4 weight repack in C (csrc/marlin_repack.c, built by ``pip install`` where a C compiler is
+found): one pass where ``mocli.ops.marlin``'s numpy takes a dozen (on one core of a 2-core AMD EPYC VM,
+alternated in one process: 0.28-0.32 s/GB against 1.70-1.76). verify's inverse has its own
+(``mocli.targets.marlin_decode``).
+
+``OK`` says whether it loaded; without it (no compiler at install, or ``MOCLI_NATIVE=0``: tests compare
+both paths) the numpy passes run, byte for byte the same. The C code takes raw addresses: every shape,
+stride and bound is checked here first, and the GIL is released while it runs (threads share the work).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:
+    if os.environ.get("MOCLI_NATIVE", "1") == "0":
+        raise ImportError("MOCLI_NATIVE=0")
+    from mocli.ops import _marlin_repack as _c
+except ImportError:  # the numpy passes serve
+    _c = None
+
+OK = _c is not None
+
+
+def takes(*arrays: np.ndarray) -> bool:
+    """Whether the C repack is built and can take these arrays as they are (uint8, rows contiguous); else
+    the numpy passes run."""
+    return OK and all(a.dtype == np.uint8 and a.ndim == 2 and a.strides[1] == 1 for a in arrays)
+
+
+def _rows(a: np.ndarray, what: str) -> int:
+    """The row stride of a 2-D uint8 array whose rows are contiguous."""
+    if a.dtype != np.uint8 or a.ndim != 2 or a.strides[1] != 1 or a.strides[0] < a.shape[1]:
+        raise ValueError(f"{what}: uint8 [rows, bytes] with contiguous rows expected, got {a.dtype} "
+                         f"{a.shape} strides {a.strides}")
+    return a.strides[0]
+
+
+def repack(w: np.ndarray, kp: int, out: np.ndarray, c0: int, c1: int) -> None:
+    """Groups [c0, c1) of 64 rows of the packed weight ``w`` (uint8 [N, K/2], rows past N and bytes past
+    K/2 read as zero) into their words of ``out`` (uint8 [Kp/16, 8 Np], or any [Kp/16, >= 512 c1] whose
+    rows are contiguous: the columns [512 c0, 512 c1) are written)."""
+    src, dst = _rows(w, "weight"), _rows(out, "Marlin words")
+    n, kb = w.shape
+    if kp % 16 or kb % 8 or kb > kp // 2 or out.shape[0] != kp // 16 or out.shape[1] < 512 * c1 or not 0 <= c0 <= c1:
+        raise ValueError(f"Marlin repack: weight {w.shape}, Kp {kp}, words {out.shape}, groups [{c0}, {c1})")
+    if not out.flags.writeable:
+        raise ValueError("Marlin repack: the words are read-only")
+    _c.repack(w.ctypes.data, src, n, kb, kp, out.ctypes.data, dst, c0, c1)

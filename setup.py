@@ -1,0 +1,15 @@
+"""The compiled parts: Marlin's NVFP4 weight repack (csrc/marlin_repack.c, the converter's) and its inverse
+(csrc/marlin_decode.c, verify's and serving's, written apart), built where a C compiler is found.
+``optional``: without one, pip installs mocli anyway and the same bytes come from numpy
+(``mocli.ops.marlin_native.OK``, ``mocli.targets.marlin_decode.NATIVE``). Limited API: one build serves
+every CPython from 3.11. Everything else is in pyproject.toml."""
+
+from setuptools import Extension, setup
+
+
+def _ext(name: str, source: str) -> Extension:
+    return Extension(name, [source], optional=True, py_limited_api=True, extra_compile_args=["-O3"])
+
+
+setup(ext_modules=[_ext("mocli.ops._marlin_repack", "csrc/marlin_repack.c"),
+                   _ext("mocli.targets._marlin_decode", "csrc/marlin_decode.c")])

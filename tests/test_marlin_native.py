@@ -1,0 +1,112 @@
+"""The C byte moves (csrc/marlin_repack.c through mocli.ops.marlin_native, csrc/marlin_decode.c through
+mocli.targets.marlin_decode) against the numpy passes they replace, which test_marlin_ops holds to vLLM's
+python reference, as it holds the C paths (its ``byte_moves`` cases): any shape, a source whose rows are
+not contiguous with each other (a column slice), an output that is part of a wider one, any run of
+groups; the arguments the C code would misread are refused before it runs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mocli.ops import marlin, marlin_native
+from mocli.targets import marlin_decode
+
+needs_c = pytest.mark.skipif(not (marlin_native.OK and marlin_decode.NATIVE), reason="the C byte moves are not built here")
+
+
+def test_built_wherever_a_compiler_is():
+    """pip builds the extensions where it finds the compiler Python was built with; a build that broke
+    quietly (setup.py, a compile error) would leave every C test skipped and the slow path on."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None or os.environ.get("MOCLI_NATIVE") == "0":
+        pytest.skip(f"no {cc} here: the numpy passes serve")
+    assert marlin_native.OK and marlin_decode.NATIVE, f"{cc} is here but the C byte moves are not built: pip install -e ."
+
+
+def test_mocli_native_0_turns_them_off():
+    code = ("from mocli.ops import marlin_native as n; from mocli.targets import marlin_decode as d; "
+            "print(n.OK, d.NATIVE)")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "MOCLI_NATIVE": "0"}).stdout.strip()
+    assert got == "False False"
+
+
+@needs_c
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 40), st.integers(0, 16), st.integers(0, 2**31))
+def test_repack_is_the_numpy_one(n, k16, extra, seed):
+    """Any N and K (padding in both), from a column slice of a wider source, into the second half of a
+    wider output (an MoE w13), one run of groups at a time: what numpy writes, and nothing around it."""
+    k = 16 * k16
+    g = np.random.default_rng(seed)
+    wide = g.integers(0, 256, (n, k // 2 + 8 * extra), dtype=np.uint8)
+    w = wide[:, 8 * extra:]  # rows not contiguous with each other
+    np_, kp = marlin.padded_nk(n, k)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(marlin_native, "OK", False)
+        want = marlin.repack(np.ascontiguousarray(w), np_, kp)
+    out = np.full((kp // 16, 16 * np_), 0xA5, dtype=np.uint8)
+    half = out[:, 8 * np_:]
+    groups = np_ // 64
+    cut = int(g.integers(0, groups + 1))
+    marlin_native.repack(w, kp, half, 0, cut)
+    marlin_native.repack(w, kp, half, cut, groups)
+    assert np.array_equal(half, want)
+    assert (out[:, :8 * np_] == 0xA5).all()
+
+
+@needs_c
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 40), st.integers(0, 2**31))
+def test_decode_is_the_numpy_one(n, k16, seed):
+    """The inverse of any stored bytes, padding rows and columns included (nonzero there too), as numpy's
+    decode reads them, in runs of groups; and of a repack, the weight back."""
+    k = 16 * k16
+    g = np.random.default_rng(seed)
+    np_, kp = marlin.padded_nk(n, k)
+    stored = g.integers(0, 256, (kp // 16, 8 * np_), dtype=np.uint8)
+    groups = np_ // 64
+    cut = int(g.integers(0, groups + 1))
+    got, want = (np.full((np_ + 64, kp // 2), 0xA5, dtype=np.uint8) for _ in range(2))
+    assert marlin_decode._c_decoded(stored, got, [(0, cut), (cut, groups)])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(marlin_decode, "NATIVE", False)
+        marlin_decode._decode_blocks(stored.view(np.uint64), want, [(0, groups)], groups)
+    assert np.array_equal(got, want) and (got[np_:] == 0xA5).all()
+    w = g.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    assert np.array_equal(marlin_decode.decode_weight(marlin.repack(w, np_, kp), n, k, "w"), w)
+
+
+@needs_c
+def test_arguments_the_c_code_would_misread_are_refused():
+    """The repack raises; the decode's check sends the blocks to numpy instead (a view it cannot take)."""
+    w = np.zeros((128, 128), dtype=np.uint8)
+    np_, kp = marlin.padded_nk(128, 256)
+    out = np.zeros((kp // 16, 8 * np_), dtype=np.uint8)
+    bad = {
+        "a wider output than K": lambda: marlin_native.repack(w, kp, out[:-1], 0, 2),
+        "groups past the output": lambda: marlin_native.repack(w, kp, out, 0, 3),
+        "a weight of another dtype": lambda: marlin_native.repack(w.view(np.int8), kp, out, 0, 2),
+        "a transposed weight": lambda: marlin_native.repack(w.T, kp, out, 0, 2),
+        "K not a multiple of 16": lambda: marlin_native.repack(w[:, :124], kp, out, 0, 2),
+        "a read-only output": lambda: marlin_native.repack(w, kp, np.broadcast_to(out, out.shape), 0, 2),
+    }
+    for what, call in bad.items():
+        with pytest.raises(ValueError):
+            call()
+            pytest.fail(what)
+    assert not out.any()
+    rows = np.zeros((128, kp // 2), dtype=np.uint8)
+    for words, into, blocks in ((out, rows[:64], [(0, 2)]), (out, rows[:, :-1], [(0, 2)]), (out, rows, [(0, 3)]),
+                                (out.T, rows, [(0, 1)]), (out, np.broadcast_to(rows, rows.shape), [(0, 2)])):
+        assert not marlin_decode._c_decoded(words, into, blocks)
+    assert not rows.any()
