@@ -58,6 +58,53 @@ static void decode(const uint8_t *src, Py_ssize_t src_stride, Py_ssize_t kp, uin
     }
 }
 
+/* Block scales [rows_k, np_] (Marlin's: each run of 64 along Np permuted; the stored column of natural n
+   is 64 (n / 64) + slot[n % 64]) back to out [n_rows, kb] through a 256-entry table, out[n][k] =
+   table[raw[k][col(n)]], in 64 x 64 tiles so the column reads hit the cache. Every other stored byte (n or
+   k past the source's, Marlin's padding) must be fill: 0 is returned where one is not. */
+static int scales(const uint8_t *raw, Py_ssize_t raw_stride, Py_ssize_t rows_k, Py_ssize_t np_, const uint8_t *slot,
+                  const uint8_t *table, uint8_t *out, Py_ssize_t out_stride, Py_ssize_t n_rows, Py_ssize_t kb,
+                  uint8_t fill) {
+    uint8_t tile[64][64]; /* [k - k0][the run's stored column] */
+    int bad = 0;
+    for (Py_ssize_t c = 0; c < np_ / 64; c++) {
+        for (Py_ssize_t k0 = 0; k0 < rows_k; k0 += 64) {
+            int rows = rows_k - k0 < 64 ? (int)(rows_k - k0) : 64;
+            int kin = kb - k0 < 0 ? 0 : kb - k0 < rows ? (int)(kb - k0) : rows; /* the tile's rows below kb */
+            for (int r = 0; r < rows; r++)
+                memcpy(tile[r], raw + (k0 + r) * raw_stride + 64 * c, 64);
+            for (int i = 0; i < 64; i++) {
+                Py_ssize_t n = 64 * c + i;
+                int p = slot[i], r = 0;
+                if (n < n_rows) {
+                    uint8_t *restrict row = out + n * out_stride + k0;
+                    for (; r < kin; r++)
+                        row[r] = table[tile[r][p]];
+                }
+                for (; r < rows; r++)
+                    bad |= tile[r][p] != fill;
+            }
+        }
+    }
+    return !bad;
+}
+
+static PyObject *py_scales(PyObject *self, PyObject *args) {
+    unsigned long long raw, slot, table, out;
+    Py_ssize_t raw_stride, rows_k, np_, out_stride, n_rows, kb;
+    unsigned char fill;
+    int ok;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KnnnKKKnnnb", &raw, &raw_stride, &rows_k, &np_, &slot, &table, &out, &out_stride,
+                          &n_rows, &kb, &fill))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    ok = scales((const uint8_t *)(uintptr_t)raw, raw_stride, rows_k, np_, (const uint8_t *)(uintptr_t)slot,
+                (const uint8_t *)(uintptr_t)table, (uint8_t *)(uintptr_t)out, out_stride, n_rows, kb, fill);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
+}
+
 static PyObject *py_decode(PyObject *self, PyObject *args) {
     unsigned long long src, dst;
     Py_ssize_t src_stride, kp, dst_stride, c0, c1;
@@ -72,6 +119,8 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode", py_decode, METH_VARARGS, "decode(src, src_stride, kp, dst, dst_stride, c0, c1)"},
+    {"scales", py_scales, METH_VARARGS,
+     "scales(raw, raw_stride, rows_k, np_, slot, table, out, out_stride, n_rows, kb, fill) -> padding is fill"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -87,6 +87,41 @@ def test_decode_is_the_numpy_one(n, k16, seed):
 
 
 @needs_c
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 40), st.integers(0, 2**31), st.sampled_from([1.0, 4.0]),
+       st.booleans())
+def test_scales_are_the_numpy_ones(n, k32, seed, sf, spoil):
+    """Block scales back from any stored bytes, NVFP4's through the E5M3 table and MXFP4's as they are,
+    padding to be zero (NVFP4) or the manifest's code (MXFP4): the numpy path's result, or its refusal."""
+    from mocli.targets import mxfp4_marlin_decode as mx
+    from mocli.targets.decode import LayoutError
+
+    k = 32 * k32
+    g = np.random.default_rng(seed)
+    np_, kp = marlin.padded_nk(n, k)
+    nv = marlin.permute_scales(g.integers(0, 0x60, (n, k // 16), dtype=np.uint8), np_, kp, marlin.scale_table(sf))
+    mxs = g.integers(0, 256, (kp // 32, np_), dtype=np.uint8)
+    fill = int(mxs[-1, -1])
+    if spoil:  # a stored byte anywhere: in padding where there is some
+        nv[g.integers(0, nv.shape[0]), g.integers(0, np_)] = 3
+    cases = {"nvfp4": lambda: marlin_decode.decode_scales(nv, n, k // 16, sf, "s"),
+             "mxfp4": lambda: mx.decode_scales(mxs, n, k // 32, "s", fill=fill)}
+    for what, call in cases.items():
+        got = want = None
+        try:
+            got = call()
+        except LayoutError as e:
+            got = str(e)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(marlin_decode, "NATIVE", False)
+            try:
+                want = call()
+            except LayoutError as e:
+                want = str(e)
+        assert type(got) is type(want) and (got == want if isinstance(got, str) else np.array_equal(got, want)), what
+
+
+@needs_c
 def test_arguments_the_c_code_would_misread_are_refused():
     """The repack raises; the decode's check sends the blocks to numpy instead (a view it cannot take)."""
     w = np.zeros((128, 128), dtype=np.uint8)
@@ -110,3 +145,11 @@ def test_arguments_the_c_code_would_misread_are_refused():
                                 (out.T, rows, [(0, 1)]), (out, np.broadcast_to(rows, rows.shape), [(0, 2)])):
         assert not marlin_decode._c_decoded(words, into, blocks)
     assert not rows.any()
+    scales, table = np.zeros((16, 128), dtype=np.uint8), np.arange(256, dtype=np.uint8)
+    for raw, n, kb in ((scales[:, :100], 100, 16), (scales, 129, 16), (scales, 128, 17), (scales, 0, 16),
+                       (scales.view(np.int8), 128, 16), (scales[:, ::2], 64, 16)):
+        assert not marlin_decode.c_takes_scales(raw, n, kb)
+        with pytest.raises(ValueError):
+            marlin_decode.scales_in_c(raw, n, kb, table, 0, "s")
+    with pytest.raises(ValueError):
+        marlin_decode.scales_in_c(scales, 128, 16, table[:255], 0, "s")

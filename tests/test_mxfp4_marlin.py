@@ -28,7 +28,7 @@ QKV, O_PROJ = "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_p
 # --- the byte moves, against the reference ------------------------------------------------------------
 
 @pytest.mark.parametrize("n,k", [(256, 256), (192, 192), (96, 320), (64, 64), (200, 96)])
-def test_scales_weight_and_bias_match_the_reference(n, k):
+def test_scales_weight_and_bias_match_the_reference(n, k, byte_moves):
     """Random codes of every value (0..254), shapes that pad N, K or both: the E8M0 bytes equal the
     reference's (vLLM's torch chain through bf16), the weight equals NVFP4's repack reference, the bias
     its marlin_permute_bias; the decode inverts all three."""
@@ -57,7 +57,7 @@ def test_every_e8m0_code_survives_the_bf16_chain():
     assert int(torch.zeros(1, dtype=torch.bfloat16).to(torch.float8_e8m0fnu).view(torch.uint8)) == 0
 
 
-def test_decode_refuses_nonzero_scale_padding():
+def test_decode_refuses_nonzero_scale_padding(byte_moves):
     codes = np.full((200, 3), 127, dtype=np.uint8)
     np_, kp = mx.padded_nk(200, 96)
     stored = mx.permute_scales(codes, np_, kp)

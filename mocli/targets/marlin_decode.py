@@ -190,10 +190,39 @@ def decode_scales(stored: np.ndarray, n: int, kb: int, sf: float, what: str) -> 
     """Marlin block-scale bytes [Kp/16, Np] -> e4m3 codes uint8 [n, kb] (flushed blocks as code 0);
     padding must be zero. Transposed to rows n first, then each run of 64 rows put back in order."""
     raw = np.ascontiguousarray(stored).view(np.uint8)
+    if c_takes_scales(raw, n, kb):
+        return scales_in_c(raw, n, kb, _code_of_byte(sf), 0, what)
     back = np.take(transposed(raw), _natural_rows(raw.shape[1]), axis=0)  # [Np, Kp/16]
     if bool(back[n:].any()) or bool(back[:n, kb:].any()):
         raise LayoutError(f"{what}: Marlin scale padding is not zero")
     return byte_lookup(back[:n, :kb], _code_of_byte(sf))
+
+
+def c_takes_scales(raw: np.ndarray, n: int, kb: int) -> bool:
+    """Whether ``scales_in_c`` is built and takes these: contiguous uint8 [rows, Np], Np a multiple of 64,
+    0 < n <= Np, 0 < kb <= rows."""
+    return (NATIVE and raw.dtype == np.uint8 and raw.ndim == 2 and raw.flags.c_contiguous and raw.shape[1] % 64 == 0
+            and 0 < n <= raw.shape[1] and 0 < kb <= raw.shape[0])
+
+
+def scales_in_c(raw: np.ndarray, n: int, kb: int, table: np.ndarray, fill: int, what: str) -> np.ndarray:
+    """Marlin's block-scale bytes back to ``table[byte]`` [n, kb] in one pass in C (csrc/marlin_decode.c),
+    the padding checked to be ``fill`` there (LayoutError), where ``c_takes_scales``; the numpy passes of
+    ``decode_scales`` write the same bytes."""
+    out = np.empty((n, kb), dtype=np.uint8)
+    slots, table = _slot_bytes(), np.ascontiguousarray(table, dtype=np.uint8)
+    if table.shape != (256,) or not c_takes_scales(raw, n, kb):
+        raise ValueError(f"{what}: scales {raw.shape} {raw.dtype} for [{n}, {kb}] with a table of {table.shape}")
+    if not _c.scales(raw.ctypes.data, raw.strides[0], raw.shape[0], raw.shape[1], slots.ctypes.data, table.ctypes.data,
+                     out.ctypes.data, out.strides[0], n, kb, fill):
+        raise LayoutError(f"{what}: Marlin scale padding is not " + ("zero" if fill == 0 else f"code {fill}"))
+    return out
+
+
+@lru_cache(maxsize=1)
+def _slot_bytes() -> np.ndarray:
+    """``_scale_slots`` as the C code reads it: uint8 [64]."""
+    return _scale_slots().astype(np.uint8)
 
 
 def transposed(raw: np.ndarray) -> np.ndarray:
