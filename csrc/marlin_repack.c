@@ -19,6 +19,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "mocli's byte moves assume a little-endian host: the numpy passes serve elsewhere"
+#endif
+
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
 
 #define LO 0x0F0F0F0Fu

@@ -140,6 +140,8 @@ def byte_moves(request, monkeypatch):
     if request.param == "numpy":
         monkeypatch.setattr(marlin_native, "OK", False)
         monkeypatch.setattr(marlin_decode, "NATIVE", False)
+        # and in process: worker processes (8+ cores) may have been forked with the C moves on
+        monkeypatch.setattr("mocli.workers.for_bytes", lambda total, group: None)
     elif not (marlin_native.OK and marlin_decode.NATIVE):
         pytest.skip("the C byte moves are not built here (no C compiler at install)")
     return request.param

@@ -24,11 +24,15 @@ needs_c = pytest.mark.skipif(not (marlin_native.OK and marlin_decode.NATIVE), re
 
 
 def test_built_wherever_a_compiler_is():
-    """pip builds the extensions where it finds the compiler Python was built with; a build that broke
-    quietly (setup.py, a compile error) would leave every C test skipped and the slow path on."""
-    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if shutil.which(cc) is None or os.environ.get("MOCLI_NATIVE") == "0":
-        pytest.skip(f"no {cc} here: the numpy passes serve")
+    """pip builds the extensions where it finds a C compiler (``$CC``, else the one Python was built with)
+    and Python's headers; a build that broke quietly (setup.py, a compile error) would leave every C test
+    skipped and the slow path on."""
+    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
+    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    if shutil.which(cc) is None or not headers or os.environ.get("MOCLI_NATIVE") == "0":
+        pytest.skip(f"no {cc} or no Python.h here: the numpy passes serve")
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        pytest.skip("a free-threaded Python has no limited API: the numpy passes serve")
     assert marlin_native.OK and marlin_decode.NATIVE, f"{cc} is here but the C byte moves are not built: pip install -e ."
 
 
@@ -78,6 +82,12 @@ def test_decode_is_the_numpy_one(n, k16, seed):
     cut = int(g.integers(0, groups + 1))
     got, want = (np.full((np_ + 64, kp // 2), 0xA5, dtype=np.uint8) for _ in range(2))
     assert marlin_decode._c_decoded(stored, got, [(0, cut), (cut, groups)])
+    # the words a column slice of wider rows, the result a column slice of a wider array
+    wide = np.zeros((kp // 16, 8 * np_ + 512), dtype=np.uint8)
+    wide[:, 512:] = stored
+    into = np.full((np_, kp // 2 + 24), 0x5A, dtype=np.uint8)
+    assert marlin_decode._c_decoded(wide[:, 512:], into[:, 8:8 + kp // 2], [(0, groups)])
+    assert np.array_equal(into[:, 8:8 + kp // 2], got[:np_]) and (into[:, :8] == 0x5A).all() and (into[:, 8 + kp // 2:] == 0x5A).all()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(marlin_decode, "NATIVE", False)
         marlin_decode._decode_blocks(stored.view(np.uint64), want, [(0, groups)], groups)
@@ -128,7 +138,10 @@ def test_arguments_the_c_code_would_misread_are_refused():
     np_, kp = marlin.padded_nk(128, 256)
     out = np.zeros((kp // 16, 8 * np_), dtype=np.uint8)
     bad = {
-        "a wider output than K": lambda: marlin_native.repack(w, kp, out[:-1], 0, 2),
+        "words with fewer rows than Kp/16": lambda: marlin_native.repack(w, kp, out[:-1], 0, 2),
+        "a weight read backwards": lambda: marlin_native.repack(w[::-1], kp, out, 0, 2),
+        "a weight whose rows overlap": lambda: marlin_native.repack(
+            np.lib.stride_tricks.as_strided(w, (128, 128), (64, 1)), kp, out, 0, 2),
         "groups past the output": lambda: marlin_native.repack(w, kp, out, 0, 3),
         "a weight of another dtype": lambda: marlin_native.repack(w.view(np.int8), kp, out, 0, 2),
         "a transposed weight": lambda: marlin_native.repack(w.T, kp, out, 0, 2),
@@ -140,9 +153,14 @@ def test_arguments_the_c_code_would_misread_are_refused():
             call()
             pytest.fail(what)
     assert not out.any()
+    # what C would misread, the repack itself hands to numpy
+    back = np.random.default_rng(3).integers(0, 256, (128, 128), dtype=np.uint8)[::-1]
+    assert not marlin_native.takes(back, kp, out, 2)
+    assert np.array_equal(marlin.repack(back, np_, kp), marlin.repack(np.ascontiguousarray(back), np_, kp))
     rows = np.zeros((128, kp // 2), dtype=np.uint8)
     for words, into, blocks in ((out, rows[:64], [(0, 2)]), (out, rows[:, :-1], [(0, 2)]), (out, rows, [(0, 3)]),
-                                (out.T, rows, [(0, 1)]), (out, np.broadcast_to(rows, rows.shape), [(0, 2)])):
+                                (out.T, rows, [(0, 1)]), (out, np.broadcast_to(rows, rows.shape), [(0, 2)]),
+                                (out[::-1], rows, [(0, 2)]), (out, rows[::-1], [(0, 2)])):
         assert not marlin_decode._c_decoded(words, into, blocks)
     assert not rows.any()
     scales, table = np.zeros((16, 128), dtype=np.uint8), np.arange(256, dtype=np.uint8)

@@ -154,7 +154,7 @@ def repack_kernel(src: np.ndarray, dst: np.ndarray, args: tuple[int, ...]) -> No
     [64 g, Kp/2]; ``dst`` their words [Kp/16, 128 g]."""
     g, kp = args
     rows, out = src.reshape(64 * g, kp // 2), dst.reshape(kp // 16, 512 * g)
-    if native.takes(rows, out):
+    if native.takes(rows, kp, out, g):
         native.repack(rows, kp, out, 0, g)
         return
     per = max(1, min(g, BLOCK_BYTES // (32 * kp)))
@@ -173,7 +173,7 @@ def _scratch(per: int, kp: int) -> tuple[np.ndarray, np.ndarray]:
 def _repack_blocks(w: np.ndarray, kp: int, res: np.ndarray, blocks: Iterable[tuple[int, int]], per: int) -> None:
     """``repack``'s passes over the 64-row groups [c0, c1) of each block, with scratch of this call's own;
     in C where it is built (``mocli.ops.marlin_native``: one pass, straight from the source's rows)."""
-    if native.takes(w, res):
+    if native.takes(w, kp, res, res.shape[1] // 512):
         for c0, c1 in blocks:
             native.repack(w, kp, res, c0, c1)
         return

@@ -24,28 +24,32 @@ except ImportError:  # the numpy passes serve
 OK = _c is not None
 
 
-def takes(*arrays: np.ndarray) -> bool:
-    """Whether the C repack is built and can take these arrays as they are (uint8, rows contiguous); else
-    the numpy passes run."""
-    return OK and all(a.dtype == np.uint8 and a.ndim == 2 and a.strides[1] == 1 for a in arrays)
+def takes(w: np.ndarray, kp: int, out: np.ndarray, groups: int) -> bool:
+    """Whether the C repack is built and takes these as they are (``problem`` finds nothing); else the
+    numpy passes run."""
+    return OK and problem(w, kp, out, 0, groups) is None
 
 
-def _rows(a: np.ndarray, what: str) -> int:
-    """The row stride of a 2-D uint8 array whose rows are contiguous."""
-    if a.dtype != np.uint8 or a.ndim != 2 or a.strides[1] != 1 or a.strides[0] < a.shape[1]:
-        raise ValueError(f"{what}: uint8 [rows, bytes] with contiguous rows expected, got {a.dtype} "
-                         f"{a.shape} strides {a.strides}")
-    return a.strides[0]
+def problem(w: np.ndarray, kp: int, out: np.ndarray, c0: int, c1: int) -> str | None:
+    """What the C code would misread in these arguments, or None: both arrays uint8 [rows, bytes] with
+    contiguous rows that do not overlap, K/2 a multiple of 8 within Kp/2, the words [Kp/16, >= 512 c1] and
+    writable, 0 <= c0 <= c1."""
+    for a in (w, out):
+        if a.dtype != np.uint8 or a.ndim != 2 or a.strides[1] != 1 or a.strides[0] < max(a.shape[1], 1):
+            return f"uint8 [rows, bytes] with contiguous rows expected, got {a.dtype} {a.shape} strides {a.strides}"
+    kb = w.shape[1]
+    if kp % 16 or kb % 8 or kb > kp // 2 or out.shape[0] != kp // 16 or out.shape[1] < 512 * c1 or not 0 <= c0 <= c1:
+        return f"weight {w.shape}, Kp {kp}, words {out.shape}, groups [{c0}, {c1})"
+    if not out.flags.writeable:
+        return "the words are read-only"
+    return None
 
 
 def repack(w: np.ndarray, kp: int, out: np.ndarray, c0: int, c1: int) -> None:
     """Groups [c0, c1) of 64 rows of the packed weight ``w`` (uint8 [N, K/2], rows past N and bytes past
     K/2 read as zero) into their words of ``out`` (uint8 [Kp/16, 8 Np], or any [Kp/16, >= 512 c1] whose
-    rows are contiguous: the columns [512 c0, 512 c1) are written)."""
-    src, dst = _rows(w, "weight"), _rows(out, "Marlin words")
-    n, kb = w.shape
-    if kp % 16 or kb % 8 or kb > kp // 2 or out.shape[0] != kp // 16 or out.shape[1] < 512 * c1 or not 0 <= c0 <= c1:
-        raise ValueError(f"Marlin repack: weight {w.shape}, Kp {kp}, words {out.shape}, groups [{c0}, {c1})")
-    if not out.flags.writeable:
-        raise ValueError("Marlin repack: the words are read-only")
-    _c.repack(w.ctypes.data, src, n, kb, kp, out.ctypes.data, dst, c0, c1)
+    rows are contiguous: the columns [512 c0, 512 c1) are written). ValueError where ``problem`` finds one."""
+    why = problem(w, kp, out, c0, c1)
+    if why is not None:
+        raise ValueError(f"Marlin repack: {why}")
+    _c.repack(w.ctypes.data, w.strides[0], w.shape[0], w.shape[1], kp, out.ctypes.data, out.strides[0], c0, c1)

@@ -128,7 +128,7 @@ def _decode_blocks(pairs: np.ndarray, out: np.ndarray, blocks: list[tuple[int, i
 def _c_decoded(raw: np.ndarray, out: np.ndarray, blocks: list[tuple[int, int]]) -> bool:
     """The blocks decoded in C (csrc/marlin_decode.c) where the arrays are as it reads them (uint8, rows
     contiguous, the words' Kp/2 columns and 64 rows per group in ``out``); False where they are not."""
-    ok = all(a.dtype == np.uint8 and a.ndim == 2 and a.strides[1] == 1 and a.strides[0] >= a.shape[1]
+    ok = all(a.dtype == np.uint8 and a.ndim == 2 and a.strides[1] == 1 and a.strides[0] >= max(a.shape[1], 1)
              for a in (raw, out))
     end = max((c1 for _, c1 in blocks), default=0)
     if not ok or not out.flags.writeable or out.shape[1] != 8 * raw.shape[0] or out.shape[0] < 64 * end \
@@ -190,11 +190,12 @@ def decode_scales(stored: np.ndarray, n: int, kb: int, sf: float, what: str) -> 
     """Marlin block-scale bytes [Kp/16, Np] -> e4m3 codes uint8 [n, kb] (flushed blocks as code 0);
     padding must be zero. Transposed to rows n first, then each run of 64 rows put back in order."""
     raw = np.ascontiguousarray(stored).view(np.uint8)
+    fault = f"{what}: Marlin scale padding is not zero"
     if c_takes_scales(raw, n, kb):
-        return scales_in_c(raw, n, kb, _code_of_byte(sf), 0, what)
+        return scales_in_c(raw, n, kb, _code_of_byte(sf), 0, fault)
     back = np.take(transposed(raw), _natural_rows(raw.shape[1]), axis=0)  # [Np, Kp/16]
     if bool(back[n:].any()) or bool(back[:n, kb:].any()):
-        raise LayoutError(f"{what}: Marlin scale padding is not zero")
+        raise LayoutError(fault)
     return byte_lookup(back[:n, :kb], _code_of_byte(sf))
 
 
@@ -205,17 +206,17 @@ def c_takes_scales(raw: np.ndarray, n: int, kb: int) -> bool:
             and 0 < n <= raw.shape[1] and 0 < kb <= raw.shape[0])
 
 
-def scales_in_c(raw: np.ndarray, n: int, kb: int, table: np.ndarray, fill: int, what: str) -> np.ndarray:
+def scales_in_c(raw: np.ndarray, n: int, kb: int, table: np.ndarray, fill: int, fault: str) -> np.ndarray:
     """Marlin's block-scale bytes back to ``table[byte]`` [n, kb] in one pass in C (csrc/marlin_decode.c),
-    the padding checked to be ``fill`` there (LayoutError), where ``c_takes_scales``; the numpy passes of
-    ``decode_scales`` write the same bytes."""
+    the padding checked to be ``fill`` there (else LayoutError(``fault``), the numpy path's words), where
+    ``c_takes_scales``; the numpy passes of ``decode_scales`` write the same bytes."""
     out = np.empty((n, kb), dtype=np.uint8)
     slots, table = _slot_bytes(), np.ascontiguousarray(table, dtype=np.uint8)
-    if table.shape != (256,) or not c_takes_scales(raw, n, kb):
-        raise ValueError(f"{what}: scales {raw.shape} {raw.dtype} for [{n}, {kb}] with a table of {table.shape}")
+    if table.shape != (256,) or not c_takes_scales(raw, n, kb) or not 0 <= fill < 256:
+        raise ValueError(f"scales {raw.shape} {raw.dtype} for [{n}, {kb}], a table of {table.shape}, fill {fill}")
     if not _c.scales(raw.ctypes.data, raw.strides[0], raw.shape[0], raw.shape[1], slots.ctypes.data, table.ctypes.data,
                      out.ctypes.data, out.strides[0], n, kb, fill):
-        raise LayoutError(f"{what}: Marlin scale padding is not " + ("zero" if fill == 0 else f"code {fill}"))
+        raise LayoutError(fault)
     return out
 
 

@@ -28,11 +28,12 @@ _IDENTITY = np.arange(256, dtype=np.uint8)  # a code is the source's own byte
 def decode_scales(stored: np.ndarray, n: int, kb: int, what: str, fill: int = 0) -> np.ndarray:
     """Marlin E8M0 bytes [Kp/32, Np] -> the source's codes uint8 [n, kb]; padding must be code ``fill``."""
     raw = np.ascontiguousarray(stored).view(np.uint8)
+    fault = f"{what}: Marlin scale padding is not code {fill}"
     if c_takes_scales(raw, n, kb):  # in C where it is built (the same bytes)
-        return scales_in_c(raw, n, kb, _IDENTITY, fill, what)
+        return scales_in_c(raw, n, kb, _IDENTITY, fill, fault)
     back = np.take(np.ascontiguousarray(raw.T), _natural_rows(raw.shape[1]), axis=0)  # [Np, Kp/32]
     if bool((back[n:] != fill).any()) or bool((back[:n, kb:] != fill).any()):
-        raise LayoutError(f"{what}: Marlin scale padding is not code {fill}")
+        raise LayoutError(fault)
     return np.ascontiguousarray(back[:n, :kb])
 
 
