@@ -98,3 +98,17 @@ def _libc_madvise():
         return None
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return fn
+
+
+def native(name: str):
+    """The compiled module ``name`` (csrc/, built by ``pip install`` where a C compiler is found), or None
+    where it was not built or ``MOCLI_NATIVE=0`` asks for the numpy passes (the same bytes): read here once
+    for every caller."""
+    if os.environ.get("MOCLI_NATIVE", "1") == "0":
+        return None
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None

@@ -10,17 +10,11 @@ stride and bound is checked here first, and the GIL is released while it runs (t
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-try:
-    if os.environ.get("MOCLI_NATIVE", "1") == "0":
-        raise ImportError("MOCLI_NATIVE=0")
-    from mocli.ops import _marlin_repack as _c
-except ImportError:  # the numpy passes serve
-    _c = None
+from mocli.procenv import native
 
+_c = native("mocli.ops._marlin_repack")
 OK = _c is not None
 
 

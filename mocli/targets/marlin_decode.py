@@ -4,8 +4,9 @@ Written from SEMANTICS §13.5's description of the layout (which code sits in wh
 word, the scale permutations, the E5M3 form), without ``mocli.ops.marlin``'s code; tests hold them to
 ``tests/reference.py``'s restatement of vLLM's python reference (the perm list of ``get_weight_perm(4)``,
 16x16 tiles), so neither a wrong forward nor a wrong inverse of ours can pass by cancelling the other.
-The weight's inverse runs in C where ``pip install`` built it (csrc/marlin_decode.c, written apart from
-the repack's C as well; ``NATIVE``; ``MOCLI_NATIVE=0`` keeps numpy: the same bytes).
+The weight's inverse and the block scales' read-back run in C where ``pip install`` built them
+(csrc/marlin_decode.c, written apart from the repack's C as well; ``NATIVE``; ``MOCLI_NATIVE=0`` keeps
+numpy: the same bytes).
 """
 
 from __future__ import annotations
@@ -19,15 +20,11 @@ import numpy as np
 from mocli import workers as wk
 from mocli.numerics import FP8_MAX
 from mocli.numerics.lookup import byte_lookup
+from mocli.procenv import native
 from mocli.targets.decode import LayoutError
 
-try:
-    if os.environ.get("MOCLI_NATIVE", "1") == "0":
-        raise ImportError("MOCLI_NATIVE=0")
-    from mocli.targets import _marlin_decode as _c
-except ImportError:  # the numpy passes serve
-    _c = None
-NATIVE = _c is not None  # the weight's inverse in C (``_c_decoded``)
+_c = native("mocli.targets._marlin_decode")
+NATIVE = _c is not None  # the weight's inverse and the block scales' read-back in C
 
 # 64-row groups decoded at a time: about this many bytes, so the passes run in the core's cache
 BLOCK_BYTES = 1 << 19
