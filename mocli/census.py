@@ -26,11 +26,9 @@ from mocli.tables import (
 )
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_EXPERT_MARKS = {f".{n.container.rpartition('.')[2]}." for n in EXPERT_NAMINGS}
-_EXPERT = {
-    n.style: re.compile(rf"^(?P<layer>.*\.{re.escape(n.container)})\.(?P<e>\d+)\.(?P<proj>[^.]+)$")
-    for n in EXPERT_NAMINGS
-}
+# An expert is ``<layer>.<e>.<proj>``: a layer name ending in ``.<container>``, a decimal index, a projection
+# name (``_match_expert``: string methods, ~24k names of a large MoE checkpoint)
+_CONTAINERS = tuple((n, f".{n.container}") for n in EXPERT_NAMINGS)
 # per naming, its projection names -> Expert's slots
 _PROJ = {n.style: {n.gate: "gate", n.up: "up", n.down: "down", n.gate_up or "-": "gate_up"} for n in EXPERT_NAMINGS}
 
@@ -243,8 +241,12 @@ def _place(mod: Module, moe: dict[str, MoELayer], fused: dict[str, FusedGroup]) 
         naming, layer, index, proj = expert
         mod.kind = Kind.EXPERT
         mod.engine_name = layer
-        moe_layer = moe.setdefault(layer, MoELayer(layer, naming))
-        slot = moe_layer.experts.setdefault(index, Expert(index))
+        moe_layer = moe.get(layer)  # made once per layer and expert, not once per module
+        if moe_layer is None:
+            moe_layer = moe[layer] = MoELayer(layer, naming)
+        slot = moe_layer.experts.get(index)
+        if slot is None:
+            slot = moe_layer.experts[index] = Expert(index)
         setattr(slot, proj, mod)
         return
     if last in SHARD_TO_FUSED:
@@ -274,17 +276,19 @@ def _complete_fused(fused: dict[str, FusedGroup], modules: dict[str, Module]) ->
 
 
 def _match_expert(name: str) -> tuple[ExpertNaming, str, int, str] | None:
-    if not any(mark in name for mark in _EXPERT_MARKS):  # cheap test before the regexes
+    r"""(naming, layer, index, slot) where ``name`` is ``<layer>.<e>.<proj>``, ``<layer>`` ending in
+    ``.<container>``, ``<e>`` decimal digits and ``<proj>`` a projection of that naming; the first naming
+    that takes it. What the regex ``^(.*\.<container>)\.(\d+)\.([^.]+)$`` matches, the projection then
+    looked up (tests/test_census.py holds that regex against this)."""
+    rest, _, proj = name.rpartition(".")
+    layer, _, e = rest.rpartition(".")
+    if not e.isdecimal() or not proj or "\n" in layer:  # \d is isdecimal; the regex's ``.`` takes no newline
         return None
-    for naming in EXPERT_NAMINGS:
-        if naming.container not in name:
-            continue
-        m = _EXPERT[naming.style].match(name)
-        if m is None:
-            continue
-        proj = _PROJ[naming.style].get(m.group("proj"))
-        if proj is not None:
-            return naming, m.group("layer"), int(m.group("e")), proj
+    for naming, container in _CONTAINERS:
+        if layer.endswith(container):
+            slot = _PROJ[naming.style].get(proj)
+            if slot is not None:
+                return naming, layer, int(e), slot
     return None
 
 

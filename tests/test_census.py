@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import re
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from fixtures.generate import make_checkpoint
-from mocli.census import Kind, build_census
+from mocli.census import _PROJ, Kind, _match_expert, build_census
 from mocli.checkpoint import open_checkpoint
 from mocli.io.safetensors_file import TensorEntry
 from mocli.quant_config import Algo
 from mocli.schemes import COMPRESSED_TENSORS, FP8, FP8_BLOCK, FP8_CHANNEL, MXFP8, NVFP4
+from mocli.tables import EXPERT_NAMINGS
 from tests.conftest import REAL, REAL_LLAMA, REAL_QWEN
 
 
@@ -106,3 +112,40 @@ def test_paused_gc_freezes_only_for_the_program(monkeypatch):
     finally:
         gc.unfreeze()
     assert keep
+
+
+# The regexes _match_expert once ran (one per naming), kept here as the reference its string methods answer to
+_EXPERT_RE = {n.style: re.compile(rf"^(?P<layer>.*\.{re.escape(n.container)})\.(?P<e>\d+)\.(?P<proj>[^.]+)$")
+              for n in EXPERT_NAMINGS}
+
+
+def _by_regex(name: str):
+    for naming in EXPERT_NAMINGS:
+        m = _EXPERT_RE[naming.style].match(name)
+        if m is not None and (slot := _PROJ[naming.style].get(m.group("proj"))) is not None:
+            return naming, m.group("layer"), int(m.group("e")), slot
+    return None
+
+
+_PARTS = ["model", "layers", "0", "12", "mlp", "experts", "block_sparse_moe", "gate_proj", "up_proj", "w1", "w3",
+          "down_proj", "gate_up_proj", "-", "", "٣", "²", "7\n", "\n", "x\ny", "experts\n"]
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.sampled_from(_PARTS), min_size=1, max_size=7))
+def test_match_expert_is_the_regex(parts):
+    name = ".".join(parts)
+    assert _match_expert(name) == _by_regex(name)
+
+
+def test_match_expert_tricky_names():
+    cases = {"model.layers.3.mlp.experts.17.up_proj": ("qwen", "model.layers.3.mlp.experts", 17, "up"),
+             ".mlp.experts.0.gate_proj": ("qwen", ".mlp.experts", 0, "gate"),
+             "x.block_sparse_moe.experts.2.w3": ("mixtral", "x.block_sparse_moe.experts", 2, "up"),
+             "x.mlp.experts.٣.down_proj": ("qwen", "x.mlp.experts", 3, "down"),  # \d takes any decimal digit
+             "mlp.experts.0.gate_proj": None, "x.mlp.experts.².gate_proj": None, "x.mlp.experts.1.w1": None,
+             "x\n.mlp.experts.0.gate_proj": None, "x.mlp.experts.0.gate_proj\n": None, "x.mlp.experts.0.": None}
+    for name, want in cases.items():
+        got = _match_expert(name)
+        assert (got and (got[0].style, *got[1:])) == want, name
+        assert got == _by_regex(name), name
