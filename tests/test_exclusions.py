@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fixtures.generate import make_checkpoint
 from mocli.census import build_census
 from mocli.checkpoint import open_checkpoint
-from mocli.exclusions import PartialFusedExclusion, engine_rewrite, is_excluded, pattern_reports
+from mocli.exclusions import PartialFusedExclusion, _matches, engine_rewrite, is_excluded, pattern_reports
 
 L0 = "model.layers.0"
 
@@ -68,3 +70,43 @@ def test_pattern_report_uses_engine_names(tmp_path):
     assert reports["model.layers.0.mlp.gate"].matches == ["model.layers.0.mlp.gate"]
     # ... and one shard alone half-excludes its fused group.
     assert reports[f"{L0}.self_attn.q_proj"].partial == [f"{L0}.self_attn.qkv_proj"]
+
+
+def _every_prefix(entries: list[str], prefixes: list[str], rules: str) -> tuple[list[str], list[str]]:
+    """``_matches`` as it was: ``is_excluded`` asked of every prefix (the reference for its candidate filter)."""
+    hit, partial = [], []
+    for p in prefixes:
+        try:
+            if is_excluded(p, entries, rules):
+                hit.append(p)
+        except PartialFusedExclusion:
+            partial.append(p)
+    return hit, partial
+
+
+_NAME = st.lists(st.sampled_from(["model", "language_model", "layers", "0", "1", "self_attn", "qkv_proj", "q_proj",
+                                  "k_proj", "v_proj", "mlp", "gate", "experts", "gate_up_proj", "gate_proj", "up_proj",
+                                  "lm_head", "*", "q*", "layers.1", "[01]", "?"]), min_size=1, max_size=5).map(".".join)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.lists(_NAME, max_size=3), st.lists(_NAME, min_size=1, max_size=12), st.sampled_from(["modelopt", "fp8"]))
+def test_candidate_filter_keeps_every_match(entries, prefixes, rules):
+    # and the prefixes an entry is most likely to meet: itself within a longer name, its fused siblings' group,
+    # a name within it (an MoE layer's)
+    for e in entries:
+        parent = e.rpartition(".")[0]
+        prefixes = [*prefixes, f"language_model.{e}", f"{e}.experts", f"{parent}.qkv_proj", f"{parent}.gate_up_proj",
+                    parent, parent.rpartition(".")[0]]
+    assert _matches(entries, prefixes, rules) == _every_prefix(entries, prefixes, rules)
+
+
+def test_candidate_filter_on_the_cases_it_must_keep():
+    prefixes = [f"{L0}.self_attn.qkv_proj", f"{L0}.mlp.experts", f"language_model.{L0}.mlp.gate", f"{L0}.mlp.gate",
+                "lm_head", f"{L0}.self_attn.o_proj"]
+    cases = {f"{L0}.self_attn.q_proj": ([], [f"{L0}.self_attn.qkv_proj"]),  # a shard: its fused prefix half-excluded
+             f"{L0}.mlp.experts.3.up_proj": ([f"{L0}.mlp.experts"], []),  # the MoE layer by substring
+             f"{L0}.mlp.gate": ([f"language_model.{L0}.mlp.gate", f"{L0}.mlp.gate"], []),  # legacy substring, exact
+             "lm_head": (["lm_head"], []), f"{L0}.self_attn": ([f"{L0}.self_attn.qkv_proj", f"{L0}.self_attn.o_proj"], [])}
+    for entry, want in cases.items():
+        assert _matches([entry], prefixes) == want == _every_prefix([entry], prefixes, "modelopt"), entry
