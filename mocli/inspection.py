@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from operator import attrgetter
 from typing import Any
 
 from mocli.census import Census
@@ -14,10 +15,7 @@ from mocli.schemes import distinct
 def inspect_checkpoint(ckpt: Checkpoint, census: Census | None = None) -> dict[str, Any]:
     census = census or ckpt.census()
     quant = ckpt.quant
-    dtypes = Counter(t.dtype for t in ckpt.tensors.values())
-    dtype_bytes = Counter()
-    for t in ckpt.tensors.values():
-        dtype_bytes[t.dtype] += t.nbytes
+    dtypes, dtype_bytes = _by_dtype(ckpt)
     schemes = sorted({str(s) for s in distinct(m.scheme for m in census.modules.values()) if s is not None})
     return {
         "path": str(ckpt.path),
@@ -54,6 +52,17 @@ def inspect_checkpoint(ckpt: Checkpoint, census: Census | None = None) -> dict[s
         "exclusions": [r.to_dict() for r in _exclusion_reports(quant, census)],
         "config_findings": [f.to_dict() for f in ckpt.config_findings],
     }
+
+
+def _by_dtype(ckpt: Checkpoint) -> tuple[Counter, Counter]:
+    """(tensors, bytes) per dtype, by C builtins: sorted by dtype, the byte sizes summed a run at a time."""
+    entries = sorted(ckpt.tensors.values(), key=attrgetter("dtype"))
+    dtypes = Counter(map(attrgetter("dtype"), entries))
+    nbytes, at = Counter(), 0
+    for dtype, n in dtypes.items():
+        nbytes[dtype] = sum(map(attrgetter("nbytes"), entries[at:at + n]))
+        at += n
+    return dtypes, nbytes
 
 
 def _exclusion_reports(quant, census: Census) -> list:
