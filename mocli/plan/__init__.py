@@ -47,8 +47,9 @@ def build_plan(census: Census, scales: dict[str, np.ndarray], target: Target,
             _plan(pc, pc.layout.kind_for(scheme, moe=False), name, shards, scheme)
         for layer, scheme in census.moe_units():
             _plan(pc, pc.layout.kind_for(scheme, moe=True), layer.name, layer, scheme)
-    rest = [e for m in census.modules.values() for e in m.tensors.values() if e.name not in pc.consumed]
-    pc.plan.copy_units(sorted(rest + census.kv_scales, key=lambda e: (str(e.file), e.start)))
+    if units:  # a plan only judged computes nothing more from what is copied as it is
+        rest = [e for m in census.modules.values() for e in m.tensors.values() if e.name not in pc.consumed]
+        pc.plan.copy_units(sorted(rest + census.kv_scales, key=lambda e: (str(e.file), e.start)))
     return pc.plan
 
 

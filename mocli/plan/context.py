@@ -10,7 +10,11 @@ from mocli.census import Census, Module
 from mocli.io.safetensors_file import TensorReader
 from mocli.parallel import Heads, ParallelLayout
 from mocli.plan.core import ConvertPlan
+from mocli.tables import INPUT_SCALE, PRE_QUANT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from mocli.targets import TargetLayout
+
+# the suffixes a planned module's tensors are written under (transformed or not); its others are copied
+QUANT_SUFFIXES = (WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2, INPUT_SCALE, PRE_QUANT_SCALE, "bias")
 
 
 @dataclass
@@ -27,6 +31,13 @@ class PlanContext:
     # False: the plan is only judged (validate's SCL006 in ``computed_aside``), never run: the expert units, a
     # ~30k-unit MoE checkpoint's bulk, are not made (``_Moe.expert_unit``)
     units: bool = True
+
+    def consume(self, mods) -> None:
+        """The quantized tensors of ``mods`` (None skipped) are planned: the rest is copied as it is. A plan only
+        judged copies nothing (``build_plan``), so nothing is marked (~94k names of a large MoE checkpoint)."""
+        if self.units:
+            self.consumed.update(e.name for m in mods if m is not None for s, e in m.tensors.items()
+                                 if s in QUANT_SUFFIXES)
 
     def scale(self, m: Module, suffix: str) -> np.ndarray:
         return self.scales[m.tensors[suffix].name].reshape(())

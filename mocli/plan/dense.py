@@ -24,9 +24,6 @@ from mocli.targets.base import ROW_SHUFFLE
 if TYPE_CHECKING:
     from mocli.stream.pool import UnitContext
 
-QUANT_SUFFIXES = (WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2, INPUT_SCALE, PRE_QUANT_SCALE, "bias")
-
-
 class _Dense:
     """One dense module (a fused group or a lone linear), every rank: per-rank output tensors,
     manifest modules and the one unit. Subclasses plan their kinds; ``plan()`` adds them."""
@@ -34,8 +31,7 @@ class _Dense:
     compute = False  # whether the unit reads every weight byte (``Unit.compute``)
 
     def __init__(self, pc: PlanContext, kind: ModuleKind, prefix: str, shards: list[Module]) -> None:
-        for m in shards:
-            pc.consumed.update(e.name for s, e in m.tensors.items() if s in QUANT_SUFFIXES)
+        pc.consume(shards)
         self.pc, self.kind, self.prefix, self.shards = pc, kind, prefix, shards
         self.slices: dict[int, RankSlice] = rank_slices(pc.parallel, pc.heads, shards)
         self.split = split_of(shards[0].name) if pc.parallel.tp > 1 else Split.REPLICATED

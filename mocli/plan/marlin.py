@@ -20,9 +20,9 @@ import numpy as np
 from mocli.census import Module
 from mocli.kinds import Role
 from mocli.ops import fp8, marlin, marlin_torch
-from mocli.plan.context import PlanContext
+from mocli.plan.context import QUANT_SUFFIXES, PlanContext
 from mocli.plan.core import F32, ConvertedModule
-from mocli.plan.dense import QUANT_SUFFIXES, _Dense, check_fp8
+from mocli.plan.dense import _Dense, check_fp8
 from mocli.plan.moe import _Moe
 from mocli.stream.units import OutTensor, Piece, Unit, concat_pieces
 from mocli.tables import INPUT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2

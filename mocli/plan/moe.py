@@ -20,7 +20,6 @@ from mocli.ops import bf16_bytes, fp8, nvfp4, swizzled_shape
 from mocli.parallel import expert_range, intermediate_range
 from mocli.plan.context import PlanContext
 from mocli.plan.core import F32, ConvertedModule
-from mocli.plan.dense import QUANT_SUFFIXES
 from mocli.stream.units import BadData, OutTensor, Piece, Unit, concat_pieces
 from mocli.tables import INPUT_SCALE, PRE_QUANT_SCALE, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 
@@ -34,7 +33,7 @@ class _Moe:
     def __init__(self, pc: PlanContext, kind: ModuleKind, name: str, layer: MoELayer) -> None:
         self.pc, self.layer, self.kind = pc, layer, kind
         self.mods = [(layer.experts[e].gate, layer.experts[e].up, layer.experts[e].down) for e in sorted(layer.experts)]
-        pc.consumed.update(e.name for trio in self.mods for m in trio for s, e in m.tensors.items() if s in QUANT_SUFFIXES)
+        pc.consume(m for trio in self.mods for m in trio)
         self.e_count, self.i, self.h = len(self.mods), layer.intermediate, layer.hidden
         self.p = layer.name
         par = pc.parallel

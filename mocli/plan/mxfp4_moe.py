@@ -27,7 +27,6 @@ from mocli.ops import nvfp4, roundup
 from mocli.ops.rows import shuffle_row_indices
 from mocli.parallel import block_split, expert_range, intermediate_range
 from mocli.plan.context import PlanContext
-from mocli.plan.dense import QUANT_SUFFIXES
 from mocli.plan.moe import _Moe
 from mocli.schemes.mxfp4 import BIAS, BLOCK, NAN_SCALE
 from mocli.stream.units import BadData
@@ -63,10 +62,7 @@ class _Mxfp4TrtllmMoe(_Moe):
         self.fused = layer.interleaved
         # (gate_up or gate, up or None, down): gpt-oss's interleaved rows, else the halves
         self.mods = [(x.gate_up, None, x.down) if self.fused else (x.gate, x.up, x.down) for x in ex]
-        for trio in self.mods:
-            for m in trio:
-                if m is not None:
-                    pc.consumed.update(e.name for s, e in m.tensors.items() if s in QUANT_SUFFIXES)
+        pc.consume(m for trio in self.mods for m in trio)
         self.e_count, self.i, self.h, self.p = len(self.mods), layer.intermediate, layer.hidden, layer.name
         par = pc.parallel
         self.ranks = range(par.ranks)
