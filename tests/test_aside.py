@@ -1,5 +1,5 @@
 """Work done aside in a forked child (``mocli.io.aside``): half a sharded checkpoint's headers, validate's
-judgement of a target's computed scales. The child's answer must be exactly what this process would have
+judgement of a target's computed scales, its scale checks where no target is asked. The child's answer must be exactly what this process would have
 found, and every fault must be raised as a serial run raises it. The goldens here are the serial path's
 (``_checked_entries`` one tensor at a time, ``check_computed`` in this process), forced by turning the fork off.
 
@@ -233,3 +233,49 @@ def test_a_child_that_fails_to_judge_leaves_it_to_this_process(tmp_path, monkeyp
     got, _ = _validated(src, "marlin", keep_plan=False)
     assert len(forks) == 1
     assert any(f["code"] == "SCL006" for f in got), got
+
+
+def _validated_no_target(src: Path):
+    from mocli.checkpoint import open_checkpoint
+    from mocli.validate import validate
+
+    report = validate(open_checkpoint(src))
+    return [f.to_dict() for f in report.findings], report.stats["scales"]
+
+
+E3 = "model.layers.1.mlp.experts.3"
+
+
+@pytest.mark.parametrize("name,tensor,value,code", [
+    ("qwen3_moe-nvfp4_kv", f"{E3}.up_proj.weight_scale_2", float("nan"), "SCL001"),
+    ("qwen3_moe-nvfp4_kv", f"{E3}.gate_proj.weight_scale_2", -1.0, "SCL002"),
+    ("qwen3_moe-nvfp4_kv", f"{E3}.gate_proj.weight_scale_2", 1e-3, "SCL005"),  # w1/w3 of one expert differ
+    ("llama-ct-fp8", "model.layers.0.self_attn.k_proj.weight_scale", 1e3, "SCL004"),  # a fused shard's spread
+    ("qwen3_moe-nvfp4_kv", None, None, None),
+])
+def test_scales_checked_aside_are_checked_as_here(tmp_path, monkeypatch, forks, name, tensor, value, code):
+    src = tmp_path / name
+    shutil.copytree(REAL / name, src)
+    if tensor:
+        edit_tensor(src, tensor, lambda t: t.fill_(value))
+    got, stats = _validated_no_target(src)
+    assert len([j for j in forks if j is not None]) == 1  # one shard: the scales' child alone
+    assert (got, stats) == serial(monkeypatch, _validated_no_target, src)
+    codes = {f["code"] for f in got}
+    assert (code in codes) if code else not {c for c in codes if c.startswith("SCL")}, got
+
+
+def test_a_child_that_fails_to_check_scales_leaves_it_to_this_process(tmp_path, monkeypatch, forks):
+    import mocli.validate.scale as scale
+
+    src = tmp_path / "ck"
+    shutil.copytree(REAL / "qwen3_moe-nvfp4_kv", src)
+    edit_tensor(src, f"{E3}.up_proj.weight_scale_2", lambda t: t.fill_(float("nan")))
+
+    def broken(*a, **k):
+        raise RuntimeError("only the child runs this")
+
+    monkeypatch.setattr(scale, "read_scales", broken)  # the child's; the validate module keeps its own
+    got, _ = _validated_no_target(src)
+    assert len(forks) == 1
+    assert any(f["code"] == "SCL001" for f in got), got

@@ -10,6 +10,8 @@ module's scheme (``mocli.schemes``), never branched on here.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +33,7 @@ from mocli.validate.grouping import group_findings
 from mocli.validate.mxfp4 import check_mxfp4
 from mocli.validate.parallel import check_parallel
 from mocli.validate.reencode import check_reencoded
-from mocli.validate.scale import check_scales
+from mocli.validate.scale import aside_scale_checks, check_scales, scales_aside
 from mocli.validate.target import check_target
 from mocli.validate.tensor import check_kv_cache, check_tensors
 
@@ -141,9 +143,7 @@ def _header_checks(ckpt: Checkpoint, target: Target | None, census: Census | Non
         report.not_judged.append({"what": "target", "name": None, "label": "target constraints",
                                   "why": f"no --target given ({', '.join(t.value for t in Target)})"})
     heads = Heads.from_config(ckpt.config)
-    # read before the checks that do not need them, so that a child judging the target's plan has them too
-    scales = scales if scales is not None else read_scales(census)
-    with computed_aside(target, parallel, heads, census, scales, experts, keep_plan) as job:
+    with _children(target, parallel, heads, census, scales, deep, experts, keep_plan) as (scales, jobs):
         # vLLM's exclusion reading also tells the tensor checks which modules an engine quantizes
         declared = declared_quantized(quant, census, findings if "vllm" in engines else Findings(), ckpt.architecture)
         if "vllm" in engines:
@@ -157,18 +157,42 @@ def _header_checks(ckpt: Checkpoint, target: Target | None, census: Census | Non
         check_kv_cache(quant, ckpt.tensors, findings)
         check_awq(quant, census, frozenset(report.judged["engines"]), findings)
         check_mxfp4(quant, census, frozenset(report.judged["engines"]), findings)
-        _scales_and_target(report, target, parallel, heads, scales, deep, experts, job)
+        _scales_and_target(report, target, parallel, heads, scales, deep, experts, jobs)
     if not keep_plan:
         report.plan = None
     return report
 
 
+@contextmanager
+def _children(target: Target | None, parallel: ParallelLayout, heads: Heads | None, census: Census,
+              scales: dict[str, np.ndarray] | None, deep: bool, experts: str,
+              keep_plan: bool) -> Iterator[tuple[dict[str, np.ndarray] | None, tuple[Child | None, Child | None]]]:
+    """(the scales, (the plan's child, the scales' child)): work forked beside the checks. With a target, the
+    scales are read first, so that a child judging its plan has them too (``computed_aside``); without one
+    or the deep scan nothing here needs their values: a child reads and checks them (``scales_aside``)."""
+    if scales is None and target is None and not deep:
+        with scales_aside(census) as job:
+            yield None, (None, job)
+        return
+    scales = scales if scales is not None else read_scales(census)
+    with computed_aside(target, parallel, heads, census, scales, experts, keep_plan) as job:
+        yield scales, (job, None)
+
+
 def _scales_and_target(report: ValidationReport, target: Target | None, parallel: ParallelLayout, heads: Heads | None,
-                       scales: dict[str, np.ndarray], deep: bool, experts: str, job: Child | None) -> None:
+                       scales: dict[str, np.ndarray] | None, deep: bool, experts: str,
+                       jobs: tuple[Child | None, Child | None]) -> None:
     """Scale health, the TP/EP layout, and the target's constraints and computed scales (SCL006: from
-    ``job``, the forked child's findings, where one was started and finished)."""
+    the plan's child, where one was started and finished; scale health from the scales' child likewise)."""
     census, findings = report.census, report.findings
-    report.stats["scales"] = check_scales(scales, census, findings)
+    job, scales_job = jobs
+    checked = aside_scale_checks(scales_job) if scales_job is not None else None
+    if checked is None:
+        scales = scales if scales is not None else read_scales(census)
+        report.stats["scales"] = check_scales(scales, census, findings)
+    else:
+        findings.extend(checked[0])
+        report.stats["scales"] = checked[1]
     report.stats["scale_names"] = list(scales) if deep else []
     sliceable = check_parallel(parallel, heads, census, findings)
     if target is not None:

@@ -6,12 +6,17 @@ is the scheme's (``Scheme.merge``)."""
 from __future__ import annotations
 
 import math
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from mocli.census import Census, Module
-from mocli.findings import Findings
+from mocli.findings import Finding, Findings
+from mocli.io.aside import Child, aside
+from mocli.scales import read_scales
 from mocli.schemes import Merge, distinct
 
 # Requantizing an FP8 shard to a max scale this many times larger pushes its small values three
@@ -23,6 +28,27 @@ def check_scales(values: dict[str, np.ndarray], census: Census, findings: Findin
     """NaN/Inf/non-positive scales, FP8 shard spread, NVFP4 weight_scale_2 mismatch. Returns stats."""
     _check_scale_values(values, findings)
     return _check_merged_scales(values, census, findings)
+
+
+@contextmanager
+def scales_aside(census: Census) -> Iterator[Child | None]:
+    """The scales read and ``check_scales`` run in a forked child (``mocli.io.aside``) while the other checks
+    run here, for a caller that needs only the findings and stats (validate without a target or the deep
+    scan): ~0.26 of the ~0.56 s that followed the census of the 94,858-tensor checkpoint on 2 cores."""
+    def work() -> bytes:
+        found = Findings()
+        stats = check_scales(read_scales(census), census, found)
+        return pickle.dumps((list(found), stats))
+
+    with aside(work) as job:
+        yield job
+
+
+def aside_scale_checks(job: Child) -> tuple[list[Finding], dict[str, Any]] | None:
+    """The child's (findings, stats); None where it did not finish (the caller reads and checks here, and
+    raises what is wrong there)."""
+    sent = job.result()
+    return None if sent is None else pickle.loads(sent)
 
 
 def _check_scale_values(values: dict[str, np.ndarray], findings: Findings) -> None:
