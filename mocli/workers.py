@@ -53,8 +53,12 @@ _ASKED = os.environ.get("MOCLI_KERNEL_PROCS", "").strip()
 PROCS = int(_ASKED) if _ASKED.isdigit() else max(2, _CORES - 2)  # a pool's workers (not a number: the default)
 # A conversion's pool: one more on a small machine. On the 2-core VM a Marlin conversion with three took
 # 0.89 of the time with two (6 alternated pairs, when a worker waited while the writer held its slot), with
-# four 1.02 of three; verify (no leases) with three 1.02 of two
-UNIT_PROCS = int(_ASKED) if _ASKED.isdigit() else max(3, _CORES - 2)
+# four 1.02 of three; verify (no leases) with three 1.02 of two. Half the cores on a large one: the writer
+# lanes and the hashing, which a conversion waits on (the page cache takes ~4 GB/s of writes there, however
+# many threads write), need cores of their own. On the 16-core H200 host (4 alternated rounds, cp 1.37 s)
+# the 3.95 GiB NVFP4 MoE for marlin took 1.55 s with 8 workers, 1.66 with 14 (cores - 2) and with 5; for
+# flashinfer-trtllm 1.55 s with 6 against 1.62 with 14, and 1.4 fewer CPU-seconds
+UNIT_PROCS = int(_ASKED) if _ASKED.isdigit() else max(3, _CORES // 2)
 # Where they are used. verify's numpy checks: on every machine (their threads' GIL cost even the 2-core VM
 # time: its check of a Marlin output 5.3 s in threads, 3.9 s in two workers). Conversion units: from 8
 # cores, and on any machine for a large Marlin conversion (``mocli.stream.job.REMOTE_MIN_BYTES``: units
