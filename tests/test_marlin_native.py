@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mocli.io import header
 from mocli.ops import marlin, marlin_native
 from mocli.targets import marlin_decode
 
@@ -34,14 +35,15 @@ def test_built_wherever_a_compiler_is():
     if sysconfig.get_config_var("Py_GIL_DISABLED"):
         pytest.skip("a free-threaded Python has no limited API: the numpy passes serve")
     assert marlin_native.OK and marlin_decode.NATIVE, f"{cc} is here but the C byte moves are not built: pip install -e ."
+    assert header._NATIVE is not None, f"{cc} is here but the C header reader is not built: pip install -e ."
 
 
 def test_mocli_native_0_turns_them_off():
     code = ("from mocli.ops import marlin_native as n; from mocli.targets import marlin_decode as d; "
-            "print(n.OK, d.NATIVE)")
+            "from mocli.io import header as h; print(n.OK, d.NATIVE, h._NATIVE is not None)")
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "MOCLI_NATIVE": "0"}).stdout.strip()
-    assert got == "False False"
+    assert got == "False False False"
 
 
 @needs_c
