@@ -74,14 +74,13 @@ def test_pattern_report_uses_engine_names(tmp_path):
 
 def _every_prefix(entries: list[str], prefixes: list[str], rules: str) -> tuple[list[str], list[str]]:
     """``_matches`` as it was: ``is_excluded`` asked of every prefix (the reference for its candidate filter)."""
-    hit, partial = [], []
+    verdicts = []  # (prefix, excluded; None where the engine refuses a half-excluded fused prefix)
     for p in prefixes:
         try:
-            if is_excluded(p, entries, rules):
-                hit.append(p)
+            verdicts.append((p, is_excluded(p, entries, rules)))
         except PartialFusedExclusion:
-            partial.append(p)
-    return hit, partial
+            verdicts.append((p, None))
+    return [p for p, v in verdicts if v], [p for p, v in verdicts if v is None]
 
 
 _NAME = st.lists(st.sampled_from(["model", "language_model", "layers", "0", "1", "self_attn", "qkv_proj", "q_proj",
