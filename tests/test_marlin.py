@@ -129,6 +129,11 @@ def _swap_words(t):
     return t
 
 
+def _flip_expert_1(t):
+    t[1, -1, -1] ^= 1  # one bit of a code: matched in C first (``weight_matches``), then decoded and said
+    return t
+
+
 def _halves(t):
     h = t.shape[-1] // 2
     return torch.cat([t[..., h:], t[..., :h]], dim=-1)
@@ -147,6 +152,8 @@ FAULTS = {  # (fixture, module, edit, words in the module's message)
                          "padding is not zero"),
     "moe halves swapped": ("w4a16-qwen", Q0, lambda o: [edit_tensor(o, f"{Q0}.{r}", _halves) for r in
                                                         ("w13_weight", "w13_weight_scale")], "w13_weight (expert 0) differs"),
+    "moe w2 words, expert 1": ("w4a16-qwen", Q0, lambda o: edit_tensor(o, f"{Q0}.w2_weight", _flip_expert_1),
+                               "w2_weight (expert 1) differs"),
     "moe w2 scale factor lie": ("w4a16-qwen", Q0, lambda o: _meta(o, Q0, "scale_factor_w2", 2.0),
                                 "w2_weight_scale: scale factor 2.0"),
     "moe global scale x2": ("qwen", Q0, lambda o: edit_tensor(o, f"{Q0}.w2_weight_scale_2", lambda t: t * 2), "w2_weight_scale_2 is"),

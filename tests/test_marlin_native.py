@@ -173,3 +173,77 @@ def test_arguments_the_c_code_would_misread_are_refused():
             marlin_decode.scales_in_c(raw, n, kb, table, 0, "s")
     with pytest.raises(ValueError):
         marlin_decode.scales_in_c(scales, 128, 16, table[:255], 0, "s")
+
+
+@needs_c
+@settings(max_examples=80, deadline=None)
+@given(st.integers(2, 300), st.integers(1, 40), st.integers(0, 2**31), st.sampled_from(["halves", "slice", "odd-even"]),
+       st.sampled_from(["none", "stored", "padding", "source"]))
+def test_weight_matches_is_the_decodes_verdict(n, k16, seed, shape, spoil):
+    """``weight_matches`` says True exactly where numpy's decode of the whole stored image (padding rows and
+    columns included) is the parts' rows and zeros elsewhere: for halves with padding rows between them (an
+    MoE w13), a column slice of a wider source (w2 under tensor parallelism) and interleaved rows; a byte
+    spoiled in the words, in Marlin's padding or in the source is seen."""
+    k = 16 * k16
+    g = np.random.default_rng(seed)
+    np_, kp = marlin.padded_nk(n, k)
+    half = n // 2
+    wide = g.integers(0, 256, (n, k // 2 + 8), dtype=np.uint8)
+    if shape == "halves":  # two halves of n // 2 rows, each followed by padding rows
+        parts = [(slice(0, half - 1), wide[:half - 1, 8:]), (slice(half, n - 1), wide[half:n - 1, 8:])]
+    elif shape == "slice":
+        parts = [(slice(None), wide[:, 8:])]
+    else:
+        parts = [(slice(1, n, 2), wide[1::2, 8:]), (slice(0, n, 2), wide[0::2, 8:])]
+    image = np.zeros((n, k // 2), dtype=np.uint8)
+    for rows, part in parts:
+        image[rows] = part
+    stored = marlin.repack(image, np_, kp)
+    if spoil == "stored":
+        stored[g.integers(0, stored.shape[0]), g.integers(0, stored.shape[1])] ^= np.uint8(1 << int(g.integers(0, 8)))
+    elif spoil == "padding" and (np_ > n or kp > k):
+        full = np.zeros((np_, kp // 2), dtype=np.uint8)
+        full[:n, :k // 2] = image
+        full[int(g.integers(n, np_)) if np_ > n else 0, kp // 2 - 1 if kp > k else 0] = 0x10
+        stored = marlin.repack(full, np_, kp)
+    elif spoil == "source":
+        rows, part = parts[int(g.integers(0, len(parts)))]
+        if part.size:
+            part[g.integers(0, part.shape[0]), g.integers(0, part.shape[1])] ^= np.uint8(0x80)
+    with pytest.MonkeyPatch.context() as mp:  # the verdict of numpy's decode of the whole image
+        mp.setattr(marlin_decode, "NATIVE", False)
+        back = np.zeros((np_, kp // 2), dtype=np.uint8)
+        marlin_decode._decode_blocks(stored.view(np.uint64), back, [(0, np_ // 64)], np_ // 64)
+    want = np.zeros_like(back)
+    for rows, part in parts:
+        want[:n][rows, :k // 2] = part
+    assert marlin_decode.weight_matches(stored.view(np.int32), n, k, parts) == np.array_equal(back, want)
+    assert marlin_decode.weight_matches(stored, n, k, parts) == np.array_equal(back, want)
+
+
+@needs_c
+def test_weight_matches_refuses_what_it_cannot_show():
+    """Arguments C would misread, and parts that do not tile what ``decode_weight`` returns: False, never a
+    guess (the caller then decodes)."""
+    n, k = 128, 256
+    np_, kp = marlin.padded_nk(n, k)
+    w = np.random.default_rng(5).integers(0, 256, (n, k // 2), dtype=np.uint8)
+    stored = marlin.repack(w, np_, kp)
+    assert marlin_decode.weight_matches(stored, n, k, [(slice(0, 64), w[:64]), (slice(64, n), w[64:])])
+    wider = np.zeros((stored.shape[0], stored.shape[1] + 512), dtype=np.uint8)
+    wider[:, :stored.shape[1]] = stored
+    bad = {
+        "words that are a column slice": (wider[:, :stored.shape[1]], [(slice(None), w)]),
+        "parts that overlap": (stored, [(slice(0, 96), w[:96]), (slice(64, n), w[64:])]),
+        "a part of other rows than its slice": (stored, [(slice(0, 64), w[:63])]),
+        "a part read backwards": (stored, [(slice(None), w[::-1])]),
+        "a part whose bytes are not contiguous": (stored, [(slice(None), np.repeat(w, 2, axis=1)[:, ::2])]),
+        "a part of wider items": (stored, [(slice(None), w.view(np.uint16))]),
+        "a slice stepping back": (stored, [(slice(None, None, -1), w[::-1].copy())]),
+        "rows past n": (stored, [(slice(0, n + 64), np.zeros((n + 64, k // 2), dtype=np.uint8))]),
+    }
+    for what, (words, parts) in bad.items():
+        assert not marlin_decode.weight_matches(words, n, k, parts), what
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(marlin_decode, "NATIVE", False)
+        assert not marlin_decode.weight_matches(stored, n, k, [(slice(None), w)])

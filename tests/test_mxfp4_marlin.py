@@ -285,10 +285,20 @@ def _expert_halves(t):
     return t
 
 
+def _flip_expert_1(t):
+    t[1, -1, -1] ^= 1
+    return t
+
+
 MOE_FAULTS = {
     "w1/w3 scale halves swapped": (lambda o: edit_tensor(o, f"{Q0}.w13_weight_scale", _expert_halves),
                                    "w13_weight_scale (expert 0) differs"),
     "w2 scales unpermuted": (lambda o: edit_tensor(o, f"{Q0}.w2_weight_scale", _unpermuted), "w2_weight_scale (expert"),
+    # the weights' words: matched in C first (``weight_matches``), then decoded to say what differs
+    "w1/w3 weight halves swapped": (lambda o: edit_tensor(o, f"{Q0}.w13_weight", _expert_halves),
+                                    "w13_weight (expert 0) differs"),
+    "one bit of expert 1's w2 words": (lambda o: edit_tensor(o, f"{Q0}.w2_weight", _flip_expert_1),
+                                       "w2_weight (expert 1) differs"),
 }
 
 

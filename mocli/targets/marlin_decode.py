@@ -59,6 +59,28 @@ def decode_weight(stored: np.ndarray, n: int, k: int, what: str) -> np.ndarray:
     return out if (n, k // 2) == out.shape else np.ascontiguousarray(out[:n, :k // 2])
 
 
+def weight_matches(stored: np.ndarray, n: int, k: int, parts: list[tuple[slice, np.ndarray]]) -> bool:
+    """Whether ``decode_weight(stored, n, k)`` would return ``parts`` and zeros elsewhere, decided in C without
+    writing the decoded weight (verify's byte check: one pass over the stored words and the source's rows).
+    A part is (the decoded rows it fills, a slice that may step; packed rows [r, k/2], each row's bytes
+    contiguous). False whenever that cannot be shown: C not built, arrays not as it reads them, parts that
+    overlap or pass ``n``, or a byte that differs; the caller then decodes, and decides and words it as before."""
+    raw = stored.view(np.uint8) if NATIVE and stored.flags.c_contiguous and stored.ndim == 2 else None
+    if raw is None or raw.shape[1] % 512 or k % 2 or not 0 < k <= 16 * raw.shape[0] or not 0 < n <= raw.shape[1] // 8:
+        return False
+    want = np.zeros(raw.shape[1] // 8, dtype=np.uint64)  # a row's source address; 0: zeros (padding)
+    for rows, part in parts:
+        got = range(n)[rows]
+        at = slice(got.start, got.stop, got.step)
+        view = part.view(np.uint8) if part.ndim == 2 and part.itemsize == 1 else None
+        if view is None or got.step < 1 or view.shape != (len(got), k // 2) or view.strides[0] < 0 \
+                or (k > 2 and view.strides[1] != 1) or bool(want[at].any()):
+            return False
+        want[at] = view.ctypes.data + np.arange(len(got), dtype=np.uint64) * np.uint64(view.strides[0])
+    return bool(_c.matches(raw.ctypes.data, raw.strides[0], 16 * raw.shape[0], raw.shape[1] // 512, want.ctypes.data,
+                           k // 2))
+
+
 def _decode_groups(pairs: np.ndarray, out: np.ndarray, groups: int) -> None:
     """``decode_weight``'s blocks in this process: with ``DECODE_THREADS`` > 1 shared out to threads (blocks
     write disjoint rows), the caller taking the first share."""

@@ -19,6 +19,7 @@ from mocli.targets.marlin_decode import (
     decode_weight,
     halves,
     scales_in_c,
+    weight_matches,
 )
 
 GROUP = 32
@@ -48,4 +49,4 @@ def dequant(packed: np.ndarray, codes: np.ndarray) -> np.ndarray:
     return (vals * scale[..., None]).reshape(n, -1)
 
 
-__all__ = ["decode_bias", "decode_scales", "decode_weight", "dequant", "halves"]
+__all__ = ["decode_bias", "decode_scales", "decode_weight", "dequant", "halves", "weight_matches"]

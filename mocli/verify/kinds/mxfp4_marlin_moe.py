@@ -14,6 +14,7 @@ from mocli.tables import WEIGHT, WEIGHT_SCALE
 from mocli.targets import mxfp4_marlin_decode as lay
 from mocli.verify.kinds.context import CheckContext
 from mocli.verify.kinds.decoded_moe import DecodedMoe
+from mocli.verify.kinds.marlin_moe import halves_at
 from mocli.verify.kinds.moe import check_moe
 from mocli.verify.kinds.mxfp4_marlin_linear import source_dequant
 from mocli.verify.kinds.mxfp4_moe import Mxfp4Moe, bf16
@@ -45,12 +46,36 @@ class Mxfp4MarlinMoe(DecodedMoe):
         i, h, ip, what = mod.intermediate, mod.hidden, mod.padded_intermediate, f"{mod.name}"
         w13 = lay.halves(lay.decode_weight(mod.w13_weight[local], 2 * ip, h, f"{what}.w13_weight[{local}]"),
                          i, ip, f"{what}.w13_weight[{local}]", w3_first=True)
+        return {"w13_weight": w13, "w2_weight": lay.decode_weight(mod.w2_weight[local], h, i, f"{what}.w2_weight[{local}]"),
+                **self.decoded_scales(mod, local)}
+
+    @staticmethod
+    def decoded_scales(mod, local: int) -> dict[str, np.ndarray]:
+        """Expert ``local``'s E8M0 codes in logical order: w13's [up; gate] rows, w2's."""
+        i, h, ip, what = mod.intermediate, mod.hidden, mod.padded_intermediate, f"{mod.name}"
         s13 = lay.halves(lay.decode_scales(mod.w13_weight_scale[local], 2 * ip, h // GROUP, f"{what}.w13_weight_scale[{local}]"),
                          i, ip, f"{what}.w13_weight_scale[{local}]", w3_first=True)
-        return {"w13_weight": w13, "w13_weight_scale": s13,
-                "w2_weight": lay.decode_weight(mod.w2_weight[local], h, i, f"{what}.w2_weight[{local}]"),
-                "w2_weight_scale": lay.decode_scales(mod.w2_weight_scale[local], h, i // GROUP,
-                                                     f"{what}.w2_weight_scale[{local}]")}
+        return {"w13_weight_scale": s13, "w2_weight_scale": lay.decode_scales(mod.w2_weight_scale[local], h, i // GROUP,
+                                                                              f"{what}.w2_weight_scale[{local}]")}
+
+    def expert_bytes(self, mod, i_slice):
+        """``DecodedMoe``'s check, the weights first matched in C where they can be (``weight_matches``): then
+        only the scales are decoded. Anything else (a difference, a fault) goes the decoding way and is said
+        as ever."""
+        decoding = super().expert_bytes(mod, i_slice)
+
+        def one(local: int, ex, found: Problems) -> None:
+            want, i, h, ip = self.expected(ex, i_slice), mod.intermediate, mod.hidden, mod.padded_intermediate
+            up, gate = want["w13_weight"]
+            if not (lay.weight_matches(mod.w13_weight[local], 2 * ip, h, halves_at(i, ip, [gate, up]))
+                    and lay.weight_matches(mod.w2_weight[local], h, i, [(slice(None), want["w2_weight"][0])])):
+                return decoding(local, ex, found)
+            got = self.decoded_scales(mod, local)
+            for role in ("w13_weight_scale", "w2_weight_scale"):
+                found.expect_parts(f"{role} (expert {ex.index})", np.ascontiguousarray(got[role]).view(np.uint8),
+                                   [np.ascontiguousarray(p).view(np.uint8) for p in want[role]])
+
+        return one
 
     def expected(self, ex, i_slice: tuple[int, int]) -> dict[str, list[np.ndarray]]:
         (i0, i1), arr = i_slice, lambda m, role: self.src.arr(m.tensors[role].name)  # noqa: E731
