@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import sys
 import types
@@ -404,11 +405,12 @@ def _in_pieces(monkeypatch, parts: int) -> list:
 
     monkeypatch.setattr(pieces, "parts_for", lambda procs, large: parts)
     ran, now = [], threading.local()
-    real_run, real_call = pieces.Pieces._run, workers.Workers.call
+    real_take, real_call = pieces.Pieces._take, workers.Workers.call
 
-    def run(self, fn, args):
-        now.fn = fn.__name__
-        return real_run(self, fn, args)
+    def take(self):  # the piece a worker was given (chosen once it is free)
+        chosen = real_take(self)
+        now.fn = chosen[0].__name__
+        return chosen
 
     def call(self, task):
         done = real_call(self, task)
@@ -416,7 +418,7 @@ def _in_pieces(monkeypatch, parts: int) -> list:
             ran.append((now.fn, done))
         return done
 
-    monkeypatch.setattr(pieces.Pieces, "_run", run)
+    monkeypatch.setattr(pieces.Pieces, "_take", take)
     monkeypatch.setattr(workers.Workers, "call", call)
     return ran
 
@@ -444,7 +446,8 @@ def test_verify_in_pieces_gives_the_same_results(cli, tmp_path, monkeypatch, src
 def test_verify_in_pieces_finds_the_same_faults(cli, tmp_path, monkeypatch):
     """Two experts changed, in the first and the last of three runs, and a layout fault in the middle
     run of the other layer: the same findings in the same order as the check in one process; the run
-    that met the fault failed in its worker and ran again here."""
+    that met the fault failed in its worker and ran again here. (The fault is planted in the decode, so the
+    weights' match in C, which would pass that expert's good bytes without decoding them, is off.)"""
     from mocli.targets import decode
     from mocli.verify.kinds import marlin_moe
 
@@ -460,6 +463,7 @@ def test_verify_in_pieces_finds_the_same_faults(cli, tmp_path, monkeypatch):
         return real(stored, n, k, what)
 
     monkeypatch.setattr(marlin_moe.lay, "decode_weight", broken)  # the workers forked later inherit it
+    monkeypatch.setattr(marlin_moe.lay, "weight_matches", lambda *a: False)  # so every weight is decoded
     c0, r0 = _verified(cli, out, monkeypatch, 0)
     ran = _in_pieces(monkeypatch, 3)
     c2, r2 = _verified(cli, out, monkeypatch, 2)
@@ -572,3 +576,42 @@ def test_verify_in_pieces_takes_marlin_scale_factors_from_every_run(cli, tmp_pat
     assert [m["module"] for m in bad] == ["model.layers.0.mlp.experts"]
     assert "w13_weight_scale: scale factor 8.0, vLLM computes 1.0 over the rank's experts" in bad[0]["message"]
     _same_results([m for m in r2 if not m["passed"]], bad, least=1)
+
+
+def test_a_free_worker_takes_the_numerics_before_any_run_of_expert_bytes():
+    """Pieces are chosen when a worker is free, not when sent: runs of expert bytes sent first, then a
+    layer's numerics, all waiting for a worker; the numerics go first, then the runs in the order sent.
+    A piece that fails in its worker runs here; what it raises reaches whoever waits on it."""
+    import threading
+
+    from mocli.verify import pieces
+
+    gate, order = threading.Event(), []
+
+    class Pool:  # one worker, busy until ``gate``; it runs what ``fill`` chose in this process
+        lock = threading.Lock()
+
+        def call(self, task):
+            gate.wait()
+            with self.lock:
+                slot = np.zeros(workers.SLOT, dtype=np.uint8)
+                task.fill(slot)
+                fn, args = pickle.loads(slot[8:8 + int(slot[:8].view(np.int64)[0])].tobytes())
+                order.append(args[0])
+                if args[0] == "fails there":
+                    return False
+                task.take(None, pickle.dumps(fn(*args)))
+                return True
+
+    p = pieces.Pieces(Pool(), 2, 1, threading.Semaphore(1))
+    try:
+        runs = [p.call(str.upper, (f"run {i}",)) for i in range(4)]
+        numbers = p.call(str.upper, ("numbers",), first=True)
+        bad = p.call(int, ("fails there",))
+        gate.set()
+        assert [f.result() for f in runs] == [f"RUN {i}" for i in range(4)] and numbers.result() == "NUMBERS"
+        with pytest.raises(ValueError, match="fails there"):
+            bad.result()
+    finally:
+        p.close()
+    assert order[:1] == ["numbers"] and [a for a in order if a.startswith("run")] == [f"run {i}" for i in range(4)]
