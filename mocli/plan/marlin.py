@@ -241,9 +241,9 @@ class _MarlinMoe(_Moe):
                                                self.src("gate", INPUT_SCALE) + self.src("up", INPUT_SCALE)),
                         Role.W2_INPUT_SCALE: (np.full(self.e_count, a2, dtype=F32), None, "max (unused by Marlin)",
                                               self.src("down", INPUT_SCALE))}
-        for e, (g, u, _) in enumerate(self.mods):
+        for e, (g, u, _) in enumerate(self.mods if self.pc.units else ()):  # none in a plan only judged
             self._w13_units(e, g, u, s2_1[e], s2_3[e], w13_s2[e])
-        for e, (_, _, d) in enumerate(self.mods):
+        for e, (_, _, d) in enumerate(self.mods if self.pc.units else ()):
             self._w2_units(e, d)
         self._vectors(vectors)
         for r in self.ranks:

