@@ -55,7 +55,7 @@ class Pieces:
     def __init__(self, pool: wk.Workers, procs: int, parts: int, here: threading.Semaphore) -> None:
         self.pool, self.parts, self.here = pool, parts, here
         self.threads = ThreadPoolExecutor(max_workers=2 * procs, thread_name_prefix="mocli-verify-piece")
-        self.pending: list[tuple[int, int, Callable, tuple, Future]] = []  # a heap: (rank, order, fn, args, answer)
+        self.pending: list[tuple[int, int, Callable, tuple, Future]] = []  # a heap: (0 numerics / 1 bytes, order sent, fn, args, answer)
         self.lock = threading.Lock()
         self.order = 0
 

@@ -110,7 +110,7 @@ class MarlinMoe(Nvfp4Moe):
                     "w2_weight": lambda: lay.weight_matches(mod.w2_weight[local], mod.hidden, i,
                                                             [(slice(None), want["w2_weight"][0])])}
             for role, parts in want.items():
-                if role not in same or not same[role]():  # else decoded, and any difference said as ever
+                if role not in same or not same[role]():  # not shown equal in C: decoded, a difference said as ever
                     found.expect_parts(f"{role} (expert {ex.index})", got[role](), parts)
             return {role: np.array([top_code(c) for c in parts if c.size], dtype=np.uint8)
                     for role, parts in scales.items()}
