@@ -79,7 +79,7 @@ static int zero(const uint8_t *p, Py_ssize_t n) {
 }
 
 /* Whether the groups' decoded rows are what the caller expects, without writing them anywhere but a
-   group's scratch: row r (of the 64 groups' rows) holds the row_bytes bytes at want[r] then zeros, or
+   group's scratch: row r of the groups' rows (64 each) holds the row_bytes bytes at want[r], then zeros, or
    zeros alone where want[r] is 0 (Marlin's padding). -1: no memory for the scratch. */
 static int matches(const uint8_t *src, Py_ssize_t src_stride, Py_ssize_t kp, Py_ssize_t groups,
                    const uint64_t *want, Py_ssize_t row_bytes) {
